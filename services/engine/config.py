@@ -1,0 +1,55 @@
+"""Engine configuration: one validated dataclass, built from keyword arguments."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, Q4_1 GGUF)
+    dtype: str = "auto"  # auto: bfloat16 where the hardware has fast bf16 matmuls, else float32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget in one step
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    seed: int = 0  # for unseeded sampling
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        for name in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**kwargs)

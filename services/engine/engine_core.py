@@ -1,0 +1,118 @@
+"""Scheduler + model runner + sampler: one `step()` advances every scheduled request."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig
+
+from services.engine.config import EngineConfig
+from services.engine.hardware import resolve_device, resolve_dtype
+from services.engine.model_loader import check_architecture, resolve_model_dir
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request
+from services.engine.sampler import Sampler, SamplingRow
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.stop_checker import banned_token_ids
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request."""
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[tuple[dict[int, float], int]] = field(default_factory=list)  # (top, rank)
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class LoadInfo:
+    model_dir: str
+    seconds: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_dir(config.model)
+        check_architecture(self.model_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
+                                  config.block_size, config.num_kv_blocks, config.kv_cache_memory)
+        self.max_model_len = self._max_model_len()
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self.sampler = Sampler()
+        self.load_info = LoadInfo(str(self.model_dir), time.perf_counter() - started)
+
+    def _max_model_len(self) -> int:
+        model_max = self.hf_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return model_max
+        if self.config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
+                             f"{model_max} positions")
+        return self.config.max_model_len
+
+    def add_request(self, request: Request) -> None:
+        vocab_size = self.hf_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids) -> list[Request]:
+        return self.scheduler.abort(request_ids)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestUpdate]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        sampled, logprobs = self._run(output)
+        num_before = {item.request.request_id: item.request.num_output_tokens
+                      for item in output.scheduled}
+        finished = {req.request_id for req in
+                    self.scheduler.update_from_output(output, sampled)}
+        return self._updates(output, num_before, logprobs, finished)
+
+    def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict]]:
+        step = self.runner.prepare(output.scheduled)
+        if not step.sample_rows:
+            self.runner.execute(step)
+            return {}, {}
+        logits = self.runner.execute(step)  # [S, vocab]
+        requests = [output.scheduled[row].request for row in step.sample_rows]
+        rows = [SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                            output_token_ids=req.output_token_ids, generator=req.generator,
+                            banned_token_ids=banned_token_ids(req)) for req in requests]
+        result = self.sampler(logits, rows)
+        sampled = {req.request_id: token for req, token in zip(requests, result.token_ids)}
+        logprobs = {req.request_id: (lp, rank) for req, lp, rank
+                    in zip(requests, result.logprobs, result.ranks) if lp is not None}
+        return sampled, logprobs
+
+    def _updates(self, output, num_before, logprobs, finished) -> list[RequestUpdate]:
+        updates = []
+        for item in output.scheduled:
+            request = item.request
+            new_tokens = request.output_token_ids[num_before[request.request_id]:]
+            if not new_tokens and request.request_id not in finished:
+                continue
+            new_logprobs = []
+            if request.request_id in logprobs and new_tokens:
+                request.output_logprobs.append(logprobs[request.request_id])
+                new_logprobs = [logprobs[request.request_id]]
+            updates.append(RequestUpdate(request, new_tokens, new_logprobs,
+                                         request.request_id in finished))
+        return updates

@@ -1,0 +1,123 @@
+"""Per-request block tables on top of the BlockPool, with prefix-cache lookups.
+
+A request's full blocks are hashed on (parent hash, token ids, cache salt). Blocks are registered
+in the cache as soon as the scheduled tokens fill them: every token of a step's batch has its KV
+stored before any attention of that layer reads it, so a request admitted in the same step may
+already share them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from services.engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a waiting request, leaving at least one token to compute."""
+        hashes = self._hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if self.enable_prefix_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_fit(self, request: Request, num_new_tokens: int,
+                computed_blocks: list[KVBlock] = ()) -> bool:
+        return self._num_blocks_needed(request, num_new_tokens, computed_blocks) <= \
+            self.pool.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = ()) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens; False if they do not fit."""
+        if not self.can_fit(request, num_new_tokens, computed_blocks):
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        num_tokens = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+                      + num_new_tokens)
+        num_missing = -(-num_tokens // self.block_size) - len(blocks)
+        if num_missing > 0:
+            blocks.extend(self.pool.allocate(num_missing))
+        self._cache_full_blocks(request, num_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(reversed(blocks))
+        self.req_num_cached.pop(request.request_id, None)
+
+    def forget(self, request: Request) -> None:
+        """Drop the per-request hash memo once a request is finished for good."""
+        self.free(request)
+        self.req_hashes.pop(request.request_id, None)
+
+    def _num_blocks_needed(self, request: Request, num_new_tokens: int,
+                           computed_blocks) -> int:
+        held = len(self.req_blocks.get(request.request_id, ()))
+        num_tokens = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+                      + num_new_tokens)
+        new_blocks = max(0, -(-num_tokens // self.block_size) - held - len(computed_blocks))
+        # A hit on a block nobody references takes it out of the free queue too.
+        revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        return new_blocks + revived
+
+    def _hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_full:
+            start = len(hashes) * self.block_size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens[start:start + self.block_size],
+                                     request.cache_salt))
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        first = self.req_num_cached.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        hashes = self._hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        for index in range(first, num_full):
+            self.pool.cache_block(blocks[index], hashes[index])
+        self.req_num_cached[request.request_id] = num_full

@@ -1,0 +1,239 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(messages, params)`."""
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore, RequestUpdate
+from services.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from services.engine.request import Request, RequestStatus
+from services.engine.sampler import make_generator
+from services.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        self.eos_token_ids = _eos_token_ids(self.engine, self.tokenizer)
+        self._ids = itertools.count()
+
+    # ---- public API ----------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | dict | Sequence | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        token_lists = [self._prompt_token_ids(prompt) for prompt in prompts]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
+        return self._run(token_lists, texts, sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | dict | Sequence | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.apply_chat_template(conversation, add_generation_prompt,
+                                                **(chat_template_kwargs or {}))
+                       for conversation in conversations]
+        return self._run(token_lists, [None] * len(token_lists), sampling_params, use_tqdm, None)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> list[int]:
+        _check_conversation(conversation)
+        rendered = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- request building ----------------------------------------------------------------------
+    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt_token_ids", "prompt"}
+            if unknown:
+                raise ValueError(f"unknown prompt key(s): {', '.join(sorted(unknown))}")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', "
+                         f"got {type(prompt).__name__}")
+
+    def _params_list(self, params, count: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, (SamplingParams, dict)):
+            params = [params] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+                for p in params]
+
+    def _make_requests(self, parent_id: str, token_ids: list[int], params: SamplingParams,
+                       priority: int) -> list[Request]:
+        # Without prefix caching, the salt still lets the n samples share their prompt's blocks.
+        salt = None if self.config.enable_prefix_caching else parent_id
+        return [Request(f"{parent_id}-{index}" if params.n > 1 else parent_id, token_ids,
+                        params, self.eos_token_ids, priority=priority, cache_salt=salt,
+                        generator=(make_generator(params.seed, index)
+                                   if params.seed is not None else None))
+                for index in range(params.n)]
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _run(self, token_lists, texts, params, use_tqdm, priority) -> list[RequestOutput]:
+        params_list = self._params_list(params, len(token_lists))
+        priorities = list(priority) if priority is not None else [0] * len(token_lists)
+        if len(priorities) != len(token_lists):
+            raise ValueError(f"got {len(priorities)} priorities for {len(token_lists)} prompts")
+        trackers = []
+        for token_ids, text, sp, prio in zip(token_lists, texts, params_list, priorities):
+            parent_id = str(next(self._ids))
+            trackers.append(_Tracker(parent_id, text, token_ids,
+                                     self._make_requests(parent_id, token_ids, sp, prio)))
+        self._add_all(trackers)
+        try:
+            self._drive(trackers, use_tqdm)
+        except BaseException:
+            self.engine.abort([req.request_id for t in trackers for req in t.requests])
+            raise
+        return [tracker.result(self.tokenizer) for tracker in trackers]
+
+    def _add_all(self, trackers: list["_Tracker"]) -> None:
+        added = []
+        try:
+            for tracker in trackers:
+                for request in tracker.requests:
+                    self.engine.add_request(request)
+                    added.append(request.request_id)
+        except Exception:
+            self.engine.abort(added)  # all or nothing: a bad prompt leaves nothing queued
+            raise
+
+    def _drive(self, trackers: list["_Tracker"], use_tqdm: bool) -> None:
+        by_id = {req.request_id: tracker for tracker in trackers for req in tracker.requests}
+        remaining = len(by_id)
+        bar = tqdm(total=len(trackers), desc="Processed prompts", unit="req",
+                   disable=not use_tqdm or len(trackers) < 2)
+        with bar:
+            while remaining:
+                for update in self.engine.step():
+                    tracker = by_id.get(update.request.request_id)
+                    if tracker is None:
+                        continue
+                    if tracker.on_update(update, self.tokenizer, self.engine):
+                        remaining -= 1
+                        if tracker.done:
+                            bar.update(1)
+                if remaining and not self.engine.has_unfinished:
+                    raise RuntimeError("engine stopped with requests unfinished")
+
+
+class _Tracker:
+    """Collects one prompt's n sequences; applies stop strings, which need the text."""
+
+    def __init__(self, parent_id: str, prompt: str | None, token_ids: list[int],
+                 requests: list[Request]) -> None:
+        self.parent_id = parent_id
+        self.prompt = prompt
+        self.token_ids = token_ids
+        self.requests = requests
+        self.stop_strings: dict[str, str] = {}  # request id -> stop string that ended it
+        self.num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.requests)
+
+    def on_update(self, update: RequestUpdate, tokenizer, engine: EngineCore) -> bool:
+        """Return True when this update finished the sequence."""
+        request = update.request
+        if not update.finished and request.params.stop:
+            stop = _find_stop_string(request, tokenizer)
+            if stop is not None:
+                engine.abort([request.request_id])
+                request.status = RequestStatus.FINISHED_STOPPED
+                self.stop_strings[request.request_id] = stop
+                update.finished = True
+        if update.finished:
+            self.num_finished += 1
+        return update.finished
+
+    def result(self, tokenizer) -> RequestOutput:
+        outputs = [self._completion(index, req, tokenizer)
+                   for index, req in enumerate(self.requests)]
+        return RequestOutput(self.parent_id, self.prompt, self.token_ids, outputs,
+                             num_cached_tokens=self.requests[0].num_cached_prompt_tokens)
+
+    def _completion(self, index: int, request: Request, tokenizer) -> CompletionOutput:
+        skip = request.params.skip_special_tokens
+        text = tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
+        stop_reason: int | str | None = request.stop_token_id
+        stop = self.stop_strings.get(request.request_id)
+        if stop is not None:
+            text = text[:text.find(stop)]
+            stop_reason = stop
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = [_logprob_entry(entry, rank, token, tokenizer) for (entry, rank), token
+                        in zip(request.output_logprobs, request.output_token_ids)]
+        return CompletionOutput(index, text, list(request.output_token_ids),
+                                request.finish_reason, stop_reason, logprobs)
+
+
+def _logprob_entry(entry: dict[int, float], rank: int, sampled: int,
+                   tokenizer) -> dict[int, Logprob]:
+    ordered = sorted(entry.items(), key=lambda item: -item[1])
+    ranks = {token: position + 1 for position, (token, _) in enumerate(ordered)}
+    ranks[sampled] = rank
+    return {token: Logprob(value, ranks[token], tokenizer.decode([token]))
+            for token, value in entry.items()}
+
+
+def _find_stop_string(request: Request, tokenizer) -> str | None:
+    text = tokenizer.decode(request.output_token_ids,
+                            skip_special_tokens=request.params.skip_special_tokens)
+    found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
+    return min(found)[1] if found else None
+
+
+def _check_conversation(conversation) -> None:
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError("a conversation is a non-empty list of messages")
+    for message in conversation:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"a message needs 'role' and 'content', got {message!r}")
+
+
+def _eos_token_ids(engine: EngineCore, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (engine.hf_config.eos_token_id, tokenizer.eos_token_id,
+                   _generation_config_eos(engine.model_dir)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    return frozenset(ids)
+
+
+def _generation_config_eos(model_dir):
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("eos_token_id")

@@ -1,0 +1,115 @@
+"""Owns the weights and the KV cache; turns a scheduled step into one varlen forward pass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import build_attention_metadata
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.weights import load_weights
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One step's flat batch; `sample_rows` maps logits rows back to the scheduled items."""
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    logits_indices: torch.Tensor  # [S] int64, last token of each sampling sequence
+    sample_rows: list[int]  # [S] index into the scheduled list
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class ModelRunner:
+    def __init__(self, hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 block_size: int, num_blocks: int | None, kv_cache_memory: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.model = self._load_model(hf_config, model_dir)
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = (getattr(hf_config, "head_dim", None)
+                         or hf_config.hidden_size // hf_config.num_attention_heads)
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
+        # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: the one KV layout.
+        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, block_size,
+                                    self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @property
+    def bytes_per_block(self) -> int:
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * element_size)
+
+    def _load_model(self, hf_config, model_dir: Path) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(hf_config)
+        model = model.to_empty(device="cpu")
+        model.layers[0].self_attn.rotary.reset_tables()  # one table, shared by every layer
+        load_weights(model, model_dir)
+        rotary = model.layers[0].self_attn.rotary
+        cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        rotary.cos_table, rotary.sin_table = cos_table.to(self.device), sin_table.to(self.device)
+        return model
+
+    def prepare(self, scheduled) -> StepInput:
+        """scheduled: list of ScheduledRequest, in batch order."""
+        token_chunks, position_chunks, slot_chunks = [], [], []
+        cu_seqlens, seq_lens, logits_indices, sample_rows = [0], [], [], []
+        max_blocks = max(len(item.block_ids) for item in scheduled)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for row, item in enumerate(scheduled):
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            block_ids = np.asarray(item.block_ids, dtype=np.int64)
+            block_tables[row, :len(block_ids)] = block_ids
+            positions = np.arange(start, end, dtype=np.int64)
+            token_chunks.append(request.all_token_ids[start:end])
+            position_chunks.append(positions)
+            slot_chunks.append(block_ids[positions // self.block_size] * self.block_size
+                               + positions % self.block_size)
+            cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.samples:
+                logits_indices.append(cu_seqlens[-1] - 1)
+                sample_rows.append(row)
+        return self._to_step_input(token_chunks, position_chunks, slot_chunks, cu_seqlens,
+                                   seq_lens, block_tables, logits_indices, sample_rows)
+
+    def _to_step_input(self, token_chunks, position_chunks, slot_chunks, cu_seqlens, seq_lens,
+                       block_tables, logits_indices, sample_rows) -> StepInput:
+        device = self.device
+        flat_tokens = [token for chunk in token_chunks for token in chunk]
+        query_lens = np.diff(cu_seqlens)
+        return StepInput(
+            input_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),
+            positions=torch.from_numpy(np.concatenate(position_chunks)).to(device),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(device),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.from_numpy(block_tables).to(device),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            sample_rows=sample_rows,
+            max_seqlen_q=int(query_lens.max()),
+            max_seqlen_k=max(seq_lens),
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
+        attn_meta = build_attention_metadata(step.cu_seqlens_q, step.seq_lens, step.block_tables,
+                                             self.block_size, max_seqlen_q=step.max_seqlen_q,
+                                             max_seqlen_k=step.max_seqlen_k)
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.slot_mapping,
+                          attn_meta, step.logits_indices)

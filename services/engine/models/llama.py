@@ -1,0 +1,109 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flat varlen batch.
+
+Tokens of all sequences in a step are concatenated ([num_tokens, hidden]); attention reads and
+writes the paged KV cache through kernels/. No padding, and logits only for sampled rows.
+q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs run faster.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata, paged_attention, store_kv
+from services.engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [num_tokens, hidden]
+        # Same order of operations as transformers, so float32 outputs match bit for bit.
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        # positions [T], hidden [T, hidden], kv_cache K,V [num_blocks, block_size, kv_heads, D]
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, attn_meta, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, slot_mapping, attn_meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
+                                         slot_mapping, attn_meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                attn_meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions, slot_mapping [T]; logits_indices [S] rows to sample -> [S, vocab]
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, slot_mapping, attn_meta)
+        hidden = self.norm(hidden[logits_indices])
+        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, head).float()

@@ -1,0 +1,81 @@
+"""A request as the scheduler sees it: tokens, progress, status."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence. A request with n > 1 becomes n of these sharing a `cache_salt`."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0,
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt  # blocks are shared only between requests of one salt
+        self.generator = generator
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # per output token: ({token id: logprob} for it and the top alternatives, its rank)
+        self.output_logprobs: list[tuple[dict[int, float], int]] = []
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_token_id: int | None = None
+        self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self, policy: str) -> tuple:
+        """Smaller runs first: by arrival (fcfs) or by priority then arrival."""
+        if policy == "priority":
+            return (self.priority, self.arrival_time, self.request_id)
+        return (self.arrival_time, self.request_id)

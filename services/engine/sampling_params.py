@@ -1,0 +1,103 @@
+"""Per-request sampling and stopping parameters, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on detokenized text
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = list(self.stop or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, low=0)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids[]", token_id, low=0)
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must be non-empty strings, got {text!r}")
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """Build from a plain dict, rejecting keys this class does not know."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _check_number(name: str, value, low: float | None = None, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
+    _check_range(name, value, low, high)
+
+
+def _check_range(name: str, value, low, high) -> None:
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")

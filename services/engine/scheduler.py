@@ -1,0 +1,190 @@
+"""The engine core's scheduler: one token budget shared by prefill chunks and decodes.
+
+Each request carries `num_computed_tokens` and `num_tokens`; a step gives chosen requests a number
+of tokens so the first catches up with the second. Chunked prefill, prefix-cache hits and
+preemption by recompute all fall out of that. No I/O here: the service layer drives it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.engine.config import EngineConfig
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+from services.engine.stop_checker import check_stop
+from services.engine.waiting_queue import WaitingQueue
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so this step samples the next one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- admission and removal -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {request.num_tokens} tokens; the model's context is "
+                             f"{self.max_model_len} tokens including at least one output token")
+        blocks_needed = -(-(request.num_tokens + 1) // self.config.block_size)
+        if blocks_needed > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt needs {blocks_needed} KV blocks; the cache has only "
+                             f"{self.kv.pool.num_blocks}")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort(self, request_ids) -> list[Request]:
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # The tail of `running` is the first to be preempted, so keep it in policy order.
+        self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
+        budget = self._schedule_running(output, budget)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        self.stats.num_steps += 1
+        return output
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # tail: not yet scheduled in this step
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing behind it is left to schedule
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            threshold = self.config.long_prefill_token_threshold
+            if threshold:
+                num_new = min(num_new, threshold)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.pop()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_prompt_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.scheduled_time = request.scheduled_time or time.monotonic()
+            self.running.append(request)
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id))
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.push(request)
+
+    # ---- results -------------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish what must stop; return finished ones."""
+        finished = []
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_token(token_id)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.forget(request)
+        del self.requests[request.request_id]
