@@ -1,0 +1,39 @@
+"""Shared fixtures: the default model, converted once, and HF transformers' greedy reference."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from services.engine.model_loader import resolve_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, stopping at EOS like the engine does."""
+    with torch.inference_mode():
+        output = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                   do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
+                                                                              dtype=torch.long))
+    return output[0, len(prompt_ids):].tolist()

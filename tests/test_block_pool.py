@@ -1,0 +1,197 @@
+"""Block pool, free queue and KV cache manager: unit tests and hypothesis state machines."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
+from services.engine.config import EngineConfig
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+
+BLOCK_SIZE = 4
+
+
+def test_free_queue_is_lru_and_removes_from_the_middle():
+    blocks = [KVBlock(i) for i in range(5)]
+    queue = FreeBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert [b.block_id for b in queue] == [0, 1, 3, 4] and queue.num_free == 4
+    assert queue.popleft() is blocks[0]
+    queue.append(blocks[0])
+    assert [b.block_id for b in queue] == [1, 3, 4, 0]
+    with pytest.raises(RuntimeError):
+        queue.append(blocks[1])  # already queued
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(4)
+    (block,) = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([block])
+
+
+def test_freed_block_keeps_its_hash_until_reused():
+    pool = BlockPool(2)
+    block_hash = hash_block(None, [1, 2, 3, 4])
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, block_hash)
+    pool.free([block])
+    assert pool.lookup(block_hash) is block  # revivable
+    pool.allocate(2)  # the free queue hands it out again: the hash is gone
+    assert pool.lookup(block_hash) is None
+
+
+def test_hash_hit_verifies_token_ids():
+    pool = BlockPool(2)
+    real = hash_block(None, [1, 2, 3, 4])
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, real)
+    forged = type(real)(real.value, (9, 9, 9, 9), None)  # same hash value, other tokens
+    assert pool.lookup(forged) is None
+
+
+def _request(request_id: str, tokens: list[int], max_tokens: int = 8) -> Request:
+    return Request(request_id, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def test_shared_prefix_is_found_and_capped_before_the_last_token():
+    kv = KVCacheManager(16, BLOCK_SIZE, enable_prefix_caching=True)
+    first = _request("a", list(range(10)))
+    assert kv.allocate_slots(first, 10)
+    second = _request("b", list(range(8)) + [77, 78])
+    blocks, num_cached = kv.get_computed_blocks(second)
+    assert num_cached == 8 and blocks == kv.req_blocks["a"][:2]
+    exact = _request("c", list(range(8)))  # fully cached prompt: keep one token to compute
+    assert kv.get_computed_blocks(exact)[1] == 4
+
+
+class KVManagerMachine(RuleBasedStateMachine):
+    """admit / append / finish / abort / preempt in any order; accounting must always hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(12, BLOCK_SIZE, enable_prefix_caching=True)
+        self.live: dict[str, Request] = {}
+        self.done: list[Request] = []
+        self.next_id = 0
+
+    @rule(prefix=st.sampled_from([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9]]),
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    def admit(self, prefix, tail):
+        request = _request(f"r{self.next_id}", prefix + tail)
+        self.next_id += 1
+        blocks, num_cached = self.kv.get_computed_blocks(request)
+        if self.kv.allocate_slots(request, request.num_tokens - num_cached, blocks):
+            request.num_computed_tokens = request.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.live[request.request_id] = request
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append(self, data, token):
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        request.append_token(token)
+        if self.kv.allocate_slots(request, 1):
+            request.num_computed_tokens += 1
+        else:
+            request.all_token_ids.pop()
+            request.output_token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), aborted=st.booleans())
+    def finish(self, data, aborted):
+        request = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.kv.forget(request)
+        request.status = (RequestStatus.FINISHED_ABORTED if aborted
+                          else RequestStatus.FINISHED_STOPPED)
+        self.done.append(request)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def preempt(self, data):
+        request = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+
+    @invariant()
+    def accounting_holds(self):
+        _check_accounting(self.kv, self.done)
+
+
+def _check_accounting(kv: KVCacheManager, finished: list[Request]):
+    pool = kv.pool
+    used = sum(1 for block in pool.blocks if block.ref_cnt > 0)
+    assert pool.num_free_blocks + used == pool.num_blocks
+    assert sum(1 for _ in pool.free_queue) == pool.num_free_blocks
+    holders: dict[int, int] = {}
+    for blocks in kv.req_blocks.values():
+        for block in blocks:
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+    for block in pool.blocks:
+        assert block.ref_cnt == holders.get(block.block_id, 0), block
+    for block_hash, block in pool.cached.items():
+        assert block.block_hash is not None and block.block_hash.value == block_hash
+    for request in finished:
+        assert request.request_id not in kv.req_blocks
+
+
+TestKVManagerMachine = KVManagerMachine.TestCase
+TestKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The real scheduler on a tiny pool: preemption happens; nothing leaks."""
+
+    def __init__(self):
+        super().__init__()
+        config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=16, max_num_seqs=4,
+                              long_prefill_token_threshold=8)
+        self.scheduler = Scheduler(config, num_blocks=10, max_model_len=64)
+        self.finished: list[Request] = []
+        self.next_id = 0
+
+    @rule(length=st.integers(1, 20), max_tokens=st.integers(1, 12), shared=st.booleans())
+    def admit(self, length, max_tokens, shared):
+        tokens = ([5] * length) if shared else [self.next_id % 7] + [1] * (length - 1)
+        self.scheduler.add_request(_request(f"q{self.next_id}", tokens, max_tokens))
+        self.next_id += 1
+
+    @rule(eos_row=st.integers(0, 5))
+    def step(self, eos_row):
+        output = self.scheduler.schedule()
+        sampled = {item.request.request_id: (2 if row == eos_row else 3)
+                   for row, item in enumerate(output.scheduled) if item.samples}
+        for request in output.scheduled:
+            request.request.eos_token_ids = frozenset({2})
+        self.finished += self.scheduler.update_from_output(output, sampled)
+
+    @precondition(lambda self: self.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        self.finished += self.scheduler.abort([request_id])
+
+    @invariant()
+    def accounting_holds(self):
+        _check_accounting(self.scheduler.kv, self.finished)
+        for request in self.finished:
+            assert request.is_finished and request.request_id not in self.scheduler.requests
+
+    def teardown(self):
+        # Drain: every request ends and every block comes back.
+        for _ in range(500):
+            if not self.scheduler.has_unfinished:
+                break
+            self.step(eos_row=99)
+        assert not self.scheduler.has_unfinished
+        assert self.scheduler.kv.num_free_blocks == 10
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

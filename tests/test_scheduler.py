@@ -1,0 +1,134 @@
+"""Scheduler unit tests without a model: budget, chunking, preemption, policies, stop rules."""
+from __future__ import annotations
+
+from services.engine.config import EngineConfig
+from services.engine.request import Request, RequestStatus
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+
+EOS = 2
+
+
+def _scheduler(num_blocks=64, **overrides) -> Scheduler:
+    config = EngineConfig(block_size=4, **overrides)
+    return Scheduler(config, num_blocks=num_blocks, max_model_len=128)
+
+
+def _request(request_id, num_tokens, priority=0, arrival=None, **params) -> Request:
+    params.setdefault("temperature", 0.0)
+    return Request(request_id, [7] * num_tokens, SamplingParams(**params),
+                   eos_token_ids=frozenset({EOS}), priority=priority, arrival_time=arrival)
+
+
+def _run(scheduler: Scheduler, token=3, max_steps=1000) -> list[Request]:
+    finished = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished:
+            return finished
+        output = scheduler.schedule()
+        assert output.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        sampled = {item.request.request_id: token for item in output.scheduled if item.samples}
+        finished += scheduler.update_from_output(output, sampled)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_token_budget_chunks_a_long_prompt():
+    scheduler = _scheduler(max_num_batched_tokens=8)
+    request = _request("a", 20, max_tokens=2)
+    scheduler.add_request(request)
+    sizes = []
+    for _ in range(3):
+        output = scheduler.schedule()
+        sizes.append(output.scheduled[0].num_new_tokens)
+        scheduler.update_from_output(output, {"a": 3} if output.scheduled[0].samples else {})
+    assert sizes == [8, 8, 4] and request.num_output_tokens == 1
+
+
+def test_long_prefill_threshold_lets_decodes_through():
+    scheduler = _scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    short = _request("short", 3, max_tokens=5)
+    scheduler.add_request(short)
+    scheduler.update_from_output(scheduler.schedule(), {"short": 3})
+    scheduler.add_request(_request("long", 40, max_tokens=1))
+    output = scheduler.schedule()
+    assert {i.request.request_id: i.num_new_tokens for i in output.scheduled} == \
+        {"short": 1, "long": 4}
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    scheduler = _scheduler(num_blocks=8, max_num_batched_tokens=64)
+    for index in range(3):
+        scheduler.add_request(_request(f"r{index}", 8, arrival=float(index), max_tokens=12))
+    finished = _run(scheduler)
+    assert scheduler.stats.num_preemptions > 0
+    assert sorted(r.request_id for r in finished) == ["r0", "r1", "r2"]
+    assert all(r.num_output_tokens == 12 for r in finished)
+    assert scheduler.kv.num_free_blocks == 8
+
+
+def test_latest_arrival_is_preempted_first_under_fcfs():
+    scheduler = _scheduler(num_blocks=6, max_num_batched_tokens=64)
+    early = _request("early", 8, arrival=0.0, max_tokens=20)
+    late = _request("late", 8, arrival=1.0, max_tokens=20)
+    scheduler.add_request(early)
+    scheduler.add_request(late)
+    for _ in range(6):
+        output = scheduler.schedule()
+        if output.preempted:
+            assert output.preempted == [late]
+            return
+        scheduler.update_from_output(output, {i.request.request_id: 3 for i in output.scheduled})
+    raise AssertionError("no preemption happened")
+
+
+def test_priority_policy_admits_and_keeps_high_priority_first():
+    scheduler = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    scheduler.add_request(_request("low", 4, priority=5, arrival=0.0, max_tokens=1))
+    scheduler.add_request(_request("high", 4, priority=-1, arrival=1.0, max_tokens=1))
+    output = scheduler.schedule()
+    assert [i.request.request_id for i in output.scheduled] == ["high"]
+
+
+def test_stop_conditions():
+    scheduler = _scheduler()
+    eos = _request("eos", 4, max_tokens=10)
+    ignore = _request("ignore", 4, max_tokens=3, ignore_eos=True)
+    stop_id = _request("stop_id", 4, max_tokens=10, stop_token_ids=[3])
+    min_tok = _request("min", 4, max_tokens=10, min_tokens=2, stop_token_ids=[3])
+    for request in (eos, ignore, stop_id, min_tok):
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {"eos": EOS, "ignore": EOS, "stop_id": 3, "min": 3})
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_token_id == EOS
+    assert stop_id.status == RequestStatus.FINISHED_STOPPED and stop_id.stop_token_id == 3
+    assert ignore.status == RequestStatus.RUNNING
+    assert min_tok.status == RequestStatus.RUNNING  # below min_tokens: not yet
+    _run(scheduler, token=EOS)
+    assert ignore.finish_reason == "length" and ignore.num_output_tokens == 3
+    assert min_tok.finish_reason == "stop"
+
+
+def test_max_model_len_ends_with_length():
+    scheduler = _scheduler()
+    request = _request("a", 120, max_tokens=None)
+    scheduler.add_request(request)
+    _run(scheduler)
+    assert request.finish_reason == "length" and request.num_tokens == 128
+
+
+def test_abort_frees_blocks_in_every_state():
+    scheduler = _scheduler(num_blocks=16, max_num_batched_tokens=8)
+    running = _request("running", 6, max_tokens=50)
+    chunking = _request("chunking", 30, max_tokens=5)
+    waiting = _request("waiting", 4, max_tokens=5)
+    for request in (running, chunking, waiting):
+        scheduler.add_request(request)
+    for _ in range(2):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, {i.request.request_id: 3
+                                              for i in output.scheduled if i.samples})
+    assert chunking.num_computed_tokens > 0 and not chunking.output_token_ids
+    scheduler.abort(["running", "chunking", "waiting"])
+    assert not scheduler.has_unfinished
+    assert scheduler.kv.num_free_blocks == 16
+    assert all(r.finish_reason == "abort" for r in (running, chunking, waiting))
