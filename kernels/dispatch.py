@@ -1,0 +1,39 @@
+"""Entry points the model runner calls: Triton on CUDA tensors, the torch fast path on CPU."""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_cpu import paged_attention_cpu
+from kernels.metadata import AttentionMetadata
+from kernels.store_kv_torch import store_kv_cpu
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 means skip the token
+) -> None:
+    if k_cache.is_cuda:
+        # Imported here so that CPU-only installs never need a working triton.
+        from kernels.triton_store_kv import store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
+) -> torch.Tensor:
+    if query.is_cuda:
+        from kernels.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, out)
+    return paged_attention_cpu(query, k_cache, v_cache, meta, scale, out)

@@ -1,0 +1,54 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import pytest
+
+from kernels import build_attention_metadata
+
+
+def _int32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_metadata_computes_maxima_and_splits_decode_from_prefill():
+    # Rows: decode, prefill without context, decode, chunked prefill with context.
+    meta = build_attention_metadata(
+        _int32([0, 1, 6, 7, 10]), _int32([9, 5, 40, 12]), torch.zeros(4, 3, dtype=torch.int32), block_size=16
+    )
+    assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_seqs) == (5, 40, 4)
+    plan = meta.cpu_plan
+    decode_rows = sorted(t for group in plan.decode_groups for t in group.token_ids.tolist())
+    assert decode_rows == [0, 6]
+    assert [(p.token_start, p.query_len) for p in plan.prefills] == [(1, 5), (7, 3)]
+    assert plan.prefills[0].causal_mask is None  # no context: SDPA's own causal mask
+    assert plan.prefills[1].causal_mask.shape == (3, 12)
+
+
+def test_metadata_keeps_given_maxima():
+    meta = build_attention_metadata(
+        _int32([0, 1]), _int32([3]), torch.zeros(1, 1, dtype=torch.int32), 16, max_seqlen_q=1, max_seqlen_k=64
+    )
+    assert (meta.max_seqlen_q, meta.max_seqlen_k) == (1, 64)
+
+
+def test_metadata_rejects_mismatched_shapes_and_short_sequences():
+    with pytest.raises(ValueError):
+        build_attention_metadata(_int32([0, 1, 2]), _int32([3]), torch.zeros(1, 1, dtype=torch.int32), 16)
+    with pytest.raises(ValueError):
+        build_attention_metadata(_int32([0, 4]), _int32([3]), torch.zeros(1, 1, dtype=torch.int32), 16)
+
+
+def test_kernels_import_and_run_on_cpu_without_triton():
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch, kernels\n"
+        "meta = kernels.build_attention_metadata(torch.tensor([0, 1], dtype=torch.int32),"
+        " torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 16)\n"
+        "cache = torch.zeros(1, 16, 1, 64)\n"
+        "kernels.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))\n"
+        "out = kernels.paged_attention(torch.ones(1, 1, 64), cache, cache, meta, 0.125)\n"
+        "assert torch.allclose(out, torch.ones(1, 1, 64))\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[2])
