@@ -3,7 +3,7 @@ from __future__ import annotations
 
 SYSTEM_PROMPT = (
     "You are a careful assistant for a small engineering team. Answer briefly and concretely. "
-    "When you are unsure, say so. Prefer short lists over long paragraphs. " * 6
+    "When you are unsure, say so. Prefer short lists over long paragraphs. " * 3
 )
 
 _PARAGRAPHS = [
@@ -34,7 +34,7 @@ USER_MESSAGES = [
     "List three uses of a paperclip.",
     "Read the notes below and tell me which topic appears most often.\n" + long_text(12),
     "Give me a short recipe for pancakes.",
-    "Here is a long document. What is its main subject?\n" + long_text(30),
+    "Here is a long document. What is its main subject?\n" + long_text(24),
 ]
 
 
