@@ -62,6 +62,7 @@ def _paged_attention_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the CPU interpreter cannot dot bf16)
+    DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs out of TF32
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,7 +112,7 @@ def _paged_attention_kernel(
             keys_t = keys_t.to(tl.float32)
             values = values.to(tl.float32)
 
-        scores = tl.dot(query, keys_t, input_precision="ieee") * qk_scale_log2  # [BLOCK_M, TILE_N] fp32
+        scores = tl.dot(query, keys_t, input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, TILE_N] fp32
         allowed = key_valid[None, :] & (key_position[None, :] <= q_position[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -120,7 +121,7 @@ def _paged_attention_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         rescale = tl.exp2(row_max - new_max)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision="ieee")
+        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
         row_max = new_max
 
     row_sum = tl.where(row_sum > 0.0, row_sum, 1.0)
@@ -192,5 +193,6 @@ def paged_attention_triton(
         # Triton only runs CPU tensors through its interpreter, whose dot multiplies bf16 as raw
         # uint16 bits; on GPUs bf16 operands go to the tensor cores as they are.
         DOT_IN_FP32=query.device.type == "cpu",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out

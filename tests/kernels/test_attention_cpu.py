@@ -2,7 +2,7 @@ import torch
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels import paged_attention, paged_attention_cpu, paged_attention_reference
+from kernels import cpu_plan, paged_attention, paged_attention_cpu, paged_attention_reference
 from tests.kernels.attention_cases import ATTENTION_ARGS, ATTENTION_CASES, case_seed
 from tests.kernels.paged_batch import make_paged_batch
 
@@ -29,8 +29,9 @@ def test_cpu_path_matches_reference(query_lens, context_lens, block_size, num_kv
     _check_cpu_path(batch, TOLERANCE[dtype])
 
 
-def test_cpu_path_batches_many_decode_rows_in_length_groups():
-    # Enough decode rows to be split into several length groups, around two prefill rows.
+def test_cpu_path_batches_many_decode_rows_in_length_groups(monkeypatch):
+    # A small group budget splits the decode rows into several length groups.
+    monkeypatch.setattr(cpu_plan, "DECODE_GROUP_KEY_TOKENS", 256)
     generator = torch.Generator().manual_seed(7)
     num_decode = 40
     context_lens = torch.randint(0, 90, (num_decode,), generator=generator).tolist()

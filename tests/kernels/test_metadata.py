@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import pytest
 
-from kernels import build_attention_metadata
+from kernels import build_attention_metadata, cpu_plan
 
 
 def _int32(values):
@@ -24,6 +24,21 @@ def test_metadata_computes_maxima_and_splits_decode_from_prefill():
     assert [(p.token_start, p.query_len) for p in plan.prefills] == [(1, 5), (7, 3)]
     assert plan.prefills[0].causal_mask is None  # no context: SDPA's own causal mask
     assert plan.prefills[1].causal_mask.shape == (3, 12)
+
+
+def test_decode_groups_cover_each_row_once_within_budget(monkeypatch):
+    monkeypatch.setattr(cpu_plan, "DECODE_GROUP_KEY_TOKENS", 100)
+    seq_lens = [40, 7, 33, 90, 150, 12, 25, 60]  # 150 alone exceeds the budget
+    meta = build_attention_metadata(
+        torch.arange(len(seq_lens) + 1, dtype=torch.int32), _int32(seq_lens), torch.zeros(8, 10, dtype=torch.int32), 16
+    )
+    groups = meta.cpu_plan.decode_groups
+    assert sorted(t for group in groups for t in group.token_ids.tolist()) == list(range(len(seq_lens)))
+    for group in groups:
+        rows = group.token_ids.numel()
+        assert group.max_len == max(seq_lens[t] for t in group.token_ids.tolist())
+        assert rows == 1 or rows * group.max_len <= 100
+        assert group.key_mask.shape == (rows, 1, 1, group.max_len)
 
 
 def test_metadata_keeps_given_maxima():

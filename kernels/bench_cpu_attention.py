@@ -1,0 +1,102 @@
+"""Times the CPU attention fast path against the reference on typical SmolLM2-135M steps.
+
+    .venv/bin/python -m kernels.bench_cpu_attention [--repeats N] [--threads N]
+
+Times are medians per layer call of wall time and, in brackets, of process CPU time (all threads
+summed), which other processes on a shared machine disturb less. "per step" multiplies by the
+model's 30 layers and adds the once-per-step metadata build.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kernels import build_attention_metadata, paged_attention_cpu, paged_attention_reference
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
+
+
+def make_step(query_lens: list[int], context_lens: list[int], dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 64
+    pool = torch.randperm(num_blocks, generator=generator)  # scattered blocks, as after churn
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for seq, count in enumerate(blocks_per_seq):
+        block_tables[seq, :count] = pool[used : used + count]
+        used += count
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    query = torch.randn(sum(query_lens), NUM_Q_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.tensor(query_lens).cumsum(0)
+    step = (cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32), block_tables, BLOCK_SIZE)
+    return query, k_cache, v_cache, step
+
+
+def median_ms(fn, repeats: int) -> tuple[float, float]:
+    """(wall, cpu) milliseconds per call."""
+    fn()  # warm-up
+    wall, cpu = [], []
+    for _ in range(repeats):
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - wall_start)
+        cpu.append(time.process_time() - cpu_start)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+
+def bench_step(name: str, query_lens: list[int], context_lens: list[int], dtype: torch.dtype, repeats: int):
+    query, k_cache, v_cache, step = make_step(query_lens, context_lens, dtype)
+    meta = build_attention_metadata(*step)
+    scale = HEAD_DIM**-0.5
+    fast = paged_attention_cpu(query, k_cache, v_cache, meta, scale)
+    reference = paged_attention_reference(query, k_cache, v_cache, meta, scale)
+    error = (fast.float() - reference.float()).abs().max().item()
+
+    meta_ms = median_ms(lambda: build_attention_metadata(*step), repeats)
+    fast_ms = median_ms(lambda: paged_attention_cpu(query, k_cache, v_cache, meta, scale), repeats)
+    ref_ms = median_ms(lambda: paged_attention_reference(query, k_cache, v_cache, meta, scale), max(3, repeats // 4))
+    step_ms = [NUM_LAYERS * f + m for f, m in zip(fast_ms, meta_ms)]
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(
+        f"{name:<36} {dtype_name:<8}  fast {_pair(fast_ms)}  reference {_pair(ref_ms)} ms/layer  "
+        f"speed-up {ref_ms[0] / fast_ms[0]:4.1f}x ({ref_ms[1] / fast_ms[1]:4.1f}x)  metadata {_pair(meta_ms)} ms/step  "
+        f"{NUM_LAYERS}-layer step {_pair(step_ms)} vs {_pair([NUM_LAYERS * r for r in ref_ms])} ms  err {error:.0e}"
+    )
+
+
+def _pair(wall_and_cpu) -> str:
+    return f"{wall_and_cpu[0]:6.2f} ({wall_and_cpu[1]:6.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(1)
+    decode_contexts = torch.randint(100, 501, (64,), generator=generator).tolist()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{NUM_Q_HEADS} q heads, {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}")
+    for dtype in (torch.float32, torch.bfloat16):
+        bench_step("decode: 64 seqs, ctx 100-500", [1] * 64, decode_contexts, dtype, args.repeats)
+        bench_step(
+            "mixed: 64 decode + 2 prefill chunks",
+            [1] * 64 + [256, 128],
+            decode_contexts + [0, 300],
+            dtype,
+            args.repeats,
+        )
+
+
+if __name__ == "__main__":
+    main()

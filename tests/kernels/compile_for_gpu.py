@@ -1,0 +1,44 @@
+"""Compiles the Triton kernels down to a CUDA binary without a GPU (run in a subprocess, since
+TRITON_INTERPRET must be off): GPU-only compile errors show up even on CPU-only CI."""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.triton_paged_attention import _paged_attention_kernel
+from kernels.triton_store_kv import _store_kv_kernel
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
+    return {
+        name: "constexpr" if name in constexprs else pointer_types.get(name, "i32") for name in kernel.arg_names
+    }
+
+
+def compile_attention(dtype: str, group_size: int, block_m: int, head_dim_padded: int):
+    constexprs = dict(
+        GROUP_SIZE=group_size, BLOCK_Q=block_m // group_size, BLOCK_M=block_m, TILE_N=32,
+        HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=16, DOT_IN_FP32=False,
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+    )
+    pointers = {name: f"*{dtype}" for name in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr")}
+    pointers.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", qk_scale_log2="fp32")
+    signature = _signature(_paged_attention_kernel, pointers, constexprs)
+    return triton.compile(ASTSource(_paged_attention_kernel, signature, constexprs), target=HOPPER)
+
+
+def compile_store(dtype: str):
+    constexprs = dict(HEADS_PADDED=4, HEAD_DIM_PADDED=64)
+    pointers = {name: f"*{dtype}" for name in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
+    pointers["slot_mapping_ptr"] = "*i64"
+    signature = _signature(_store_kv_kernel, pointers, constexprs)
+    return triton.compile(ASTSource(_store_kv_kernel, signature, constexprs), target=HOPPER)
+
+
+if __name__ == "__main__":
+    bf16_prefill = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64)
+    assert "wgmma" in bf16_prefill.asm["ptx"], "bf16 attention should use Hopper tensor cores"
+    compile_attention("fp32", group_size=8, block_m=16, head_dim_padded=128)
+    compile_store("bf16")
+    print("compiled")
