@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.triton_support import ensure_runnable
 
 LOG2_E = 1.4426950408889634
 TILE_N = 32  # keys per inner step; independent of the cache block size
@@ -158,10 +159,13 @@ def paged_attention_triton(
     for tensor in (query, k_cache, v_cache, out):
         if tensor.stride(-1) != 1:
             raise ValueError("paged_attention_triton needs a unit stride on head_dim")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} q heads do not split into {num_kv_heads} kv head groups")
     group_size = num_q_heads // num_kv_heads
     block_m, block_q = _tile_shape(group_size, meta.max_seqlen_q)
     # Enough tiles for every sequence's partial last tile; the extra programs return at once.
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads)
+    ensure_runnable(_paged_attention_kernel, query.device)
     _paged_attention_kernel[grid](
         out,
         query,

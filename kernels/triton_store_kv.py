@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_support import ensure_runnable
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -62,6 +64,7 @@ def store_kv_triton(
     for tensor in (key, value, k_cache, v_cache):
         if tensor.stride(-1) != 1:
             raise ValueError("store_kv_triton needs a unit stride on head_dim")
+    ensure_runnable(_store_kv_kernel, key.device)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,

@@ -1,11 +1,12 @@
 """Compiles the Triton kernels down to a CUDA binary without a GPU (run in a subprocess, since
 TRITON_INTERPRET must be off): GPU-only compile errors show up even on CPU-only CI."""
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.triton_paged_attention import _paged_attention_kernel
-from kernels.triton_store_kv import _store_kv_kernel
+from kernels.triton_store_kv import _store_kv_kernel, store_kv_triton
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -41,4 +42,10 @@ if __name__ == "__main__":
     assert "wgmma" in bf16_prefill.asm["ptx"], "bf16 attention should use Hopper tensor cores"
     compile_attention("fp32", group_size=8, block_m=16, head_dim_padded=128)
     compile_store("bf16")
+    try:  # compiled kernels cannot take CPU tensors: expect the explicit error, not a crash
+        cache = torch.zeros(1, 16, 1, 64)
+        store_kv_triton(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))
+        raise AssertionError("store_kv_triton ran on CPU tensors outside the interpreter")
+    except RuntimeError as error:
+        assert "TRITON_INTERPRET" in str(error)
     print("compiled")
