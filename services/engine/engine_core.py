@@ -52,6 +52,10 @@ class EngineCore:
 
     def _max_model_len(self) -> int:
         model_max = self.hf_config.max_position_embeddings
+        window = _sliding_window(self.hf_config)
+        if window is not None and window < model_max:
+            # Attention here is full-context; capping the length at the window keeps it exact.
+            model_max = window
         if self.config.max_model_len is None:
             return model_max
         if self.config.max_model_len > model_max:
@@ -116,3 +120,9 @@ class EngineCore:
             updates.append(RequestUpdate(request, new_tokens, new_logprobs,
                                          request.request_id in finished))
         return updates
+
+
+def _sliding_window(hf_config) -> int | None:
+    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return getattr(hf_config, "sliding_window", None)
