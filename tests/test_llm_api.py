@@ -160,3 +160,14 @@ def test_missing_or_foreign_model_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(ValueError, match="not supported"):
         LLM(model=str(tmp_path))
+
+
+def test_bfloat16_engine_answers_like_float32(llm):
+    bf16 = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    assert bf16.engine.dtype == torch.bfloat16
+    got = bf16.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    want = llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in got.text
+    assert got.token_ids[:4] == want.token_ids[:4]

@@ -38,6 +38,7 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # unseeded requests draw from the default generator
         self.model_dir = resolve_model_dir(config.model)
         check_architecture(self.model_dir)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)

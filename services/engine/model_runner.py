@@ -9,6 +9,7 @@ import torch
 
 from kernels import build_attention_metadata
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.packed_linear import packing_supported
 from services.engine.models.weights import load_weights
 
 
@@ -60,6 +61,8 @@ class ModelRunner:
         cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
         model = model.to(device=self.device, dtype=self.dtype).eval()
         rotary.cos_table, rotary.sin_table = cos_table.to(self.device), sin_table.to(self.device)
+        if packing_supported(self.device, self.dtype):
+            model.pack_for_cpu_()
         return model
 
     def prepare(self, scheduled) -> StepInput:

@@ -19,8 +19,6 @@ from services.engine.sampling_draw import (NUM_NUCLEUS_CANDIDATES, sample_from_p
 from services.engine.sampling_ops import apply_penalties_, ban_tokens_, top_logprobs
 from services.engine.sampling_params import SamplingParams
 
-# Below this a row is greedy (vLLM's threshold): dividing by a smaller temperature can overflow.
-GREEDY_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -59,10 +57,6 @@ def _child_seed(seed: int, child_index: int) -> int:
     return mixed ^ (mixed >> 31)
 
 
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < GREEDY_TEMPERATURE
-
-
 class Sampler:
     """Samples one step. Keeps [B, V] scratch buffers from step to step (a fresh tensor of that
     size costs page faults every time), so one Sampler serves one thread."""
@@ -81,7 +75,7 @@ class Sampler:
         banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
         with_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        greedy = [i for i, row in enumerate(rows) if _is_greedy(row.params)]
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if len(greedy) == num_rows and not (banned or penalized or with_logprobs):
             return SamplerOutput(logits.float().max(-1).indices.tolist(),
                                  [None] * num_rows, [None] * num_rows)
@@ -99,7 +93,7 @@ class Sampler:
         tokens = torch.empty(num_rows, dtype=torch.long, device=work.device)  # [B]
         if greedy:
             tokens[greedy] = _take_rows(work, greedy).max(-1).indices
-        random_rows = [i for i in range(num_rows) if not _is_greedy(rows[i].params)]
+        random_rows = [i for i in range(num_rows) if not rows[i].params.is_greedy]
         if random_rows:
             tokens[random_rows] = self._sample(work, rows, random_rows)
         return _output(tokens, rows, with_logprobs, raw_logprobs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20
+# Below this a row is greedy (vLLM's threshold): dividing by a smaller temperature can overflow.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -65,7 +67,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

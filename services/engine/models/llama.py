@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv
+from services.engine.models.packed_linear import PackedLinear, pack_linears_
 from services.engine.models.rope import RotaryEmbedding
 
 
@@ -96,6 +97,13 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: PackedLinear | None = None
+
+    def pack_for_cpu_(self) -> None:
+        """After loading bf16 weights on CPU: pre-pack every matmul's weight for oneDNN."""
+        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        self.packed_head = PackedLinear(head, None)
+        pack_linears_(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
@@ -105,5 +113,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, slot_mapping, attn_meta)
         hidden = self.norm(hidden[logits_indices])
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, head).float()

@@ -1,0 +1,42 @@
+"""bfloat16 linears with weights pre-packed once for oneDNN (AMX) on CPU.
+
+F.linear re-lays-out the weight into oneDNN's blocked format on every call; for the small-M
+matmuls of a decode step that reorder costs as much as the multiply. Packing once at load time
+measured 1.5-2x faster per call for M <= 64 (e.g. [64, 576] x [49152, 576]: 5.1 -> 2.6 ms).
+Only used where it pays and is exact: bf16 on CPU (float32 stays on F.linear, so the float32
+parity tests with HF exercise the very same GEMM path HF uses).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the blocked layout for; any M still works
+
+
+def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        # weight [out_features, in_features]; the packed copy is opaque (mkldnn layout).
+        self.out_features = weight.shape[0]
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                     _PACK_BATCH_HINT)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features]
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
+                                                  "none", [], "")
+
+
+def pack_linears_(model: nn.Module) -> None:
+    """Replace every nn.Linear in the model by a PackedLinear, in place."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
