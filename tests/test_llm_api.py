@@ -171,3 +171,23 @@ def test_bfloat16_engine_answers_like_float32(llm):
     want = llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
     assert "Paris" in got.text
     assert got.token_ids[:4] == want.token_ids[:4]
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_n_samples_share_the_prompt_blocks(enable_prefix_caching):
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20,
+              enable_prefix_caching=enable_prefix_caching)
+    prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks + a partial one
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=4)
+    children = llm._make_requests("parent", prompt, params, 0)
+    for child in children:
+        llm.engine.add_request(child)
+    llm.engine.step()
+    tables = [llm.engine.scheduler.kv.block_ids(child.request_id) for child in children]
+    assert tables[0][:6] == tables[1][:6] == tables[2][:6]  # full prompt blocks: shared
+    assert len({table[6] for table in tables}) == 3  # the partial last block: one each
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks
+    outputs = [child.output_token_ids for child in children]
+    assert all(len(tokens) == 4 for tokens in outputs) and len(set(map(tuple, outputs))) > 1
