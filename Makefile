@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: test up bench venv clean
+.PHONY: test up bench protos venv clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/offline.py
+
+protos: $(STAMP)
+	$(PY) -m services.common.protogen
 
 up: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m services.cli up
