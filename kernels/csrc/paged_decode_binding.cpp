@@ -1,0 +1,86 @@
+// Python entry point of the paged decode kernel: validates the tensors (a wrong shape, dtype or
+// index would otherwise read out of bounds) and hands raw pointers to paged_decode.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+
+#include "paged_decode.h"
+
+namespace {
+
+kvrelay::Dtype dtype_of(const at::Tensor& tensor, const char* name) {
+  if (tensor.scalar_type() == at::kFloat) return kvrelay::Dtype::kFloat32;
+  TORCH_CHECK(tensor.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16, got ", tensor.scalar_type());
+  return kvrelay::Dtype::kBFloat16;
+}
+
+void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& token_ids, const at::Tensor& seq_lens,
+                  const at::Tensor& block_tables) {
+  for (const at::Tensor* t : {&out, &query, &k_cache, &v_cache, &token_ids, &seq_lens, &block_tables})
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention takes CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [tokens, q_heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous head_dim");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out must have the query's dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "K and V caches differ in shape or dtype");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "q heads must be a multiple of kv heads");
+  TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous(),
+              "token_ids must be contiguous int64 [rows]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == token_ids.numel(),
+              "seq_lens must be contiguous int32 [rows]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) == token_ids.numel(),
+              "block_tables must be int32 [rows, max_blocks] with contiguous rows");
+}
+
+// Indices the kernel trusts: a bad one would read outside query, out or the block table.
+void check_rows(const at::Tensor& token_ids, const at::Tensor& seq_lens, int64_t num_tokens, int64_t max_keys) {
+  const int64_t* tokens = token_ids.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t row = 0; row < token_ids.numel(); ++row) {
+    TORCH_CHECK(tokens[row] >= 0 && tokens[row] < num_tokens, "decode token index ", tokens[row], " out of range");
+    TORCH_CHECK(lens[row] >= 1 && lens[row] <= max_keys, "seq_len ", lens[row], " is < 1 or beyond the block table");
+  }
+}
+
+void paged_decode_attention(
+    const at::Tensor& out,           // [num_tokens, num_q_heads, head_dim]
+    const at::Tensor& query,         // [num_tokens, num_q_heads, head_dim]
+    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& token_ids,     // [rows] int64
+    const at::Tensor& seq_lens,      // [rows] int32
+    const at::Tensor& block_tables,  // [rows, max_blocks] int32
+    double scale) {
+  check_shapes(out, query, k_cache, v_cache, token_ids, seq_lens, block_tables);
+  check_rows(token_ids, seq_lens, query.size(0), block_tables.size(1) * k_cache.size(1));
+  const int64_t rows = token_ids.numel();
+  if (rows == 0) return;
+  kvrelay::PagedDecodeArgs args{
+      query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+      query.size(1) / k_cache.size(2), token_ids.data_ptr<int64_t>(), seq_lens.data_ptr<int32_t>(),
+      block_tables.data_ptr<int32_t>(), block_tables.stride(0), rows, static_cast<float>(scale),
+      dtype_of(query, "query"), dtype_of(k_cache, "the KV cache")};
+  // torch's intra-op thread count governs, as it does for torch's own CPU ops.
+  const int num_threads = int(std::min<int64_t>(at::get_num_threads(), rows * k_cache.size(2)));
+  bool ok;
+  {
+    pybind11::gil_scoped_release no_gil;  // other Python threads may run meanwhile
+    ok = kvrelay::paged_decode_attention(args, num_threads);
+  }
+  TORCH_CHECK(ok, "paged_decode_attention: a block table entry lies outside the cache");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention (one query token per row) straight from the paged KV cache");
+}
