@@ -1,15 +1,20 @@
-"""Fast torch paged attention for CPU: batched decode rows, one SDPA call per prefill row.
+"""Fast paged attention for CPU: decode rows in the native kernel, one SDPA call per prefill row.
 
-All indices and masks come from the step's CpuAttentionPlan, so a layer only gathers K/V and
-runs SDPA (whose CPU flash kernel accumulates bf16 in fp32).
+Decode rows read K/V in place through the block table (kernels/csrc/paged_decode.cpp); where
+that kernel cannot be built, or does not take the dtypes, they go the torch way instead
+(cpu_decode_torch.py). All indices and masks come from the step's CpuAttentionPlan.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_plan import DecodeGroup, PrefillSeq
+from kernels import native_cpu
+from kernels.cpu_decode_torch import decode_attention_torch
+from kernels.cpu_plan import CpuAttentionPlan, PrefillSeq
 from kernels.metadata import AttentionMetadata
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_attention_cpu(
@@ -25,36 +30,50 @@ def paged_attention_cpu(
         raise ValueError("metadata has no CPU plan: build it from CPU tensors")
     if out is None:
         out = torch.empty_like(query)
-    # Slot-major views: one index_select then gathers whole [num_kv_heads, head_dim] rows.
-    key_slots = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-    value_slots = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    for group in plan.decode_groups:
-        _decode_group_attention(query, key_slots, value_slots, group, scale, out)
-    for seq in plan.prefills:
-        _prefill_attention(query, key_slots, value_slots, seq, scale, out)
+    if plan.decode.num_rows:
+        _decode_attention(query, k_cache, v_cache, plan, scale, out)
+    if plan.prefills:
+        key_slots, value_slots = _slot_major(k_cache), _slot_major(v_cache)
+        for seq in plan.prefills:
+            _prefill_attention(query, key_slots, value_slots, seq, scale, out)
     return out
 
 
-def _decode_group_attention(
+def _decode_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
-    key_slots: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    value_slots: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    group: DecodeGroup,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    plan: CpuAttentionPlan,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
 ) -> None:
-    rows = group.token_ids.numel()
-    num_q_heads, head_dim = query.shape[1:]
-    num_kv_heads = key_slots.shape[1]
-    keys = key_slots.index_select(0, group.slot_ids).view(rows, group.max_len, num_kv_heads, head_dim)
-    values = value_slots.index_select(0, group.slot_ids).view(rows, group.max_len, num_kv_heads, head_dim)
-    # The q heads of one kv head become that head's query "sequence": plain attention, no GQA
-    # expansion, and the per-row key mask broadcasts over them.
-    queries = query.index_select(0, group.token_ids).view(rows, num_kv_heads, -1, head_dim)
-    attended = F.scaled_dot_product_attention(
-        queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.key_mask, scale=scale
-    )  # [rows, num_kv_heads, group_size, head_dim]
-    out.index_copy_(0, group.token_ids, attended.reshape(rows, num_q_heads, head_dim))
+    native = native_cpu.paged_decode_op() if _native_takes(query, k_cache, v_cache, out) else None
+    if native is None:
+        decode_attention_torch(query, _slot_major(k_cache), _slot_major(v_cache), plan, scale, out)
+        return
+    rows = plan.decode
+    native(out, query, k_cache, v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, scale)
+
+
+def _native_takes(query, k_cache, v_cache, out) -> bool:
+    """The layouts and dtypes the native kernel reads; others (fp16, odd strides) go via torch."""
+    return (
+        query.dtype in NATIVE_DTYPES
+        and k_cache.dtype in NATIVE_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        and out.dtype == query.dtype
+        and query.stride(-1) == 1
+        and out.stride(-1) == 1
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def _slot_major(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+) -> torch.Tensor:  # [num_slots, num_kv_heads, head_dim]
+    # One index_select on this view gathers whole [num_kv_heads, head_dim] rows.
+    return cache.view(-1, cache.shape[2], cache.shape[3])
 
 
 def _prefill_attention(

@@ -2,11 +2,22 @@ import torch
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels import cpu_plan, paged_attention, paged_attention_cpu, paged_attention_reference
+from kernels import cpu_decode_torch, native_cpu, paged_attention, paged_attention_cpu, paged_attention_reference
 from tests.kernels.attention_cases import ATTENTION_ARGS, ATTENTION_CASES, case_seed
+from tests.kernels.native_support import require_native_decode
 from tests.kernels.paged_batch import make_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Runs a test's decode rows through the native kernel, then through the torch fallback."""
+    if request.param == "torch":
+        monkeypatch.setattr(native_cpu, "paged_decode_op", lambda: None)
+    else:
+        require_native_decode()
+    return request.param
 
 
 def _check_cpu_path(batch, tolerance):
@@ -20,7 +31,9 @@ def _check_cpu_path(batch, tolerance):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(ATTENTION_ARGS, ATTENTION_CASES)
-def test_cpu_path_matches_reference(query_lens, context_lens, block_size, num_kv_heads, group_size, head_dim, dtype):
+def test_cpu_path_matches_reference(
+    query_lens, context_lens, block_size, num_kv_heads, group_size, head_dim, dtype, decode_path
+):
     seed = case_seed(query_lens, context_lens, block_size, num_kv_heads, group_size, head_dim) + 1
     batch = make_paged_batch(
         query_lens, context_lens, block_size, num_kv_heads * group_size, num_kv_heads, head_dim, seed,
@@ -29,17 +42,18 @@ def test_cpu_path_matches_reference(query_lens, context_lens, block_size, num_kv
     _check_cpu_path(batch, TOLERANCE[dtype])
 
 
-def test_cpu_path_batches_many_decode_rows_in_length_groups(monkeypatch):
+def test_torch_decode_path_batches_many_decode_rows_in_length_groups(monkeypatch):
     # A small group budget splits the decode rows into several length groups.
-    monkeypatch.setattr(cpu_plan, "DECODE_GROUP_KEY_TOKENS", 256)
+    monkeypatch.setattr(native_cpu, "paged_decode_op", lambda: None)
+    monkeypatch.setattr(cpu_decode_torch, "DECODE_GROUP_KEY_TOKENS", 256)
     generator = torch.Generator().manual_seed(7)
     num_decode = 40
     context_lens = torch.randint(0, 90, (num_decode,), generator=generator).tolist()
     batch = make_paged_batch(
         [1] * num_decode + [9, 4], context_lens + [0, 30], 16, 9, 3, 64, seed=11
     )
-    assert len(batch.meta.cpu_plan.decode_groups) > 1
     _check_cpu_path(batch, 1e-4)
+    assert len(batch.meta.cpu_plan.padded_decode_groups) > 1
 
 
 def test_dispatch_uses_cpu_path_and_allocates_out():

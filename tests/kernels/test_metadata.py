@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import pytest
 
-from kernels import build_attention_metadata, cpu_plan
+from kernels import build_attention_metadata, cpu_decode_torch
 
 
 def _int32(values):
@@ -19,20 +19,23 @@ def test_metadata_computes_maxima_and_splits_decode_from_prefill():
     )
     assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_seqs) == (5, 40, 4)
     plan = meta.cpu_plan
-    decode_rows = sorted(t for group in plan.decode_groups for t in group.token_ids.tolist())
-    assert decode_rows == [0, 6]
+    assert plan.decode.token_ids.tolist() == [0, 6]
+    assert plan.decode.seq_lens.tolist() == [9, 40]
+    assert plan.decode.block_tables.dtype == torch.int32 and plan.decode.block_tables.shape == (2, 3)
+    assert plan.padded_decode_groups is None  # built only by the torch decode path, on first use
     assert [(p.token_start, p.query_len) for p in plan.prefills] == [(1, 5), (7, 3)]
     assert plan.prefills[0].causal_mask is None  # no context: SDPA's own causal mask
     assert plan.prefills[1].causal_mask.shape == (3, 12)
 
 
 def test_decode_groups_cover_each_row_once_within_budget(monkeypatch):
-    monkeypatch.setattr(cpu_plan, "DECODE_GROUP_KEY_TOKENS", 100)
+    monkeypatch.setattr(cpu_decode_torch, "DECODE_GROUP_KEY_TOKENS", 100)
     seq_lens = [40, 7, 33, 90, 150, 12, 25, 60]  # 150 alone exceeds the budget
     meta = build_attention_metadata(
         torch.arange(len(seq_lens) + 1, dtype=torch.int32), _int32(seq_lens), torch.zeros(8, 10, dtype=torch.int32), 16
     )
-    groups = meta.cpu_plan.decode_groups
+    plan = meta.cpu_plan
+    groups = cpu_decode_torch.plan_decode_groups(plan.decode, plan.block_size)
     assert sorted(t for group in groups for t in group.token_ids.tolist()) == list(range(len(seq_lens)))
     for group in groups:
         rows = group.token_ids.numel()

@@ -1,0 +1,134 @@
+"""The native CPU decode kernel on its own against the reference: dtypes, block sizes, GQA
+ratios, head dims, partial last blocks, shuffled block tables, NaN in every cache slot past a
+sequence's length, and an output poisoned with NaN that must be fully written."""
+import warnings
+
+import pytest
+import torch
+
+from kernels import native_cpu, paged_attention_reference
+from tests.kernels.native_support import require_native_decode
+from tests.kernels.paged_batch import make_paged_batch
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _decode_batch(block_size, num_kv_heads, group_size, head_dim, dtype, seed, context_lens=None, **kwargs):
+    if context_lens is None:
+        # First token, one short of a block, exactly a block, several blocks plus a partial one.
+        context_lens = [0, block_size - 2, block_size - 1, 2 * block_size + 3, 37, 90]
+    return make_paged_batch(
+        [1] * len(context_lens), context_lens, block_size, num_kv_heads * group_size, num_kv_heads, head_dim,
+        seed, dtype=dtype, **kwargs,
+    )
+
+
+def _run_native(batch, out=None):
+    op = require_native_decode()
+    rows = batch.meta.cpu_plan.decode
+    if out is None:
+        out = torch.full_like(batch.query, float("nan"))
+    op(out, batch.query, batch.k_cache, batch.v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, batch.scale)
+    return out
+
+
+def _max_error(batch, out):
+    expected = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert not out.isnan().any()
+    return (out.float() - expected.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_size", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_decode_matches_reference(dtype, block_size, group_size, head_dim):
+    seed = block_size * 1000 + group_size * 10 + head_dim
+    batch = _decode_batch(
+        block_size, 2, group_size, head_dim, dtype, seed, pad=-1 if group_size % 2 else 0, strided_query=group_size == 3
+    )
+    assert _max_error(batch, _run_native(batch)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [40, 72, 80])
+def test_native_decode_handles_head_dims_off_the_vector_width(head_dim):
+    batch = _decode_batch(16, 1, 3, head_dim, torch.float32, seed=head_dim)
+    assert _max_error(batch, _run_native(batch)) <= 1e-4
+
+
+def test_native_decode_stays_exact_over_long_rows_with_peaked_scores():
+    # Large scores make the running max jump between tiles: every rescale must be right.
+    batch = _decode_batch(16, 1, 8, 64, torch.float32, seed=5, context_lens=[700, 333, 1])
+    batch.query.mul_(40.0)
+    assert _max_error(batch, _run_native(batch)) <= 1e-4
+
+
+def test_native_decode_takes_fp32_queries_on_a_bf16_cache():
+    batch = _decode_batch(16, 2, 3, 64, torch.bfloat16, seed=9)
+    batch.query = batch.query.float()
+    out = _run_native(batch)
+    assert out.dtype == torch.float32
+    assert _max_error(batch, out) <= 1e-4
+
+
+def test_native_decode_writes_only_its_rows_into_a_strided_out():
+    batch = _decode_batch(16, 1, 3, 64, torch.float32, seed=13)
+    wide = torch.full((batch.query.shape[0], 5, 64), 7.0)  # out as a head slice of a wider tensor
+    out = _run_native(batch, out=wide[:, 1:4])
+    assert _max_error(batch, out) <= 1e-4
+    assert (wide[:, 0] == 7).all() and (wide[:, 4] == 7).all()
+
+
+def test_native_decode_does_not_depend_on_the_thread_count():
+    batch = _decode_batch(16, 3, 3, 64, torch.bfloat16, seed=21, context_lens=list(range(1, 200, 7)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _run_native(batch)
+        torch.set_num_threads(max(2, threads))
+        multi = _run_native(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)  # one thread per (row, kv head): same arithmetic either way
+
+
+def test_native_decode_rejects_indices_that_would_read_out_of_bounds():
+    batch = _decode_batch(16, 1, 1, 64, torch.float32, seed=2, context_lens=[20, 5])
+    op = require_native_decode()
+    rows = batch.meta.cpu_plan.decode
+    out = torch.empty_like(batch.query)
+    args = (out, batch.query, batch.k_cache, batch.v_cache)
+    bad_tables = rows.block_tables.clone()
+    bad_tables[0, 1] = batch.k_cache.shape[0]  # the row's second block: inside its length
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(*args, rows.token_ids, rows.seq_lens, bad_tables, batch.scale)
+    too_long = torch.full_like(rows.seq_lens, rows.block_tables.shape[1] * 16 + 1)
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        op(*args, rows.token_ids, too_long, rows.block_tables, batch.scale)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(*args, rows.token_ids + 5, rows.seq_lens, rows.block_tables, batch.scale)
+
+
+def test_failed_build_falls_back_once_with_one_warning(monkeypatch):
+    def no_compiler():
+        raise OSError("c++: not found")
+
+    monkeypatch.setattr(native_cpu, "_build", no_compiler)
+    native_cpu.paged_decode_op.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert native_cpu.paged_decode_op() is None
+            assert native_cpu.paged_decode_op() is None  # decided once: no second build or warning
+        assert len(caught) == 1 and "torch path" in str(caught[0].message)
+    finally:
+        native_cpu.paged_decode_op.cache_clear()
+
+
+def test_environment_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
+    native_cpu.paged_decode_op.cache_clear()
+    try:
+        assert native_cpu.paged_decode_op() is None
+    finally:
+        native_cpu.paged_decode_op.cache_clear()
