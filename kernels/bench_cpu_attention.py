@@ -1,20 +1,23 @@
-"""Times the CPU attention fast path against the reference on typical SmolLM2-135M steps.
+"""Times the CPU attention path on typical SmolLM2-135M steps: decode rows in the native kernel
+("native") and in the torch fallback ("torch"), with the reference for scale.
 
     .venv/bin/python -m kernels.bench_cpu_attention [--repeats N] [--threads N]
 
 Times are medians per layer call of wall time and, in brackets, of process CPU time (all threads
-summed), which other processes on a shared machine disturb less. "per step" multiplies by the
-model's 30 layers and adds the once-per-step metadata build.
+summed), which other processes on a shared machine disturb less. "step" multiplies by the
+model's 30 layers and adds the once-per-step planning (for torch, its padded decode groups too).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
-from kernels import build_attention_metadata, paged_attention_cpu, paged_attention_reference
+from kernels import build_attention_metadata, native_cpu, paged_attention_cpu, paged_attention_reference
+from kernels.cpu_decode_torch import plan_decode_groups
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
 
@@ -52,24 +55,44 @@ def median_ms(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
+@contextlib.contextmanager
+def decode_path(name: str):
+    """Sends decode rows down the torch fallback for "torch", as if the build had failed."""
+    native_op = native_cpu.paged_decode_op
+    if name == "torch":
+        native_cpu.paged_decode_op = lambda: None
+    try:
+        yield
+    finally:
+        native_cpu.paged_decode_op = native_op
+
+
+def plan_step(step, path: str):
+    meta = build_attention_metadata(*step)
+    if path == "torch":
+        meta.cpu_plan.padded_decode_groups = plan_decode_groups(meta.cpu_plan.decode, meta.cpu_plan.block_size)
+    return meta
+
+
 def bench_step(name: str, query_lens: list[int], context_lens: list[int], dtype: torch.dtype, repeats: int):
     query, k_cache, v_cache, step = make_step(query_lens, context_lens, dtype)
-    meta = build_attention_metadata(*step)
     scale = HEAD_DIM**-0.5
-    fast = paged_attention_cpu(query, k_cache, v_cache, meta, scale)
+    meta = plan_step(step, "native")
     reference = paged_attention_reference(query, k_cache, v_cache, meta, scale)
-    error = (fast.float() - reference.float()).abs().max().item()
-
-    meta_ms = median_ms(lambda: build_attention_metadata(*step), repeats)
-    fast_ms = median_ms(lambda: paged_attention_cpu(query, k_cache, v_cache, meta, scale), repeats)
     ref_ms = median_ms(lambda: paged_attention_reference(query, k_cache, v_cache, meta, scale), max(3, repeats // 4))
-    step_ms = [NUM_LAYERS * f + m for f, m in zip(fast_ms, meta_ms)]
     dtype_name = str(dtype).removeprefix("torch.")
-    print(
-        f"{name:<36} {dtype_name:<8}  fast {_pair(fast_ms)}  reference {_pair(ref_ms)} ms/layer  "
-        f"speed-up {ref_ms[0] / fast_ms[0]:4.1f}x ({ref_ms[1] / fast_ms[1]:4.1f}x)  metadata {_pair(meta_ms)} ms/step  "
-        f"{NUM_LAYERS}-layer step {_pair(step_ms)} vs {_pair([NUM_LAYERS * r for r in ref_ms])} ms  err {error:.0e}"
-    )
+    print(f"{name} {dtype_name}: reference {_pair(ref_ms)} ms/layer")
+    for path in ("native", "torch"):
+        with decode_path(path):
+            meta = plan_step(step, path)
+            error = (paged_attention_cpu(query, k_cache, v_cache, meta, scale).float() - reference.float()).abs().max()
+            meta_ms = median_ms(lambda: plan_step(step, path), repeats)
+            layer_ms = median_ms(lambda: paged_attention_cpu(query, k_cache, v_cache, meta, scale), repeats)
+        step_ms = [NUM_LAYERS * layer + plan for layer, plan in zip(layer_ms, meta_ms)]
+        print(
+            f"  {path:<6} {_pair(layer_ms)} ms/layer  planning {_pair(meta_ms)} ms/step  "
+            f"{NUM_LAYERS}-layer step {_pair(step_ms)} ms  err {error.item():.0e}"
+        )
 
 
 def _pair(wall_and_cpu) -> str:
@@ -85,7 +108,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(1)
     decode_contexts = torch.randint(100, 501, (64,), generator=generator).tolist()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    native = "built" if native_cpu.paged_decode_op() is not None else "UNAVAILABLE"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native decode kernel {native}; "
           f"{NUM_Q_HEADS} q heads, {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, block_size {BLOCK_SIZE}")
     for dtype in (torch.float32, torch.bfloat16):
         bench_step("decode: 64 seqs, ctx 100-500", [1] * 64, decode_contexts, dtype, args.repeats)
