@@ -4,7 +4,8 @@
     .venv/bin/python -m kernels.bench_cpu_attention [--repeats N] [--threads N]
 
 Times are medians per layer call of wall time and, in brackets, of process CPU time (all threads
-summed), which other processes on a shared machine disturb less. "step" multiplies by the
+summed), which other processes on a shared machine disturb less. The kernel's OpenMP workers only
+have their CPU time booked at scheduler ticks, so for sub-millisecond calls the bracket undercounts. "step" multiplies by the
 model's 30 layers and adds the once-per-step planning (for torch, its padded decode groups too).
 """
 from __future__ import annotations

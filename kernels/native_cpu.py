@@ -11,6 +11,8 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
+import sysconfig
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -36,8 +38,9 @@ def paged_decode_op() -> Callable | None:
     try:
         return _build().paged_decode_attention
     except Exception as error:  # no compiler, no ninja, no headers: any of these means fall back
+        reason = str(error)[-2000:]  # a failed build's log ends with the compiler's complaint
         warnings.warn(
-            f"native CPU decode attention unavailable ({type(error).__name__}: {error}); "
+            f"native CPU decode attention unavailable ({type(error).__name__}: {reason}); "
             "using the slower torch path",
             RuntimeWarning,
             stacklevel=2,
@@ -48,6 +51,7 @@ def paged_decode_op() -> Callable | None:
 def _build():
     from torch.utils import cpp_extension
 
+    _put_pip_ninja_on_path()
     return cpp_extension.load(
         name=f"kvrelay_paged_decode_{_machine_tag()}",
         sources=[str(source) for source in SOURCES],
@@ -55,6 +59,14 @@ def _build():
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+def _put_pip_ninja_on_path() -> None:
+    """pip installs ninja next to the interpreter, which is not on PATH unless the virtual
+    environment is activated, and cpp_extension looks for ninja on PATH only."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
 
 
 def _machine_tag() -> str:
