@@ -28,6 +28,17 @@ def test_metadata_computes_maxima_and_splits_decode_from_prefill():
     assert plan.prefills[1].causal_mask.shape == (3, 12)
 
 
+def test_pure_decode_step_hands_the_kernel_its_own_tensors():
+    # The common step: every row decodes, so planning must not copy the tables per step.
+    seq_lens, block_tables = _int32([3, 17, 40]), torch.zeros(3, 4, dtype=torch.int32)
+    meta = build_attention_metadata(torch.arange(4, dtype=torch.int32), seq_lens, block_tables, 16)
+    decode = meta.cpu_plan.decode
+    assert decode.token_ids.tolist() == [0, 1, 2] and decode.token_ids.dtype == torch.int64
+    assert decode.seq_lens.data_ptr() == seq_lens.data_ptr()
+    assert decode.block_tables.data_ptr() == block_tables.data_ptr()
+    assert meta.cpu_plan.prefills == []
+
+
 def test_decode_groups_cover_each_row_once_within_budget(monkeypatch):
     monkeypatch.setattr(cpu_decode_torch, "DECODE_GROUP_KEY_TOKENS", 100)
     seq_lens = [40, 7, 33, 90, 150, 12, 25, 60]  # 150 alone exceeds the budget
