@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kernels import build_attention_metadata
+from kernels.native_cpu import paged_decode_op
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.packed_linear import packing_supported
 from services.engine.models.weights import load_weights
@@ -44,6 +45,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, block_size,
                                     self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        if device.type == "cpu":
+            paged_decode_op()  # build or load the native decode kernel now, not on step one
 
     @property
     def bytes_per_block(self) -> int:
