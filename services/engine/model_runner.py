@@ -58,9 +58,9 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(hf_config)
         model = model.to_empty(device="cpu")
-        model.layers[0].self_attn.rotary.reset_tables()  # one table, shared by every layer
+        model.rotary.reset_tables()  # buffers built on the meta device hold nothing
         load_weights(model, model_dir)
-        rotary = model.layers[0].self_attn.rotary
+        rotary = model.rotary
         cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
         model = model.to(device=self.device, dtype=self.dtype).eval()
         rotary.cos_table, rotary.sin_table = cos_table.to(self.device), sin_table.to(self.device)

@@ -57,14 +57,15 @@ class RotaryEmbedding(nn.Module):
             self.cos_table = angles.cos() * attention_scaling
             self.sin_table = angles.sin() * attention_scaling
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions [T]; q [T, heads, D]; k [T, kv_heads, D]
-        cos = self.cos_table[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_table[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin [T, 1, D] for a step's positions [T]; gathered once, used by every layer."""
+        cos = self.cos_table[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_table[positions].to(dtype).unsqueeze(1)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (q and k heads together: one pass for both); cos, sin [T, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
