@@ -120,4 +120,53 @@ inline Lanes sum_each(const Lanes v[kLanes]) {
   return fold_pair<2>(eighths[0], eighths[1]);
 }
 
+// ---- Whole-vector helpers for the fixed-shape kernel (paged_decode.cpp). ----
+
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// 16 bf16 values widened to fp32: a zero-extend and a shift.
+inline Lanes widen_lanes(const uint16_t* src) {
+  Halves h;
+  std::memcpy(&h, src, sizeof(h));
+  return (Lanes)(__builtin_convertvector(h, Words) << 16);
+}
+inline Lanes widen_lanes(const float* src) { return load_lanes(src); }
+
+inline Lanes max_each(Lanes a, Lanes b) { return a < b ? b : a; }  // std::max lane by lane
+
+// exp2_nonpositive on every lane, with the same steps.
+inline Lanes exp2_lanes(Lanes x) {
+  const Lanes floor_value = Lanes{} - 127.0f;
+  x = max_each(x, floor_value);
+  const float round_magic = 12582912.0f;
+  const Lanes n = (x + round_magic) - round_magic;
+  const Lanes g = (x - n) * 0.6931471805599453f;
+  Lanes p = Lanes{} + 1.0f / 5040;
+  p = p * g + 1.0f / 720;
+  p = p * g + 1.0f / 120;
+  p = p * g + 1.0f / 24;
+  p = p * g + 1.0f / 6;
+  p = p * g + 0.5f;
+  p = p * g + 1.0f;
+  p = p * g + 1.0f;
+  const Ints exponent_bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  return p * (Lanes)exponent_bits;
+}
+
+// Horizontal max and sum, halving as max_lanes and sum_lanes do.
+inline float max_of(Lanes v) {
+  v = max_each(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = max_each(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = max_each(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  return std::max(v[0], v[1]);
+}
+inline float sum_of(Lanes v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return v[0] + v[1];
+}
+
 }  // namespace kvrelay

@@ -188,6 +188,119 @@ bool attend_item(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, Scratch
   return true;
 }
 
+// ---- Fixed shapes: head_dim and group size known at compile time. ----
+// The item's accumulators (group_size x head_dim fp32) live in registers for the whole row;
+// each K/V row is loaded (and widened) once and used for all q heads; a tile's 16 scores are
+// reduced into one vector with sum_each, exponentiated in one vector pass, and the
+// accumulators are rescaled once per tile.
+template <int G, int D, typename QT, typename KT>
+bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
+  constexpr int NC = D / kLanes;
+  constexpr int kLinesPerRow = int((D * sizeof(KT) + 63) / 64);
+  const int64_t token = a.token_ids[row];
+  const int64_t first_q_head = kv_head * G;
+  const QT* query = static_cast<const QT*>(a.query) + token * a.query_token_stride + first_q_head * a.query_head_stride;
+  const float query_scale = a.scale * kLog2e;
+  Lanes q[G][NC];
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float widened[D];
+    for (int d = 0; d < D; ++d) widened[d] = widen(query[g * a.query_head_stride + d]) * query_scale;
+    for (int c = 0; c < NC; ++c) q[g][c] = load_lanes(widened + c * kLanes);
+  }
+  Lanes acc[G][NC];
+  float max[G], sum[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) acc[g][c] = Lanes{};
+    max[g] = kMinusInf;
+    sum[g] = 0.0f;
+  }
+  const KT* k_cache = static_cast<const KT*>(a.k_cache);
+  const KT* v_cache = static_cast<const KT*>(a.v_cache);
+  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Lanes minus_inf = Lanes{} + kMinusInf;
+
+  KeyCursor cursor{a.block_tables + row * a.block_table_stride, a.seq_lens[row]};
+  Tile tiles[2];
+  if (!next_tile(a, kv_head, cursor, tiles[0])) return false;
+  for (int t = 0; tiles[t].count > 0; t ^= 1) {
+    const Tile& tile = tiles[t];
+    if (!next_tile(a, kv_head, cursor, tiles[t ^ 1])) return false;
+    const Tile& next = tiles[t ^ 1];
+    for (int j = 0; j < next.count; ++j)
+      for (int l = 0; l < kLinesPerRow; ++l) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next.offsets[j]) + 64 * l);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next.offsets[j]) + 64 * l);
+      }
+    const int count = tile.count;
+    // Scores: per key, G vectors of partial dot products; sum_each folds 16 of them into one.
+    Lanes partial[G][kLanes];
+    for (int j = 0; j < count; ++j) {
+      Lanes k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = widen_lanes(k_cache + tile.offsets[j] + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        Lanes s = q[g][0] * k[0];
+        for (int c = 1; c < NC; ++c) s += q[g][c] * k[c];
+        partial[g][j] = s;
+      }
+    }
+    for (int j = count; j < kLanes; ++j)
+      for (int g = 0; g < G; ++g) partial[g][j] = Lanes{};
+    alignas(64) float probs[G][kLanes];
+    for (int g = 0; g < G; ++g) {
+      Lanes scores = sum_each(partial[g]);
+      scores = lane_index < float(count) ? scores : minus_inf;  // padding lanes weigh exactly 0
+      const float new_max = std::max(max[g], max_of(scores));
+      const float rescale = exp2_nonpositive(max[g] - new_max);
+      const Lanes weights = exp2_lanes(scores - new_max);
+      max[g] = new_max;
+      sum[g] = sum[g] * rescale + sum_of(weights);
+      for (int c = 0; c < NC; ++c) acc[g][c] *= rescale;
+      store_lanes(weights, probs[g]);
+    }
+    for (int j = 0; j < count; ++j) {
+      Lanes v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = widen_lanes(v_cache + tile.offsets[j] + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        const float p = probs[g][j];
+        for (int c = 0; c < NC; ++c) acc[g][c] += p * v[c];
+      }
+    }
+  }
+  QT* out = static_cast<QT*>(a.out) + token * a.out_token_stride + first_q_head * a.out_head_stride;
+  for (int g = 0; g < G; ++g) {
+    const float inv_sum = 1.0f / sum[g];
+    alignas(64) float result[D];
+    for (int c = 0; c < NC; ++c) store_lanes(acc[g][c] * inv_sum, result + c * kLanes);
+    QT* dst = out + g * a.out_head_stride;
+    for (int d = 0; d < D; ++d) narrow(result[d], dst + d);
+  }
+  return true;
+}
+
+template <typename QT, typename KT>
+using FixedItem = bool (*)(const PagedDecodeArgs&, int64_t, int64_t);
+
+template <typename QT, typename KT, int D>
+FixedItem<QT, KT> fixed_for_group(int64_t group_size) {
+  switch (group_size) {
+    case 1: return attend_item_fixed<1, D, QT, KT>;
+    case 2: return attend_item_fixed<2, D, QT, KT>;
+    case 3: return attend_item_fixed<3, D, QT, KT>;
+    case 4: return attend_item_fixed<4, D, QT, KT>;
+    case 6: return attend_item_fixed<6, D, QT, KT>;
+    case 8: return attend_item_fixed<8, D, QT, KT>;
+    default: return nullptr;
+  }
+}
+
+// The fixed-shape kernel for these args, or nullptr for the generic one.
+template <typename QT, typename KT>
+FixedItem<QT, KT> fixed_item(const PagedDecodeArgs& a) {
+  if (a.head_dim == 64) return fixed_for_group<QT, KT, 64>(a.group_size);
+  if (a.head_dim == 128) return fixed_for_group<QT, KT, 128>(a.group_size);
+  return nullptr;
+}
+
 template <typename QT, typename KT>
 bool attend_all(const PagedDecodeArgs& a, int num_threads) {
   const int64_t items = a.rows * a.num_kv_heads;
@@ -198,13 +311,20 @@ bool attend_all(const PagedDecodeArgs& a, int num_threads) {
   std::atomic<bool> ok{true};
   // Dynamic scheduling: rows differ in length, and a thread that a busy machine deschedules
   // leaves its share to the others instead of holding up the whole step.
+  const FixedItem<QT, KT> fixed = fixed_item<QT, KT>(a);
 #pragma omp parallel num_threads(num_threads)
   {
+    if (fixed != nullptr) {
+#pragma omp for schedule(dynamic, chunk)
+      for (int64_t item = 0; item < items; ++item)
+        if (!fixed(a, item / a.num_kv_heads, item % a.num_kv_heads)) ok.store(false, std::memory_order_relaxed);
+    } else {
     Scratch scratch(a);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < items; ++item)
       if (!attend_item<QT, KT>(a, item / a.num_kv_heads, item % a.num_kv_heads, scratch))
         ok.store(false, std::memory_order_relaxed);
+    }
   }
   return ok.load();
 }
