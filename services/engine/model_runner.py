@@ -9,6 +9,7 @@ import torch
 
 from kernels import build_attention_metadata
 from kernels.native_cpu import paged_decode_op
+from kernels.native_elementwise import elementwise_ops
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.packed_linear import packing_supported
 from services.engine.models.weights import load_weights
@@ -66,6 +67,10 @@ class ModelRunner:
         rotary.cos_table, rotary.sin_table = cos_table.to(self.device), sin_table.to(self.device)
         if packing_supported(self.device, self.dtype):
             model.pack_for_cpu_()
+            # bf16 only: in float32 the torch ops stay, so parity with HF is op for op.
+            ops = elementwise_ops()
+            if ops is not None:
+                model.use_native_cpu_ops_(ops)
         return model
 
     def prepare(self, scheduled) -> StepInput:

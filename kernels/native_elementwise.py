@@ -1,0 +1,49 @@
+"""Fused CPU elementwise ops (kernels/csrc/cpu_elementwise.cpp): built on first use, or None.
+
+Same build, cache and fallback rules as the native decode kernel (kernels/native_cpu.py).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_elementwise.cpp"
+ENV_SWITCH = "KVRELAY_NATIVE_CPU_ELEMENTWISE"  # 0: keep the torch ops
+
+
+@functools.cache
+def elementwise_ops():
+    """Module with rms_norm and rope, or None where unavailable."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_pip_ninja_on_path()
+        return cpp_extension.load(name=f"kvrelay_elementwise_{_machine_tag()}",
+                                  sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler or ninja: the torch ops stay
+        warnings.warn(f"native CPU elementwise ops unavailable ({type(error).__name__}: "
+                      f"{str(error)[-2000:]}); using torch ops", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, hidden] contiguous; weight [hidden] -> [rows, hidden]."""
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, eps)
+    return out
+
+
+def rope(ops, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] (rows may be strided); cos, sin [tokens, 1, head_dim]."""
+    out = x.new_empty(x.shape)
+    ops.rope(out, x, cos, sin)
+    return out

@@ -1,0 +1,58 @@
+"""Fused CPU RMSNorm and rotary embedding against the torch ops they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native_elementwise as fused
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = fused.elementwise_ops()
+    if built is None:
+        pytest.skip("no C++ toolchain to build the native ops")
+    return built
+
+
+def _torch_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _torch_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.07)])
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (37, 576), (300, 128)])
+def test_rms_norm_matches_torch(ops, dtype, atol, rows, hidden):
+    x = (torch.randn(rows, hidden) * 3).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    got = fused.rms_norm(ops, x, weight, 1e-5)
+    want = _torch_rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), atol=atol, rtol=1e-2)
+    if dtype == torch.bfloat16:  # at most one bf16 step apart, and nearly always equal
+        assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 12, 64), (45, 4, 128), (200, 3, 64)])
+def test_rope_matches_torch_on_a_strided_qkv_slice(ops, dtype, tokens, heads, head_dim):
+    qkv = torch.randn(tokens, (heads + 2) * head_dim).to(dtype)  # q|k heads, then v
+    qk = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # rows strided, like the model
+    cos, sin = torch.randn(2, tokens, 1, head_dim).to(dtype)
+    got = fused.rope(ops, qk, cos.contiguous(), sin.contiguous())
+    want = _torch_rope(qk, cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)  # every rounding where torch's eager ops round
+    else:
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_bad_shapes_are_rejected(ops):
+    with pytest.raises(RuntimeError):
+        fused.rms_norm(ops, torch.randn(4, 8), torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError):
+        fused.rope(ops, torch.randn(4, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8))
