@@ -193,6 +193,31 @@ bool attend_item(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, Scratch
 // each K/V row is loaded (and widened) once and used for all q heads; a tile's 16 scores are
 // reduced into one vector with sum_each, exponentiated in one vector pass, and the
 // accumulators are rescaled once per tile.
+// A K or V row as NC fp32 vectors. fp32 rows are read as they are. A bf16 row is read 32
+// elements (one vector of 32-bit words) at a time and split with a shift and a mask into its
+// even elements then its odd ones, each widened: no cross-lane shuffle, which would compete with
+// the score reductions for the one shuffle port. Query and output use the same dim order.
+template <int NC>
+inline void load_row(const float* src, Lanes (&row)[NC]) {
+  for (int c = 0; c < NC; ++c) row[c] = load_lanes(src + c * kLanes);
+}
+template <int NC>
+inline void load_row(const uint16_t* src, Lanes (&row)[NC]) {
+  static_assert(NC % 2 == 0, "bf16 rows go by 32 elements");
+  for (int c = 0; c < NC; c += 2) {
+    Words pairs;
+    std::memcpy(&pairs, src + c * kLanes, sizeof(pairs));
+    row[c] = (Lanes)(pairs << 16);
+    row[c + 1] = (Lanes)(pairs & 0xffff0000u);
+  }
+}
+// Position in that order of dim d: identity for fp32 rows, even/odd split per 32 for bf16.
+template <typename KT>
+inline int lane_order(int d) {
+  if constexpr (sizeof(KT) == sizeof(float)) return d;
+  return d / (2 * kLanes) * (2 * kLanes) + d % 2 * kLanes + d % (2 * kLanes) / 2;
+}
+
 template <int G, int D, typename QT, typename KT>
 bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
   constexpr int NC = D / kLanes;
@@ -204,7 +229,7 @@ bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
   Lanes q[G][NC];
   for (int g = 0; g < G; ++g) {
     alignas(64) float widened[D];
-    for (int d = 0; d < D; ++d) widened[d] = widen(query[g * a.query_head_stride + d]) * query_scale;
+    for (int d = 0; d < D; ++d) widened[lane_order<KT>(d)] = widen(query[g * a.query_head_stride + d]) * query_scale;
     for (int c = 0; c < NC; ++c) q[g][c] = load_lanes(widened + c * kLanes);
   }
   Lanes acc[G][NC];
@@ -226,17 +251,20 @@ bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
     const Tile& tile = tiles[t];
     if (!next_tile(a, kv_head, cursor, tiles[t ^ 1])) return false;
     const Tile& next = tiles[t ^ 1];
-    for (int j = 0; j < next.count; ++j)
-      for (int l = 0; l < kLinesPerRow; ++l) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next.offsets[j]) + 64 * l);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next.offsets[j]) + 64 * l);
-      }
     const int count = tile.count;
+    // The next tile's rows are asked for a key at a time, alongside this tile's: a burst of
+    // them all at once would queue behind the core's few outstanding-miss slots.
+    auto prefetch_row = [&](const KT* cache, int j) {
+      if (j < next.count)
+        for (int l = 0; l < kLinesPerRow; ++l)
+          __builtin_prefetch(reinterpret_cast<const char*>(cache + next.offsets[j]) + 64 * l);
+    };
     // Scores: per key, G vectors of partial dot products; sum_each folds 16 of them into one.
     Lanes partial[G][kLanes];
     for (int j = 0; j < count; ++j) {
+      prefetch_row(k_cache, j);
       Lanes k[NC];
-      for (int c = 0; c < NC; ++c) k[c] = widen_lanes(k_cache + tile.offsets[j] + c * kLanes);
+      load_row(k_cache + tile.offsets[j], k);
       for (int g = 0; g < G; ++g) {
         Lanes s = q[g][0] * k[0];
         for (int c = 1; c < NC; ++c) s += q[g][c] * k[c];
@@ -258,8 +286,9 @@ bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
       store_lanes(weights, probs[g]);
     }
     for (int j = 0; j < count; ++j) {
+      prefetch_row(v_cache, j);
       Lanes v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = widen_lanes(v_cache + tile.offsets[j] + c * kLanes);
+      load_row(v_cache + tile.offsets[j], v);
       for (int g = 0; g < G; ++g) {
         const float p = probs[g][j];
         for (int c = 0; c < NC; ++c) acc[g][c] += p * v[c];
@@ -272,7 +301,7 @@ bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
     alignas(64) float result[D];
     for (int c = 0; c < NC; ++c) store_lanes(acc[g][c] * inv_sum, result + c * kLanes);
     QT* dst = out + g * a.out_head_stride;
-    for (int d = 0; d < D; ++d) narrow(result[d], dst + d);
+    for (int d = 0; d < D; ++d) narrow(result[lane_order<KT>(d)], dst + d);
   }
   return true;
 }
