@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from services.engine.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_core import EngineCore, RequestUpdate
 from services.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from services.engine.request import Request, RequestStatus
@@ -155,6 +156,7 @@ class _Tracker:
         self.token_ids = token_ids
         self.requests = requests
         self.stop_strings: dict[str, str] = {}  # request id -> stop string that ended it
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # only for stop strings
         self.num_finished = 0
 
     @property
@@ -165,7 +167,7 @@ class _Tracker:
         """Return True when this update finished the sequence."""
         request = update.request
         if not update.finished and request.params.stop:
-            stop = _find_stop_string(request, tokenizer)
+            stop = self._find_stop_string(request, update.new_token_ids, tokenizer)
             if stop is not None:
                 engine.abort([request.request_id])
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -174,6 +176,21 @@ class _Tracker:
         if update.finished:
             self.num_finished += 1
         return update.finished
+
+    def _find_stop_string(self, request: Request, new_token_ids: list[int],
+                          tokenizer) -> str | None:
+        detokenizer = self.detokenizers.get(request.request_id)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
+            self.detokenizers[request.request_id] = detokenizer
+        new_text = detokenizer.step(new_token_ids)
+        if not new_text:
+            return None
+        # Only text that the new piece could complete: a match ends inside new_text.
+        longest = max(len(stop) for stop in request.params.stop)
+        window = detokenizer.text[-(len(new_text) + longest - 1):]
+        found = [(window.find(stop), stop) for stop in request.params.stop if stop in window]
+        return min(found)[1] if found else None
 
     def result(self, tokenizer) -> RequestOutput:
         outputs = [self._completion(index, req, tokenizer)
@@ -204,13 +221,6 @@ def _logprob_entry(entry: dict[int, float], rank: int, sampled: int,
     ranks[sampled] = rank
     return {token: Logprob(value, ranks[token], tokenizer.decode([token]))
             for token, value in entry.items()}
-
-
-def _find_stop_string(request: Request, tokenizer) -> str | None:
-    text = tokenizer.decode(request.output_token_ids,
-                            skip_special_tokens=request.params.skip_special_tokens)
-    found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
-    return min(found)[1] if found else None
 
 
 def _check_conversation(conversation) -> None:
