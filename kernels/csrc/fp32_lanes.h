@@ -9,10 +9,6 @@
 #include <cstring>
 #include <utility>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 namespace kvrelay {
 
 constexpr int kLanes = 16;
@@ -126,22 +122,8 @@ inline Lanes sum_each(const Lanes v[kLanes]) {
 
 // ---- Whole-vector helpers for the fixed-shape kernel (paged_decode.cpp). ----
 
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// 16 bf16 values widened to fp32: a zero-extend and a shift.
-inline Lanes widen_lanes(const uint16_t* src) {
-#ifdef __AVX512F__
-  // gcc splits the generic version below into two 8-lane extends and an insert.
-  const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return (Lanes)_mm512_slli_epi32(words, 16);
-#endif
-  Halves h;
-  std::memcpy(&h, src, sizeof(h));
-  return (Lanes)(__builtin_convertvector(h, Words) << 16);
-}
-inline Lanes widen_lanes(const float* src) { return load_lanes(src); }
 
 inline Lanes max_each(Lanes a, Lanes b) { return a < b ? b : a; }  // std::max lane by lane
 
