@@ -30,13 +30,18 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 ENV_SWITCH = "KVRELAY_NATIVE_CPU_ATTENTION"
 
 
+_module = None  # the built extension, once paged_decode_op has loaded it
+
+
 @functools.cache
 def paged_decode_op() -> Callable | None:
     """The kernel's entry point, or None where it is switched off or cannot be built."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
+    global _module
     try:
-        return _build().paged_decode_attention
+        _module = _build()
+        return _module.paged_decode_attention
     except Exception as error:  # no compiler, no ninja, no headers: any of these means fall back
         reason = str(error)[-2000:]  # a failed build's log ends with the compiler's complaint
         warnings.warn(
@@ -46,6 +51,14 @@ def paged_decode_op() -> Callable | None:
             stacklevel=2,
         )
         return None
+
+
+def store_kv_op() -> Callable | None:
+    """The extension's store of new K/V rows into the cache, or None where the decode kernel is
+    off or unavailable (the same build holds both)."""
+    if paged_decode_op() is None or _module is None:
+        return None
+    return _module.store_kv
 
 
 def _build():

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "paged_decode.h"
 
@@ -78,9 +79,47 @@ void paged_decode_attention(
   TORCH_CHECK(ok, "paged_decode_attention: a block table entry lies outside the cache");
 }
 
+// Writes key[t] and value[t] into the caches at slot_mapping[t] (block * block_size + offset),
+// skipping tokens whose slot is negative. key/value must have the caches' dtype and each token's
+// [num_kv_heads, head_dim] contiguous (a head slice of a fused qkv output qualifies).
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&key, &value, &k_cache, &v_cache, &slot_mapping})
+    TORCH_CHECK(t->device().is_cpu(), "store_kv takes CPU tensors");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] of one dtype");
+  const int64_t num_tokens = slot_mapping.numel(), heads = k_cache.size(2), head_dim = k_cache.size(3);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == heads && t->size(2) == head_dim,
+                "key and value must be [num_tokens, num_kv_heads, head_dim]");
+    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), "key and value must have the cache's dtype");
+    TORCH_CHECK(t->stride(2) == 1 && (heads == 1 || t->stride(1) == head_dim),
+                "key and value need each token's heads contiguous");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64 [num_tokens]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " lies outside the cache");
+  const int64_t row_bytes = heads * head_dim * int64_t(k_cache.element_size());
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(k_dst + slots[t] * row_bytes, k_src + t * k_stride, row_bytes);
+    std::memcpy(v_dst + slots[t] * row_bytes, v_src + t * v_stride, row_bytes);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention (one query token per row) straight from the paged KV cache");
+  m.def("store_kv", &store_kv, "Write new K/V rows into the paged cache at their slots (negative: skip)");
 }

@@ -1,7 +1,8 @@
 import torch
 import pytest
 
-from kernels import store_kv, store_kv_cpu, store_kv_reference, store_kv_triton
+from kernels import native_cpu, store_kv, store_kv_cpu, store_kv_reference, store_kv_triton
+from tests.kernels.native_support import require_native_decode
 
 STORE_CASES = [
     # (num_tokens, num_blocks, block_size, num_kv_heads, head_dim)
@@ -71,3 +72,42 @@ def test_store_without_skipped_tokens_and_empty_batch(store):
     _assert_stored(key, value, k_cache, v_cache, slot_mapping)
     store(key[:0], value[:0], k_cache, v_cache, slot_mapping[:0])
     _assert_stored(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _torch_store(monkeypatch):
+    """store_kv_cpu as it runs where the native extension is off or failed to build."""
+    monkeypatch.setattr(native_cpu, "store_kv_op", lambda: None)
+    return store_kv_cpu
+
+
+@pytest.mark.parametrize("num_tokens, num_blocks, block_size, num_kv_heads, head_dim", STORE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_and_torch_stores_agree(monkeypatch, num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    require_native_decode()
+    assert native_cpu.store_kv_op() is not None
+    inputs = _store_inputs(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, seed=num_tokens, dtype=dtype)
+    native_k, native_v = inputs[2].clone(), inputs[3].clone()
+    store_kv_cpu(inputs[0], inputs[1], native_k, native_v, inputs[4])
+    _assert_stored(inputs[0], inputs[1], native_k, native_v, inputs[4])
+    _torch_store(monkeypatch)(*inputs)
+    assert torch.equal(native_k.isnan(), inputs[2].isnan()) and torch.equal(native_v.isnan(), inputs[3].isnan())
+    assert torch.equal(native_k.nan_to_num(), inputs[2].nan_to_num())
+    assert torch.equal(native_v.nan_to_num(), inputs[3].nan_to_num())
+
+
+def test_torch_store_converts_dtype_and_skips(monkeypatch):
+    key, value, k_cache, v_cache, slot_mapping = _store_inputs(13, 4, 16, 3, 64, seed=3)
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    # fp32 rows into a bf16 cache: the torch path (the native store takes one dtype), with or
+    # without the extension.
+    for store in (store_kv_cpu, _torch_store(monkeypatch)):
+        store(key, value, k_cache, v_cache, slot_mapping)
+        _assert_stored(key.to(torch.bfloat16), value.to(torch.bfloat16), k_cache, v_cache, slot_mapping)
+
+
+def test_native_store_rejects_a_slot_outside_the_cache():
+    require_native_decode()
+    key, value, k_cache, v_cache, slot_mapping = _store_inputs(5, 2, 16, 1, 64, seed=1)
+    slot_mapping[0] = 2 * 16
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native_cpu.store_kv_op()(key, value, k_cache, v_cache, slot_mapping)
