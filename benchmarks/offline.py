@@ -184,15 +184,17 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--sequential", type=int, default=8,
                         help="requests for HF sequential (0 to skip)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="per-step token budget (default: the LLM class's offline default)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
     conversations = chat64()
     results = []
     for dtype in [args.dtype] + [d for d in args.kvrelay_dtypes.split(",") if d]:
-        results.append(run_kvrelay(conversations, dtype,
-                                   max_num_batched_tokens=args.max_num_batched_tokens))
+        budget = ({} if args.max_num_batched_tokens is None
+                  else {"max_num_batched_tokens": args.max_num_batched_tokens})
+        results.append(run_kvrelay(conversations, dtype, **budget))
         print(markdown(results[-1:], "HF static"), flush=True)
     model_dir = _model_dir()
     for name in [d for d in args.hf_dtypes.split(",") if d]:

@@ -17,10 +17,14 @@ from services.engine.sampler import make_generator
 from services.engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+# Offline batches want throughput over first-token latency: a larger per-step budget admits the
+# whole batch in fewer steps (vLLM's LLM class does the same). Servers keep EngineConfig's 2048.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args) -> None:
+        engine_args.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args)
         self.engine = EngineCore(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
