@@ -52,3 +52,26 @@ def test_variant_greedy_matches_hf(tmp_path, model_dir, name):
         expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                                      do_sample=False)[0, len(prompt):].tolist()
         assert output.outputs[0].token_ids == expected, name
+
+
+def test_model_from_the_local_hf_cache_by_repo_id(tmp_path, model_dir, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    hf_model = _checkpoint(snapshot, model_dir, CONFIGS["llama3_rope_scaling"])
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    llm = LLM(model="tiny-org/tiny-llama", dtype="float32", num_kv_blocks=16)
+    prompt = [1, 5, 9, 200, 3000, 17]
+    got = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False)[0, len(prompt):].tolist()
+    assert got == want
+    with pytest.raises(ValueError, match="not in the local"):
+        LLM(model="tiny-org/not-cached")
