@@ -14,29 +14,20 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fp32_lanes.h"  // widen / narrow: bf16 <-> fp32 with torch's rounding
+
 namespace {
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &widened, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // Element access in either dtype; `round` applies the dtype's rounding to a float.
 struct Bf16 {
   using T = uint16_t;
-  static float load(const T* p, int64_t i) { return bf16_to_float(p[i]); }
-  static void store(T* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-  static float round(float v) { return bf16_to_float(float_to_bf16(v)); }
+  static float load(const T* p, int64_t i) { return kvrelay::widen(p[i]); }
+  static void store(T* p, int64_t i, float v) { kvrelay::narrow(v, p + i); }
+  static float round(float v) {
+    uint16_t bits;
+    kvrelay::narrow(v, &bits);
+    return kvrelay::widen(bits);
+  }
 };
 struct F32 {
   using T = float;
