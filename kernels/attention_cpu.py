@@ -87,19 +87,47 @@ def _prefill_attention(
     tokens = slice(seq.token_start, seq.token_start + seq.query_len)
     keys = key_slots.index_select(0, seq.slot_ids).transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
     values = value_slots.index_select(0, seq.slot_ids).transpose(0, 1)
-    group_size = query.shape[1] // key_slots.shape[1]
-    if seq.causal_mask is not None and group_size > 1:
+    queries = query[tokens].transpose(0, 1)  # [num_q_heads, query_len, head_dim]
+    if seq.causal_mask is None:
+        context_len = seq.slot_ids.numel() - seq.query_len
+        attended = _causal_with_short_context(queries, keys, values, context_len, scale)
+    else:
+        attended = _masked(queries, keys, values, seq.causal_mask, scale)
+    out[tokens] = attended.transpose(0, 1)
+
+
+def _causal_with_short_context(
+    queries: torch.Tensor,  # [num_q_heads, query_len, head_dim]
+    keys: torch.Tensor,  # [num_kv_heads, seq_len, head_dim]
+    values: torch.Tensor,  # [num_kv_heads, seq_len, head_dim]
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_q_heads, query_len, head_dim]
+    # SDPA's fast CPU kernel takes is_causal (top-left aligned) with GQA but no mask. Padding
+    # the queries with context_len dummy rows makes the causal square line up with the keys;
+    # the dummy rows cost context_len / seq_len extra work and are dropped. Used when the
+    # context is short (typically a prefix-cache hit), where this beats the masked path.
+    if context_len:
+        padding = queries.new_zeros(queries.shape[0], context_len, queries.shape[2])
+        queries = torch.cat((padding, queries), dim=1)
+    attended = F.scaled_dot_product_attention(queries[None], keys[None], values[None],
+                                              is_causal=True, scale=scale, enable_gqa=True)
+    return attended[0, :, context_len:]
+
+
+def _masked(
+    queries: torch.Tensor,  # [num_q_heads, query_len, head_dim]
+    keys: torch.Tensor,  # [num_kv_heads, seq_len, head_dim]
+    values: torch.Tensor,  # [num_kv_heads, seq_len, head_dim]
+    causal_mask: torch.Tensor,  # [query_len, seq_len] bool
+    scale: float,
+) -> torch.Tensor:  # [num_q_heads, query_len, head_dim]
+    group_size = queries.shape[0] // keys.shape[0]
+    if group_size > 1:
         # SDPA's CPU flash kernel rejects enable_gqa together with a mask and falls back to the
         # math path, ~50x slower on a 200-token chunk; expanding the kv heads keeps it on flash.
         keys = keys.repeat_interleave(group_size, dim=0)
         values = values.repeat_interleave(group_size, dim=0)
-    attended = F.scaled_dot_product_attention(
-        query[tokens].transpose(0, 1)[None],
-        keys[None],
-        values[None],
-        attn_mask=seq.causal_mask,
-        is_causal=seq.causal_mask is None,
-        scale=scale,
-        enable_gqa=seq.causal_mask is None,
-    )  # [1, num_q_heads, query_len, head_dim]
-    out[tokens] = attended[0].transpose(0, 1)
+    attended = F.scaled_dot_product_attention(queries[None], keys[None], values[None],
+                                              attn_mask=causal_mask, scale=scale)
+    return attended[0]

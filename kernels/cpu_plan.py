@@ -31,7 +31,7 @@ class PrefillSeq:
     token_start: int
     query_len: int
     slot_ids: torch.Tensor  # [seq_len] int64, cache slots of the whole sequence
-    causal_mask: torch.Tensor | None  # [query_len, seq_len] bool; None without context (is_causal)
+    causal_mask: torch.Tensor | None  # [query_len, seq_len] bool; None when context <= query_len
 
 
 @dataclass(slots=True)
@@ -99,7 +99,9 @@ def _plan_prefill(
     positions = torch.arange(seq_len)
     context_len = seq_len - query_len
     causal_mask = None
-    if context_len > 0:
+    # A short context (e.g. a prefix-cache hit) is cheaper as is_causal over padded queries
+    # than as a mask (see attention_cpu._causal_with_short_context): no mask then.
+    if context_len > query_len:
         query_positions = context_len + torch.arange(query_len)
         causal_mask = positions[None, :] <= query_positions[:, None]
     return PrefillSeq(
