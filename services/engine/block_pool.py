@@ -146,8 +146,3 @@ class BlockPool:
         if self.cached.get(block.block_hash.value) is block:
             del self.cached[block.block_hash.value]
         block.block_hash = None
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                self._evict(block)

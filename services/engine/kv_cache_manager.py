@@ -18,11 +18,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens found in the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_size = block_size

@@ -47,8 +47,6 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
-        self.first_token_time: float | None = None
-        self.scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,6 @@ preemption by recompute all fall out of that. No I/O here: the service layer dri
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
@@ -144,7 +143,6 @@ class Scheduler:
                 request.num_cached_prompt_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            request.scheduled_time = request.scheduled_time or time.monotonic()
             self.running.append(request)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
