@@ -1,20 +1,37 @@
-"""The `kvrelay` command. The service subcommands arrive with the services issue."""
+"""The `kvrelay` command: one subcommand per service, plus `up` for the whole local stack.
+
+Each service package has a `main` module with `add_arguments(parser)` and `run(args) -> int`;
+every flag is also read from `KVRELAY_<FLAG>` (see services/common/flags.py).
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# subcommand -> (module, help)
+COMMANDS = {
+    "gateway": ("services.gateway.main", "OpenAI REST + public gRPC API"),
+    "tokenizer": ("services.tokenizer.main", "chat templates, tokenization, detokenization"),
+    "scheduler": ("services.scheduler.main", "the engine core: queues, KV blocks, PD handoff"),
+    "worker": ("services.worker.main", "a model worker: --role prefill|decode|both"),
+    "up": ("services.stack.main", "run all five services locally as child processes"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvrelay")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="run the full local stack (not built yet)")
-    args = parser.parse_args(argv)
-    if args.command == "up":
-        print("kvrelay: the gRPC services are not built yet; use the offline API "
-              "(from services.engine import LLM) for now.", file=sys.stderr)
-        return 2
-    return 0
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return module.run(args) or 0
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ class OutputBatch(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,10 @@ class RegisterWorkerRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -99,7 +103,11 @@ class RegisterWorkerRequest(_message.Message):
     model: str
     dtype: str
     kv_transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_id: str
+    shm_path: str
+    max_model_len: int
+    vocab_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ms",)
@@ -140,17 +148,25 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "workers", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    __slots__ = ("num_waiting", "num_running", "workers", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "model", "max_model_len", "ready", "num_transferring")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    model: str
+    max_model_len: int
+    ready: bool
+    num_transferring: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., num_transferring: _Optional[int] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "params", "block_ids", "num_computed_tokens", "eos_token_ids", "child_index")
+    __slots__ = ("seq_id", "token_ids", "params", "block_ids", "num_computed_tokens", "eos_token_ids", "child_index", "num_prompt_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class NewSequence(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHILD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class NewSequence(_message.Message):
     num_computed_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     child_index: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., child_index: _Optional[int] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., child_index: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "num_new_tokens", "new_block_ids", "new_token_ids")
@@ -38,20 +40,24 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvSendOrder(_message.Message):
-    __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport")
+    __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport", "dst_shm_path", "during_step")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DST_SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    DURING_STEP_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     seq_id: str
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dst_address: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     transport: str
-    def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ...) -> None: ...
+    dst_shm_path: str
+    during_step: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., dst_shm_path: _Optional[str] = ..., during_step: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "kv_sends")

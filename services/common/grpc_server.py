@@ -1,0 +1,86 @@
+"""A grpc.aio server with health, reflection and a graceful drain on SIGTERM.
+
+Health is NOT_SERVING from start until the service says it is ready, and again while it drains,
+so load balancers and `kvrelay up` route around a service that cannot take work.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from services.common.log import get_logger
+
+# Internal messages (KV chunks, step batches) can be large; the KV connector chunks its own
+# messages under gRPC's 4 MiB default, the rest stays far below this.
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+
+log = get_logger(__name__)
+
+
+class ServiceServer:
+    """Owns one grpc.aio server: add servicers, `start`, `set_serving`, `wait_for_termination`."""
+
+    def __init__(self, host: str, port: int, service_names: list[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                  reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise SystemExit(f"cannot bind {host}:{port}")
+        self.stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_all(status)
+
+    async def _set_all(self, status) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    async def serve_until_stopped(self, drain: Callable[[], Awaitable[None]] | None = None,
+                                  grace_s: float = 30.0) -> None:
+        """Wait for SIGTERM/SIGINT, then go NOT_SERVING, let `drain` finish in-flight work
+        (bounded by `grace_s`) and stop."""
+        await self.stopping.wait()
+        log.info("draining")
+        await self.set_serving(False)
+        if drain is not None:
+            try:
+                await asyncio.wait_for(drain(), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("drain timed out", grace_s=grace_s)
+        await self.server.stop(grace=2.0)
+        log.info("stopped")
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

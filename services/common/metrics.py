@@ -1,0 +1,38 @@
+"""Prometheus metrics: vLLM's names where they exist, under the `kvrelay:` prefix.
+
+Every service exposes its registry over HTTP (`--metrics-port`); the gateway also serves it at
+`/metrics` on its REST port.
+"""
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
+                               start_http_server)
+
+REGISTRY = CollectorRegistry()
+
+# Latency buckets in seconds, from a fast decode step to a long queued prompt.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(f"kvrelay:{name}", doc, labels, registry=REGISTRY)
+
+
+def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return Gauge(f"kvrelay:{name}", doc, labels, registry=REGISTRY)
+
+
+def histogram(name: str, doc: str, labels: tuple[str, ...] = (),
+              buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+    return Histogram(f"kvrelay:{name}", doc, labels, registry=REGISTRY, buckets=buckets)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
+    """Expose REGISTRY on http://host:port/metrics (0: do not expose)."""
+    if port:
+        start_http_server(port, addr=host, registry=REGISTRY)
+
+
+def render_metrics() -> bytes:
+    return generate_latest(REGISTRY)
