@@ -1,0 +1,1 @@
+"""`kvrelay up`: the whole local stack (tokenizer, scheduler, workers, gateway) as child processes."""

@@ -1,0 +1,98 @@
+"""One service as a child process: spawn it so it cannot outlive `kvrelay up`, stop it, read its log.
+
+Each child leads its own process group, so a terminal's Ctrl-C reaches only `up`, which then stops
+the children in order, and so a straggler's helpers (compiler runs, tokenizer threads) die with it.
+On Linux each child also asks the kernel for SIGKILL when `up` dies, even by SIGKILL.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from services.stack.plan import ServiceSpec
+
+PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 40
+
+
+def _die_with_parent(parent_pid: int):
+    """A preexec_fn: runs in the child between fork and exec."""
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The parent may have died before prctl took effect; then nobody will signal us.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
+
+
+class Child:
+    def __init__(self, spec: ServiceSpec, log_dir: Path | None) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log" if log_dir else None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, base_env: dict[str, str]) -> None:
+        env = {**base_env, **self.spec.env}
+        log = open(self.log_path, "ab") if self.log_path else None
+        try:
+            self.process = subprocess.Popen(
+                self.spec.command(), env=env, stdin=subprocess.DEVNULL,
+                stdout=log or sys.stderr, stderr=subprocess.STDOUT if log else sys.stderr,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None)
+        finally:
+            if log:
+                log.close()  # the child holds its own descriptor
+
+    def started(self) -> bool:
+        return self.process is not None
+
+    def exit_code(self) -> int | None:
+        """None while running (or never started)."""
+        return self.process.poll() if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self) -> None:
+        # Only the service itself: it drains, then exits with its helpers.
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.kill_group()
+            self.process.wait()
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left of the child's process group, so nothing it spawned survives.
+        Called right after the child exits, before its group id could be reused."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        if self.log_path is None:
+            return "(its output went to this terminal, above)"
+        try:
+            with open(self.log_path, "rb") as handle:
+                tail = deque(handle, maxlen=lines)
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc})"
+        return b"".join(tail).decode("utf-8", "replace").rstrip()

@@ -1,0 +1,88 @@
+"""`kvrelay up`: run tokenizer, scheduler, workers and gateway locally, wait for health, serve.
+
+Default topology `pd`: one prefill and one decode worker; `--topology colocated`: one `--role
+both` worker. Every flag is also read from `KVRELAY_<FLAG>`; those variables are not passed on to
+the children (which share flag names such as `--port` with a different meaning), the values go
+on their command lines instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from services.common.flags import add_flag, flag_env_names
+from services.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack
+from services.stack.ports import busy_ports
+from services.stack.supervisor import Supervisor, say
+
+STATE_FILE_NAME = "stack.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--topology", choices=TOPOLOGIES, default="pd",
+             help="pd: prefill + decode workers; colocated: --role both workers")
+    add_flag(parser, "--num-prefill-workers", type=int, default=1, help="pd topology")
+    add_flag(parser, "--num-decode-workers", type=int, default=1, help="pd topology")
+    add_flag(parser, "--num-workers", type=int, default=1, help="colocated topology")
+    add_flag(parser, "--host", default="127.0.0.1", help="interface every service binds")
+    add_flag(parser, "--port", type=int, default=8000, help="the gateway's OpenAI REST port")
+    add_flag(parser, "--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
+    add_flag(parser, "--base-port", type=int, default=50051,
+             help="first of the internal gRPC ports, then the metrics ports")
+    add_flag(parser, "--model", default=None, help="model for tokenizer and workers")
+    add_flag(parser, "--served-model-name", default=None, help="model id the API shows")
+    add_flag(parser, "--dtype", choices=("auto", "float32", "bfloat16"), default=None)
+    add_flag(parser, "--kv-cache-memory", type=int, default=None, help="bytes per worker")
+    add_flag(parser, "--num-kv-blocks", type=int, default=None, help="per worker")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=None)
+    add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
+    add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)
+    add_flag(parser, "--threads-per-worker", type=int, default=None,
+             help="torch threads per worker (default: the cores split between workers)")
+    add_flag(parser, "--api-key", default=None, help="required bearer token for the API")
+    add_flag(parser, "--log-level", default="info")
+    add_flag(parser, "--log-dir", default=None,
+             help="each service logs to <dir>/<name>.log (default: this terminal)")
+    add_flag(parser, "--state-file", default=None,
+             help=f"JSON with each service's pid, address and metrics URL "
+                  f"(default: <log-dir>/{STATE_FILE_NAME} when --log-dir is set)")
+    add_flag(parser, "--startup-timeout", type=float, default=600.0, help="seconds")
+    add_flag(parser, "--stop-timeout", type=float, default=40.0,
+             help="seconds for a graceful stop before stragglers are killed")
+    parser.set_defaults(env_names=list(flag_env_names(parser).values()))
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check_args(args)
+    if problem:
+        say(problem)
+        return 2
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    state_path = (Path(args.state_file) if args.state_file
+                  else log_dir / STATE_FILE_NAME if log_dir else None)
+    supervisor = Supervisor(plan_stack(args), args.topology, log_dir, state_path,
+                            args.startup_timeout, args.stop_timeout, _child_env(args))
+    return supervisor.run()
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    counts = (args.num_prefill_workers, args.num_decode_workers, args.num_workers)
+    if min(counts) < 1:
+        return "worker counts must be >= 1"
+    internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))
+    if args.port in internal or args.grpc_port in internal or args.port == args.grpc_port:
+        return (f"--port {args.port} and --grpc-port {args.grpc_port} must differ and lie "
+                f"outside the internal ports {internal[0]}-{internal[-1]} (--base-port)")
+    busy = busy_ports(args.host, [args.port, args.grpc_port, *internal])
+    if busy:
+        return f"port(s) already in use on {args.host}: {', '.join(map(str, busy))}"
+    return None
+
+
+def _child_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if name not in args.env_names}
+    env["PYTHONUNBUFFERED"] = "1"  # log lines reach the files as they happen
+    return env

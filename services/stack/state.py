@@ -1,0 +1,40 @@
+"""The stack's state file: one JSON document listing every service's pid, address and metrics URL.
+
+Tests and operators read it to find a service (e.g. to kill the decode worker); it is replaced
+atomically on every change, so a reader never sees half of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from services.stack.child import Child
+
+
+def stack_state(status: str, topology: str, children: list[Child], ready: set[str]) -> dict:
+    gateway = next(child.spec for child in children if child.spec.kind == "gateway")
+    return {
+        "status": status,  # starting, ready, stopping, stopped, failed
+        "pid": os.getpid(),
+        "topology": topology,
+        "rest_url": gateway.rest_url,
+        "openai_base_url": f"{gateway.rest_url}/v1",
+        "grpc_address": gateway.address,
+        "services": {child.name: {
+            "kind": child.spec.kind,
+            "role": child.spec.role,
+            "pid": child.pid,
+            "address": child.spec.address,
+            "metrics_url": child.spec.metrics_url,
+            "log": str(child.log_path) if child.log_path else None,
+            "ready": child.name in ready,
+            "exit_code": child.exit_code(),
+        } for child in children},
+    }
+
+
+def write_state(path: Path, state: dict) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(staging, path)

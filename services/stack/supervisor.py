@@ -1,0 +1,177 @@
+"""Runs the stack: start services as their dependencies become healthy, watch them, stop them.
+
+One thread, one polling loop; signal handlers only count signals, so every decision (start, fail,
+stop) happens in the loop where the state is plain. A second Ctrl-C skips the graceful stop.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from services.stack.child import Child
+from services.stack.health import HealthProbe
+from services.stack.plan import ServiceSpec
+from services.stack.state import stack_state, write_state
+
+POLL_S = 0.2
+PROGRESS_EVERY_S = 10.0
+# Stop order: nothing new comes in, then the front services drain, then the workers go.
+STOP_STAGES = (("gateway",), ("tokenizer", "scheduler"), ("worker",))
+
+
+class Supervisor:
+    def __init__(self, specs: list[ServiceSpec], topology: str, log_dir: Path | None,
+                 state_path: Path | None, startup_timeout_s: float, stop_timeout_s: float,
+                 base_env: dict[str, str]) -> None:
+        self.children = [Child(spec, log_dir) for spec in specs]
+        self.topology = topology
+        self.state_path = state_path
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.base_env = base_env
+        self.ready: set[str] = set()
+        self.num_signals = 0
+        self.started_at = time.monotonic()
+
+    # ---- the whole life ------------------------------------------------------------------------
+    def run(self) -> int:
+        self._install_signal_handlers()
+        code = 1
+        try:
+            if self._start_all():
+                self._publish("ready")
+                self._print_endpoints()
+                code = self._watch()
+            elif self.num_signals:
+                code = 0
+        finally:
+            self._publish("stopping")
+            self._stop_all()
+            self._publish("stopped" if code == 0 else "failed")
+        return code
+
+    def _install_signal_handlers(self) -> None:
+        def on_signal(signum, frame) -> None:
+            self.num_signals += 1
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _start_all(self) -> bool:
+        """Start each child once its dependencies are SERVING; True when all are."""
+        probes = {child.name: HealthProbe(child.spec.address, child.spec.rest_url)
+                  for child in self.children}
+        deadline = self.started_at + self.startup_timeout_s
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
+        statuses: dict[str, str] = {}
+        try:
+            while len(self.ready) < len(self.children):
+                if self.num_signals:
+                    say("interrupted during start-up")
+                    return False
+                self._start_runnable()
+                if not self._poll_startup(probes, statuses):
+                    return False
+                if time.monotonic() > deadline:
+                    self._report_timeout(statuses)
+                    return False
+                if time.monotonic() > next_progress:
+                    waiting = [f"{name} ({status})" for name, status in statuses.items()
+                               if name not in self.ready]
+                    say(f"still waiting for {', '.join(waiting)}")
+                    next_progress += PROGRESS_EVERY_S
+                time.sleep(POLL_S)
+            return True
+        finally:
+            for probe in probes.values():
+                probe.close()
+
+    def _start_runnable(self) -> None:
+        for child in self.children:
+            if not child.started() and all(dep in self.ready for dep in child.spec.depends_on):
+                child.start(self.base_env)
+                say(f"{child.name:<10} started (pid {child.pid}) on {child.spec.address}")
+                self._publish("starting")
+
+    def _poll_startup(self, probes: dict[str, HealthProbe], statuses: dict[str, str]) -> bool:
+        """Check every started child once; False if one has died."""
+        for child in self.children:
+            if not child.started() or child.name in self.ready:
+                continue
+            if child.exit_code() is not None:
+                self._report_death(child, "during start-up")
+                return False
+            statuses[child.name] = probes[child.name].status()
+            if statuses[child.name] == "SERVING":
+                self.ready.add(child.name)
+                say(f"{child.name:<10} SERVING after {time.monotonic() - self.started_at:.1f}s")
+                self._publish("starting")
+        return True
+
+    def _report_timeout(self, statuses: dict[str, str]) -> None:
+        for child in self.children:
+            if child.name not in self.ready:
+                status = statuses.get(child.name, "not started")
+                say(f"{child.name} is not ready after {self.startup_timeout_s:.0f}s ({status}); "
+                    f"its log ends:\n{indent(child.log_tail())}")
+
+    def _report_death(self, child: Child, when: str) -> None:
+        say(f"{child.name} exited with code {child.exit_code()} {when}; "
+            f"its log ends:\n{indent(child.log_tail())}")
+
+    # ---- running -------------------------------------------------------------------------------
+    def _watch(self) -> int:
+        """Wait for a signal (0) or a child's death (1)."""
+        while not self.num_signals:
+            for child in self.children:
+                if child.exit_code() is not None:
+                    self._report_death(child, "while serving; stopping the stack")
+                    return 1
+            time.sleep(POLL_S)
+        say("stopping")
+        return 0
+
+    def _print_endpoints(self) -> None:
+        gateway = next(child.spec for child in self.children if child.spec.kind == "gateway")
+        lines = [f"kvrelay is up ({self.topology}, {time.monotonic() - self.started_at:.1f}s)",
+                 f"  OpenAI REST  {gateway.rest_url}/v1",
+                 f"  gRPC API     {gateway.address}",
+                 f"  {'service':<11}{'pid':<9}{'gRPC':<22}metrics"]
+        for child in self.children:
+            lines.append(f"  {child.name:<11}{child.pid:<9}{child.spec.address:<22}"
+                         f"{child.spec.metrics_url}")
+        lines.append("Ctrl-C stops the stack.")
+        print("\n".join(lines), flush=True)
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def _stop_all(self) -> None:
+        signals_before = self.num_signals
+        deadline = time.monotonic() + self.stop_timeout_s
+        for kinds in STOP_STAGES:
+            stage = [child for child in self.children if child.spec.kind in kinds]
+            for child in stage:
+                child.terminate()
+            while any(child.alive() for child in stage):
+                if time.monotonic() > deadline or self.num_signals > signals_before:
+                    break
+                time.sleep(POLL_S / 2)
+        stragglers = [child for child in self.children if child.alive()]
+        for child in stragglers:
+            say(f"{child.name} did not stop in time; killing it")
+            child.kill()
+        for child in self.children:
+            child.kill_group()
+
+    def _publish(self, status: str) -> None:
+        if self.state_path is not None:
+            write_state(self.state_path, stack_state(status, self.topology, self.children,
+                                                     self.ready))
+
+
+def say(message: str) -> None:
+    print(f"[kvrelay up] {message}", flush=True)
+
+
+def indent(text: str) -> str:
+    return "\n".join(f"    | {line}" for line in text.splitlines())

@@ -1,0 +1,81 @@
+"""`kvrelay up`'s plan: ports, roles and command lines of each topology (no processes started)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.stack import main as stack_main
+from services.stack.plan import num_internal_ports, plan_stack
+
+
+def parse(*argv: str, env: dict[str, str] | None = None, monkeypatch=None) -> argparse.Namespace:
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    stack_main.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def flag(spec, name: str) -> str:
+    return spec.argv[spec.argv.index(name) + 1]
+
+
+def test_pd_plan_has_one_prefill_and_one_decode_worker_on_distinct_ports():
+    specs = plan_stack(parse("--base-port", "40000"))
+    assert [s.name for s in specs] == ["tokenizer", "scheduler", "prefill-0", "decode-0", "gateway"]
+    assert [s.role for s in specs if s.kind == "worker"] == ["prefill", "decode"]
+    internal = [s for s in specs if s.kind != "gateway"]
+    ports = [int(flag(s, "--port")) for s in internal] + \
+            [int(flag(s, "--metrics-port")) for s in internal]
+    assert sorted(ports) == list(range(40000, 40000 + len(ports)))
+    assert len(ports) == num_internal_ports(parse())
+    gateway = specs[-1]
+    assert flag(gateway, "--port") == "8000" and gateway.address == "127.0.0.1:50050"
+    assert flag(gateway, "--tokenizer-address") == specs[0].address
+    assert flag(gateway, "--scheduler-address") == specs[1].address
+
+
+def test_workers_advertise_their_own_address_and_wait_for_tokenizer_and_scheduler():
+    specs = plan_stack(parse("--host", "0.0.0.0", "--threads-per-worker", "3"))
+    for worker in (s for s in specs if s.kind == "worker"):
+        assert flag(worker, "--advertise-address") == worker.address
+        assert worker.address.startswith("127.0.0.1:")  # a wildcard bind is dialled on loopback
+        assert flag(worker, "--host") == "0.0.0.0"
+        assert flag(worker, "--scheduler-address") == specs[1].address
+        assert flag(worker, "--num-threads") == "3" and worker.env["OMP_NUM_THREADS"] == "3"
+        assert set(worker.depends_on) == {"tokenizer", "scheduler"}
+
+
+def test_colocated_plan_runs_one_worker_with_role_both():
+    specs = plan_stack(parse("--topology", "colocated"))
+    workers = [s for s in specs if s.kind == "worker"]
+    assert [(w.name, flag(w, "--role")) for w in workers] == [("worker-0", "both")]
+
+
+def test_engine_flags_reach_only_the_services_that_own_them():
+    specs = {s.name: s for s in plan_stack(parse(
+        "--dtype", "float32", "--num-kv-blocks", "1024", "--no-prefix-caching",
+        "--max-num-batched-tokens", "512", "--api-key", "k"))}
+    assert flag(specs["decode-0"], "--dtype") == "float32"
+    assert flag(specs["prefill-0"], "--num-kv-blocks") == "1024"
+    assert "--no-prefix-caching" in specs["scheduler"].argv
+    assert flag(specs["scheduler"], "--max-num-batched-tokens") == "512"
+    assert flag(specs["gateway"], "--api-key") == "k"
+    assert "--dtype" not in specs["tokenizer"].argv  # unset flags keep each service's default
+    assert "--model" not in specs["decode-0"].argv
+
+
+def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
+    # KVRELAY_PORT means the REST port to `up` but the gRPC port to the tokenizer.
+    args = parse(env={"KVRELAY_PORT": "9000", "KVRELAY_LEASE_MS": "500"},
+                 monkeypatch=monkeypatch)
+    assert args.port == 9000
+    env = stack_main._child_env(args)
+    assert "KVRELAY_PORT" not in env and env["KVRELAY_LEASE_MS"] == "500"
+
+
+@pytest.mark.parametrize("argv", [("--port", "50052"), ("--grpc-port", "8000"),
+                                  ("--num-decode-workers", "0")])
+def test_conflicting_ports_and_empty_topologies_are_refused(argv):
+    assert stack_main._check_args(parse(*argv)) is not None
