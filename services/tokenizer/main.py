@@ -1,0 +1,54 @@
+"""`kvrelay tokenizer`: the model's tokenizer as a stateless gRPC service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.flags import add_flag
+from services.common.grpc_server import ServiceServer
+from services.common.log import get_logger
+from services.common.metrics import serve_metrics
+from services.common.runtime import run_service
+
+log = get_logger(__name__)
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(parser, "--port", type=int, default=50051, help="gRPC port")
+    add_flag(parser, "--metrics-port", type=int, default=9101,
+             help="Prometheus port (0: off)")
+    add_flag(parser, "--model", default=None,
+             help="model directory, .gguf file or cached HF repo id (default: SmolLM2-135M)")
+    add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_service("tokenizer", serve(args), args.log_level)
+    return 0
+
+
+def load_tokenizer(model: str | None):
+    from transformers import AutoTokenizer
+
+    from services.engine.model_loader import resolve_model_dir
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from services.tokenizer.servicer import TokenizerServicer
+
+    server = ServiceServer(args.host, args.port, [SERVICE_NAME])
+    servicer = TokenizerServicer()
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
+    server.install_signal_handlers()
+    await server.start()
+    serve_metrics(args.metrics_port)
+    log.info("tokenizer loading", port=server.port, model=args.model or "default")
+    # Loading may convert a GGUF (many seconds): off the loop, so health answers meanwhile.
+    servicer.load(await asyncio.to_thread(load_tokenizer, args.model))
+    await server.set_serving(True)
+    log.info("tokenizer serving", port=server.port, vocab_size=servicer.vocab_size)
+    await server.serve_until_stopped()

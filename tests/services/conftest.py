@@ -1,0 +1,81 @@
+"""Real service processes for the service tests: free ports, start, wait for health, stop."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def grpc_health(address: str, timeout: float = 1.0) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class ServiceProcess:
+    """One `kvrelay <command>` child process, its log kept in a file for failure messages."""
+
+    def __init__(self, command: str, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.log_file = log_path.open("wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "services.cli", command, *args],
+                                        cwd=REPO, env=env, stdout=self.log_file,
+                                        stderr=subprocess.STDOUT)
+
+    def wait_for(self, ready, what: str, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} not ready after {timeout}s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log_file.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_address(tmp_path_factory):
+    """A real tokenizer service on the default model."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    service = ServiceProcess("tokenizer", ["--host", "127.0.0.1", "--port", str(port),
+                                           "--metrics-port", "0", "--log-level", "warning"],
+                             tmp_path_factory.mktemp("tokenizer") / "tokenizer.log")
+    try:
+        service.wait_for(lambda: grpc_health(address) == "SERVING", "tokenizer service")
+        yield address
+    finally:
+        service.stop()
