@@ -1,0 +1,49 @@
+"""A client that goes away mid-stream: its request is aborted everywhere and every KV block it
+held is free again on both workers within a second."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+ABORT_DEADLINE_S = 1.0
+
+
+def all_blocks_free(stats) -> bool:
+    return (stats.num_running == stats.num_waiting == stats.num_transferring == 0
+            and all(w.num_free_blocks == w.num_blocks for w in stats.workers))
+
+
+def describe(stats) -> str:
+    workers = ", ".join(f"{w.worker_id}: {w.num_free_blocks}/{w.num_blocks} free, "
+                        f"{w.num_running} running" for w in stats.workers)
+    return (f"running {stats.num_running}, waiting {stats.num_waiting}, "
+            f"transferring {stats.num_transferring}; {workers}")
+
+
+def test_disconnect_mid_stream_frees_every_block(pd_stack, model_id):
+    before = pd_stack.scheduler_stats()
+    assert all_blocks_free(before), f"blocks held before the test: {describe(before)}"
+    assert len(before.workers) == 2
+    body = {"model": model_id, "stream": True, "max_tokens": 2000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a very long story."}]}
+    with httpx.Client(timeout=60, trust_env=False) as http:
+        with http.stream("POST", f"{pd_stack.base_url}/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            events = 0
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    assert "error" not in json.loads(line[6:])
+                    events += 1
+                if events == 5:
+                    break
+            during = pd_stack.scheduler_stats()
+            assert during.num_running == 1, describe(during)
+            assert any(w.num_free_blocks < w.num_blocks for w in during.workers)
+        # Leaving the block closed the response: the connection is gone.
+    closed_at = time.monotonic()
+    while not all_blocks_free(stats := pd_stack.scheduler_stats()):
+        assert time.monotonic() - closed_at < ABORT_DEADLINE_S, \
+            f"still held {ABORT_DEADLINE_S}s after the disconnect: {describe(stats)}"
+        time.sleep(0.05)
