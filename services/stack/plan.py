@@ -47,7 +47,14 @@ def threads_per_worker(args: Namespace, num_workers: int) -> int:
     # Workers are the only processes doing heavy math; the others get one thread each.
     if args.threads_per_worker:
         return args.threads_per_worker
-    return max(1, (os.cpu_count() or 1) // num_workers)
+    return max(1, usable_cpus() // num_workers)
+
+
+def usable_cpus() -> int:
+    # The CPUs this process may run on (taskset, container cpusets), not all the host has.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def num_internal_ports(args: Namespace) -> int:

@@ -54,8 +54,9 @@ class Supervisor:
     def _install_signal_handlers(self) -> None:
         def on_signal(signum, frame) -> None:
             self.num_signals += 1
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        # SIGHUP too: a closed terminal should stop the stack gracefully, not by PDEATHSIG.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, on_signal)
 
     # ---- start-up ------------------------------------------------------------------------------
     def _start_all(self) -> bool:

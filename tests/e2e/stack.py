@@ -70,7 +70,7 @@ class RunningStack:
 
     def surviving_children(self) -> list[str]:
         return [f"{name} (pid {s['pid']})" for name, s in self.state["services"].items()
-                if s["pid"] and _running(s["pid"])]
+                if s["pid"] and process_running(s["pid"])]
 
 
 def free_port_block(count: int) -> int:
@@ -125,7 +125,7 @@ def stop_and_check(stack: RunningStack, expected_code: int = 0) -> None:
     assert not stack.surviving_children(), stack.surviving_children()
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().split(")")[-1].split()[0] != "Z"
