@@ -44,8 +44,8 @@ def test_a_child_failing_at_start_up_stops_the_stack_with_its_log(tmp_path):
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 1, result.stdout
-    assert "tokenizer exited with code" in result.stdout
-    assert "no-such-model" in result.stdout  # the tail of the tokenizer's own log
+    assert "tokenizer exited with code" in result.stdout, result.stdout
+    assert "no-such-model" in result.stdout, result.stdout  # the tail of the tokenizer's log
     state = json.loads((tmp_path / "stack.json").read_text())
     assert state["status"] == "failed"
     assert not any(s["pid"] and process_running(s["pid"]) for s in state["services"].values())
