@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -66,16 +68,36 @@ class ServiceProcess:
         self.log_file.close()
 
 
+@dataclass
+class TokenizerService:
+    address: str
+    metrics_url: str
+
+    def metric(self, name: str) -> float:
+        """A sample's value from the service's Prometheus page (0 when absent)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
+
+
 @pytest.fixture(scope="session")
-def tokenizer_address(tmp_path_factory):
+def tokenizer_service(tmp_path_factory) -> TokenizerService:
     """A real tokenizer service on the default model."""
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     service = ServiceProcess("tokenizer", ["--host", "127.0.0.1", "--port", str(port),
-                                           "--metrics-port", "0", "--log-level", "warning"],
+                                           "--metrics-port", str(metrics_port),
+                                           "--log-level", "warning"],
                              tmp_path_factory.mktemp("tokenizer") / "tokenizer.log")
     try:
         service.wait_for(lambda: grpc_health(address) == "SERVING", "tokenizer service")
-        yield address
+        yield TokenizerService(address, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         service.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_address(tokenizer_service) -> str:
+    return tokenizer_service.address

@@ -1,0 +1,183 @@
+"""The OpenAI-compatible REST app: routes, auth, request ids, and errors as OpenAI error bodies.
+
+Every failure a client can cause answers 400 with `{"error": {...}}`; bodies are parsed here
+rather than by FastAPI so that no path returns FastAPI's 422."""
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from importlib import metadata
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from services.common.log import bind_request_id, get_logger
+from services.common.metrics import render_metrics
+from services.gateway.errors import KINDS, GatewayError, invalid
+from services.gateway.openai_chat import create_chat_completion
+from services.gateway.openai_completions import create_completion
+from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, TokenizeRequest)
+from services.gateway.openai_serving import ClientDisconnected, served_model
+
+log = get_logger(__name__)
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def build_app(core, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
+    app.state.core = core
+    app.state.draining = False
+    _add_error_handlers(app)
+    auth = [Depends(_authorizer(api_key))] if api_key else []
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        return await _generate(request, ChatCompletionRequest, create_chat_completion, "chatcmpl")
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        return await _generate(request, CompletionRequest, create_completion, "cmpl")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        model = served_model(core, None)
+        return {"object": "list", "data": [{
+            "id": model, "object": "model", "created": int(time.time()), "owned_by": "kvrelay",
+            "root": model, "parent": None, "max_model_len": core.max_model_len}]}
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request):
+        body = await _parse(request, TokenizeRequest)
+        request_id = _request_id(request, "tok")
+        token_ids = await _tokenize(core, body, request_id)
+        return {"count": len(token_ids), "max_model_len": core.max_model_len,
+                "tokens": token_ids, "token_strs": None}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        served_model(core, body.model)
+        text = await core.upstream.decode(body.tokens, _request_id(request, "detok"),
+                                          skip_special_tokens=False)
+        return {"prompt": text}
+
+    @app.get("/health")
+    async def health():
+        ready = core.ready and not app.state.draining
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    return app
+
+
+async def _generate(request: Request, model: type[BaseModel], handler, prefix: str):
+    core = request.app.state.core
+    if request.app.state.draining:
+        raise GatewayError("unavailable", "the gateway is shutting down")
+    request_id = _request_id(request, prefix)
+    body = await _parse(request, model)
+    log.info("request", endpoint=request.url.path, stream=body.stream, user=body.user)
+    try:
+        response = await handler(core, request, body, request_id)
+    except ClientDisconnected:
+        log.info("client disconnected; request aborted")
+        response = Response(status_code=499)
+    response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+async def _tokenize(core, body: TokenizeRequest, request_id: str) -> list[int]:
+    served_model(core, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give either prompt or messages", "prompt")
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return await core.upstream.encode(body.prompt, add_special, request_id)
+    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    return await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
+    request.state.request_id = request_id
+    bind_request_id(request_id)
+    return request_id
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+def _validation_error(errors) -> GatewayError:
+    first = errors[0]
+    location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = f"{location}: {first['msg']}" if location else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return invalid(message, location.split(".", 1)[0] or None)
+
+
+def _authorizer(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise GatewayError("authentication", "invalid or missing API key "
+                                                 "(send Authorization: Bearer <key>)")
+    return check
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def gateway_error(request: Request, exc: GatewayError):
+        return _error_response(request, exc.http_status, exc.body())
+
+    async def http_error(request: Request, exc: HTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request"
+        body = {"error": {"message": str(exc.detail), "type": KINDS[kind][1], "param": None,
+                          "code": exc.status_code}}
+        return _error_response(request, exc.status_code, body)
+
+    async def validation_error(request: Request, exc: RequestValidationError):
+        error = _validation_error(exc.errors())
+        return _error_response(request, 400, error.body())
+
+    async def unexpected_error(request: Request, exc: Exception):
+        log.exception("unexpected error", exc_info=exc)
+        error = GatewayError("internal", f"internal error: {type(exc).__name__}")
+        return _error_response(request, 500, error.body())
+
+    app.add_exception_handler(GatewayError, gateway_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected_error)
+
+
+def _error_response(request: Request, status: int, body: dict) -> JSONResponse:
+    request_id = getattr(request.state, "request_id", None)
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvrelay")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"

@@ -1,0 +1,174 @@
+"""The transport-neutral gateway: submit prompts, stream each step's SampleDeltas back, abort.
+
+Both front ends (OpenAI REST and the public gRPC API) use it. It keeps one Outputs stream from
+the scheduler and one Detokenize stream to the tokenizer for all requests, and polls both
+services to know whether it can serve."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.api.kvrelay.v1 import scheduler_pb2
+from services.common.log import get_logger
+from services.common.wire import params_to_proto
+from services.engine.sampling_params import SamplingParams
+from services.gateway import metrics
+from services.gateway.detokenize_pipeline import DetokenizePipeline
+from services.gateway.errors import GatewayError
+from services.gateway.request_group import RequestGroup
+from services.gateway.request_state import RequestState
+from services.gateway.router import OutputRouter
+from services.gateway.upstream import Upstream
+
+log = get_logger(__name__)
+HEALTH_POLL_S = 0.5
+RECONNECT_DELAY_S = 0.5
+
+
+class GatewayCore:
+    def __init__(self, upstream: Upstream, gateway_id: str,
+                 served_model_name: str | None = None) -> None:
+        self.upstream = upstream
+        self.gateway_id = gateway_id
+        self.served_model_name_flag = served_model_name
+        self.router = OutputRouter(self.abort_nowait)
+        self.pipeline = DetokenizePipeline(upstream.tokenizer, self.router.on_detokenized,
+                                           lambda message: self.router.fail_all(message, False))
+        self.router.send_nowait = self.pipeline.send_nowait
+        self.groups: dict[str, RequestGroup] = {}
+        self.pending_aborts: list[str] = []
+        self.abort_wakeup = asyncio.Event()
+        self.outputs_connected = False
+        self.stats: scheduler_pb2.StatsResponse | None = None
+        self.tokenizer_serving = False
+        self.on_health_change = []  # callbacks(ready: bool)
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(coro) for coro in (
+            self.pipeline.run(), self._consume_outputs(), self._send_aborts(),
+            self._poll_health())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.upstream.close()
+
+    async def drain(self) -> None:
+        """Wait until every request in flight has finished (SIGTERM)."""
+        while self.groups:
+            await asyncio.sleep(0.1)
+
+    # ---- health and model ----------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return (self.tokenizer_serving and self.outputs_connected
+                and self.stats is not None and self.stats.ready)
+
+    @property
+    def model_name(self) -> str | None:
+        if self.served_model_name_flag:
+            return self.served_model_name_flag
+        return self.stats.model if self.stats is not None and self.stats.model else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.stats.max_model_len if self.stats is not None else 0
+
+    async def _poll_health(self) -> None:
+        was_ready = None
+        while True:
+            self.tokenizer_serving, self.stats = await asyncio.gather(
+                self.upstream.tokenizer_serving(), self.upstream.stats())
+            if self.ready != was_ready:
+                was_ready = self.ready
+                log.info("gateway health", ready=was_ready, tokenizer=self.tokenizer_serving,
+                         scheduler_ready=bool(self.stats and self.stats.ready),
+                         outputs_connected=self.outputs_connected)
+                for callback in self.on_health_change:
+                    await callback(was_ready)
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                       priority: int = 0) -> RequestGroup:
+        """Submit one scheduler request per prompt; their deltas come out of the group."""
+        if not self.outputs_connected:
+            raise GatewayError("unavailable", "the gateway is not connected to the scheduler")
+        if request_id in self.groups:
+            raise GatewayError("invalid_request", f"request id {request_id!r} is in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                      for i in range(len(prompts))]
+        states = [RequestState(rid, index, prompt, params, queue)
+                  for index, (rid, prompt) in enumerate(zip(ids, prompts))]
+        group = RequestGroup(self, request_id, states, queue)
+        for state in states:
+            self.router.add(state)
+        self.groups[request_id] = group
+        try:
+            await self._submit_all(states, params, priority)
+        except BaseException:
+            group.close()
+            raise
+        metrics.PROMPT_TOKENS.inc(sum(map(len, prompts)))
+        return group
+
+    async def _submit_all(self, states: list[RequestState], params: SamplingParams,
+                          priority: int) -> None:
+        proto_params = params_to_proto(params)
+        submits = [self.upstream.submit(scheduler_pb2.SubmitRequest(
+            request_id=state.request_id, gateway_id=self.gateway_id,
+            prompt_token_ids=state.prompt_token_ids, params=proto_params, priority=priority))
+            for state in states]
+        results = await asyncio.gather(*submits, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def abort(self, request_id: str) -> bool:
+        """The public Abort: the scheduler ends the request's samples with finish reason abort."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        self.abort_nowait([state.request_id for state in group.states])
+        return True
+
+    def abort_nowait(self, ids: list[str]) -> None:
+        """Queue scheduler aborts ("<id>" or "<id>/<index>"); sent in one call soon after."""
+        self.pending_aborts.extend(ids)
+        self.abort_wakeup.set()
+
+    async def _send_aborts(self) -> None:
+        while True:
+            await self.abort_wakeup.wait()
+            self.abort_wakeup.clear()
+            ids, self.pending_aborts = self.pending_aborts, []
+            try:
+                await self.upstream.abort(ids)
+            except grpc.RpcError as exc:
+                log.warning("abort failed", request_ids=ids, error=exc.code().name)
+
+    # ---- the scheduler's output stream ---------------------------------------------------------
+    async def _consume_outputs(self) -> None:
+        while True:
+            call = self.upstream.outputs(self.gateway_id)
+            try:
+                await call.initial_metadata()  # the scheduler has registered this gateway
+                self.outputs_connected = True
+                log.info("outputs stream open", gateway_id=self.gateway_id)
+                async for batch in call:
+                    self.router.route(batch)
+                message = "the scheduler closed the output stream"
+            except grpc.RpcError as exc:
+                message = f"lost the scheduler's output stream: {exc.code().name}"
+            finally:
+                self.outputs_connected = False
+                call.cancel()
+            log.warning("outputs stream failed", error=message)
+            self.abort_nowait(list(self.router.requests))
+            self.router.fail_all(message)
+            await asyncio.sleep(RECONNECT_DELAY_S)

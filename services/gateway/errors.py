@@ -1,0 +1,72 @@
+"""One error type for both front ends: each kind maps to an HTTP status with an OpenAI error
+body, and to a gRPC status code."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import grpc
+
+from services.engine.sampling_params import SamplingParams
+
+# kind -> (HTTP status, OpenAI error type, gRPC status code)
+KINDS = {
+    "invalid_request": (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    "authentication": (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    "not_found": (404, "not_found_error", grpc.StatusCode.NOT_FOUND),
+    "unavailable": (503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
+    "internal": (500, "internal_server_error", grpc.StatusCode.INTERNAL),
+}
+
+# Upstream gRPC codes that mean the caller's input was wrong, versus the service being down.
+_INVALID_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.FAILED_PRECONDITION}
+_UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+
+
+class GatewayError(Exception):
+    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def http_status(self) -> int:
+        return KINDS[self.kind][0]
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return KINDS[self.kind][2]
+
+    def body(self) -> dict:
+        status, error_type, _ = KINDS[self.kind]
+        return {"error": {"message": self.message, "type": error_type, "param": self.param,
+                          "code": status}}
+
+
+def invalid(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError("invalid_request", message, param)
+
+
+def from_rpc_error(exc: grpc.RpcError, service: str) -> GatewayError:
+    """An upstream call failed: the caller's fault (400) or ours (503/500)."""
+    code, details = exc.code(), exc.details() or ""
+    if code in _INVALID_CODES:
+        return GatewayError("invalid_request", details, _param_in(details))
+    if code in _UNAVAILABLE_CODES:
+        return GatewayError("unavailable", f"the {service} is unavailable: {details or code.name}")
+    return GatewayError("internal", f"the {service} failed: {code.name} {details}".strip())
+
+
+def param_from_value_error(exc: ValueError) -> GatewayError:
+    return invalid(str(exc), _param_in(str(exc)))
+
+
+def _param_in(message: str) -> str | None:
+    """SamplingParams' messages start with the parameter's name ("top_p must be ...")."""
+    first = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":,")
+    return first if first in _PARAM_NAMES else None
+
+
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt", "messages", "model"}

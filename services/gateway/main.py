@@ -1,0 +1,79 @@
+"""`kvrelay gateway`: OpenAI REST (uvicorn) and the public gRPC API in one asyncio loop."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import uuid
+
+from services.api.kvrelay.v1 import generation_pb2
+from services.common.flags import add_flag
+from services.common.log import get_logger
+from services.common.runtime import run_service
+
+log = get_logger(__name__)
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--host", default="0.0.0.0", help="address to bind (REST and gRPC)")
+    add_flag(parser, "--port", type=int, default=8000, help="OpenAI REST port")
+    add_flag(parser, "--grpc-port", type=int, default=50050, help="public gRPC API port")
+    add_flag(parser, "--tokenizer-address", default="127.0.0.1:50051",
+             help="host:port of the tokenizer service")
+    add_flag(parser, "--scheduler-address", default="127.0.0.1:50052",
+             help="host:port of the scheduler service")
+    add_flag(parser, "--served-model-name", default=None,
+             help="model name clients use (default: the scheduler's model)")
+    add_flag(parser, "--api-key", default=None,
+             help="require 'Authorization: Bearer <key>' (REST) / authorization metadata (gRPC)")
+    add_flag(parser, "--gateway-id", default=None,
+             help="this gateway's id at the scheduler (default: random)")
+    add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_service("gateway", serve(args), args.log_level)
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from services.api.kvrelay.v1 import generation_pb2_grpc
+    from services.common.grpc_server import ServiceServer
+    from services.gateway.app import build_app
+    from services.gateway.core import GatewayCore
+    from services.gateway.grpc_api import GenerationServicer
+    from services.gateway.rest_server import RestServer
+    from services.gateway.upstream import Upstream
+
+    gateway_id = args.gateway_id or f"gateway-{uuid.uuid4().hex[:12]}"
+    core = GatewayCore(Upstream(args.tokenizer_address, args.scheduler_address), gateway_id,
+                       args.served_model_name)
+    server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME])
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(core, args.api_key), server.server)
+    app = build_app(core, args.api_key)
+
+    async def follow_health(ready: bool) -> None:
+        if not server.stopping.is_set():  # while draining it stays NOT_SERVING
+            await server.set_serving(ready)
+
+    async def drain() -> None:
+        app.state.draining = True
+        await core.drain()
+
+    core.on_health_change.append(follow_health)
+    server.install_signal_handlers()
+    await server.start()
+    await core.start()
+    http = RestServer(app, args.host, args.port)
+    http_task = asyncio.create_task(http.serve())
+    http_task.add_done_callback(lambda _: server.stopping.set())  # e.g. the port is taken
+    log.info("gateway started", rest_port=args.port, grpc_port=server.port,
+             gateway_id=gateway_id)
+    await server.serve_until_stopped(drain)
+    http.should_exit = True
+    with contextlib.suppress(BaseException):
+        await http_task
+    await core.stop()
+

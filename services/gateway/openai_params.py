@@ -1,0 +1,54 @@
+"""OpenAI request fields to the engine's SamplingParams, with OpenAI's meaning of each field."""
+from __future__ import annotations
+
+from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from services.gateway.errors import invalid, param_from_value_error
+from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                              SamplingFields)
+
+# Request fields passed through as they are unless null (null means the engine's default).
+_PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+                "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "skip_special_tokens")
+
+
+def chat_params(request: ChatCompletionRequest) -> SamplingParams:
+    logprobs = None
+    if request.logprobs:
+        logprobs = request.top_logprobs or 0
+    elif request.top_logprobs is not None:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise invalid(f"top_logprobs must be <= {MAX_LOGPROBS}, got {logprobs}", "top_logprobs")
+    max_tokens = request.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = request.max_tokens
+    return _sampling_params(request, max_tokens, logprobs)
+
+
+def completion_params(request: CompletionRequest) -> SamplingParams:
+    if request.suffix is not None:
+        raise invalid("suffix is not supported", "suffix")
+    if request.echo and request.logprobs is not None:
+        raise invalid("echo with logprobs is not supported: prompt logprobs are not computed",
+                      "echo")
+    # OpenAI's completions default to 16 tokens; chat runs to the end of the context.
+    max_tokens = 16 if request.max_tokens is None else request.max_tokens
+    return _sampling_params(request, max_tokens, request.logprobs)
+
+
+def _sampling_params(request: SamplingFields, max_tokens: int | None,
+                     logprobs: int | None) -> SamplingParams:
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options is only allowed with stream set to true", "stream_options")
+    values = {name: value for name in _PASSTHROUGH
+              if (value := getattr(request, name)) is not None}
+    stop = request.stop
+    values["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+    values["stop_token_ids"] = list(request.stop_token_ids or [])
+    values["max_tokens"] = max_tokens
+    values["logprobs"] = logprobs
+    try:
+        return SamplingParams.from_dict(values)
+    except ValueError as exc:
+        raise param_from_value_error(exc) from None

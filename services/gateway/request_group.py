@@ -1,0 +1,62 @@
+"""What one API call generates: one scheduler request per prompt, all feeding one queue."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from services.gateway import metrics
+from services.gateway.request_state import RequestState, SampleDelta
+
+
+class RequestGroup:
+    def __init__(self, core, request_id: str, states: list[RequestState],
+                 queue: asyncio.Queue) -> None:
+        self.core = core
+        self.request_id = request_id
+        self.states = states
+        self.queue = queue
+        self.num_open_samples = sum(len(state.samples) for state in states)
+        self.closed = False
+        metrics.IN_FLIGHT.inc()
+
+    async def steps(self) -> AsyncIterator[tuple[int, list[SampleDelta]]]:
+        """(prompt index, that prompt's sample deltas of one engine step) until all finish."""
+        while self.num_open_samples:
+            prompt_index, deltas = await self.queue.get()
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    self.num_open_samples -= 1
+            yield prompt_index, deltas
+
+    def close(self) -> None:
+        """Abort whatever is unfinished (client gone, error); never awaits, so it is safe in
+        the `finally` of a cancelled task."""
+        if self.closed:
+            return
+        self.closed = True
+        metrics.IN_FLIGHT.dec()
+        self.core.groups.pop(self.request_id, None)
+        unfinished = [state.request_id for state in self.states if state.num_unfinished]
+        if unfinished:
+            self.core.abort_nowait(unfinished)
+        for request_id in unfinished:
+            self.core.router.drop(request_id)
+
+    def __enter__(self) -> "RequestGroup":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ---- usage ---------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(state.prompt_token_ids) for state in self.states)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(state.num_output_tokens for state in self.states)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(state.num_cached_prompt_tokens for state in self.states)

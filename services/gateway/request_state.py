@@ -1,0 +1,151 @@
+"""Per-request state in the gateway: each sample's stop strings, counts and what its consumer
+sees (SampleDelta), fed from the scheduler's deltas and the tokenizer's text."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2
+from services.engine.sampling_params import SamplingParams
+from services.gateway import metrics
+from services.gateway.stop_strings import StopStringMatcher
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class TopToken:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    text: str
+    top: list[TopToken]
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one engine step added to one sample, as its consumer sees it."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # stop, length, abort, error
+    stop_reason: str | int | None = None  # the stop string or stop token id
+    error: str | None = None
+
+
+class SampleState:
+    __slots__ = ("stream_id", "index", "matcher", "stop_token_ids", "skip_special_tokens",
+                 "num_tokens", "finished", "cut_short", "detokenizing")
+
+    def __init__(self, request_id: str, index: int, params: SamplingParams) -> None:
+        self.stream_id = f"{request_id}/{index}"  # also the scheduler's id for this sample
+        self.index = index
+        self.matcher = StopStringMatcher(params.stop) if params.stop else None
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.skip_special_tokens = params.skip_special_tokens
+        self.num_tokens = 0
+        self.finished = False  # its consumer has seen its finish
+        self.cut_short = False  # a stop string ended it before the scheduler did
+        self.detokenizing = False  # the tokenizer holds a detokenizer state for it
+
+    def detokenize_item(self, delta) -> tokenizer_pb2.DetokenizeItem:
+        final = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        self.detokenizing = not final
+        item = tokenizer_pb2.DetokenizeItem(
+            request_id=self.stream_id, new_token_ids=delta.new_token_ids, finished=final,
+            skip_special_tokens=self.skip_special_tokens)
+        for entry in delta.logprobs:
+            item.piece_token_ids.append(entry.token_id)
+            item.piece_token_ids.extend(top.token_id for top in entry.top)
+        return item
+
+    def forget_item(self) -> tokenizer_pb2.DetokenizeItem:
+        """Frees the tokenizer's state for a sample that ends before the scheduler says so."""
+        self.detokenizing = False
+        return tokenizer_pb2.DetokenizeItem(request_id=self.stream_id, finished=True)
+
+    def apply(self, delta, text: str, pieces) -> SampleDelta:
+        # Counts every token of the step that completed a stop string, as the offline engine.
+        self.num_tokens += len(delta.new_token_ids)
+        finish_reason = FINISH_REASONS[delta.finish_reason]
+        stop_reason: str | int | None = None
+        if self.matcher is not None and finish_reason != "error":
+            text, stop = self.matcher.feed(text, final=finish_reason is not None)
+            if stop is not None:
+                self.cut_short = finish_reason is None
+                finish_reason, stop_reason = "stop", stop
+        if finish_reason == "stop" and stop_reason is None and delta.HasField("stop_token_id") \
+                and delta.stop_token_id in self.stop_token_ids:
+            stop_reason = delta.stop_token_id  # EOS leaves it None, as in vLLM
+        self.finished = finish_reason is not None
+        logprobs = _logprobs(delta.logprobs, pieces) if delta.logprobs else None
+        return SampleDelta(self.index, text, list(delta.new_token_ids), logprobs,
+                           finish_reason, stop_reason, delta.error or None)
+
+    def error_delta(self, message: str) -> SampleDelta:
+        self.finished = True
+        return SampleDelta(self.index, "", [], None, "error", None, message)
+
+
+def _logprobs(entries, pieces) -> list[TokenLogprob]:
+    result, position = [], 0
+    for entry in entries:
+        text = pieces[position]
+        top = [TopToken(t.token_id, t.logprob, pieces[position + 1 + i])
+               for i, t in enumerate(entry.top)]
+        position += 1 + len(entry.top)
+        result.append(TokenLogprob(entry.token_id, entry.logprob, entry.rank, text, top))
+    return result
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One scheduler request (one prompt, n samples); its updates go to `sink` as
+    (prompt_index, [SampleDelta, ...]) once per engine step."""
+    request_id: str
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: asyncio.Queue
+    samples: list[SampleState] = field(init=False)
+    num_unfinished: int = field(init=False)
+    num_cached_prompt_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float = 0.0
+    last_token_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.samples = [SampleState(self.request_id, i, self.params)
+                        for i in range(self.params.n)]
+        self.num_unfinished = len(self.samples)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(sample.num_tokens for sample in self.samples)
+
+    def publish(self, deltas: list[SampleDelta], now: float) -> None:
+        counts = [len(delta.token_ids) for delta in deltas]
+        if any(counts):
+            metrics.observe_tokens(self, sum(counts), max(counts), now)
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                self.num_unfinished -= 1
+                metrics.observe_sample_finished(delta.finish_reason)
+        if self.num_unfinished == 0:
+            metrics.observe_request_finished(self, now)
+        self.sink.put_nowait((self.prompt_index, deltas))

@@ -1,0 +1,76 @@
+"""Routes the scheduler's per-step output batches through the tokenizer to each request.
+
+One OutputBatch becomes one DetokenizeBatch; its answer, zipped with the deltas it was built
+from, becomes one list of SampleDelta per request, put on that request's queue."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from services.api.kvrelay.v1 import tokenizer_pb2
+from services.gateway.request_state import RequestState, SampleDelta
+
+
+class OutputRouter:
+    def __init__(self, abort_nowait: Callable[[list[str]], None]) -> None:
+        self.requests: dict[str, RequestState] = {}
+        self.abort_nowait = abort_nowait  # scheduler ids: "<request id>" or "<id>/<index>"
+        self.send_nowait: Callable[[tokenizer_pb2.DetokenizeBatch, object], None] | None = None
+
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+
+    def drop(self, request_id: str) -> None:
+        """Its consumer is gone: forget it here and in the tokenizer; later deltas are ignored."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._forget([s for s in state.samples if s.detokenizing])
+
+    def route(self, batch) -> None:
+        """One engine step's deltas (an OutputBatch) to the tokenizer."""
+        items, routed = [], []
+        for delta in batch.deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None or delta.index >= len(state.samples):
+                continue
+            sample = state.samples[delta.index]
+            if sample.finished:
+                continue
+            if delta.num_cached_prompt_tokens:
+                state.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
+            items.append(sample.detokenize_item(delta))
+            routed.append((state, sample, delta))
+        if items:
+            self.send_nowait(tokenizer_pb2.DetokenizeBatch(items=items), routed)
+
+    def on_detokenized(self, routed, result) -> None:
+        if routed is None:  # a batch of forget items
+            return
+        now = time.monotonic()
+        updates: dict[RequestState, list[SampleDelta]] = {}
+        for (state, sample, delta), item in zip(routed, result.results):
+            if sample.finished:  # a stop string ended it in an earlier answer
+                continue
+            updates.setdefault(state, []).append(sample.apply(delta, item.text, item.pieces))
+            if sample.cut_short:
+                self.abort_nowait([sample.stream_id])
+                self._forget([sample])
+        for state, deltas in updates.items():
+            state.publish(deltas, now)
+            if state.num_unfinished == 0:
+                self.requests.pop(state.request_id, None)
+
+    def fail_all(self, message: str, forget: bool = True) -> None:
+        """End every request with an error (a stream to the scheduler or tokenizer broke)."""
+        now = time.monotonic()
+        for state in self.requests.values():
+            unfinished = [s for s in state.samples if not s.finished]
+            if forget:
+                self._forget([s for s in unfinished if s.detokenizing])
+            state.publish([s.error_delta(message) for s in unfinished], now)
+        self.requests.clear()
+
+    def _forget(self, samples) -> None:
+        if samples:
+            items = [sample.forget_item() for sample in samples]
+            self.send_nowait(tokenizer_pb2.DetokenizeBatch(items=items), None)

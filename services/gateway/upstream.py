@@ -1,0 +1,87 @@
+"""The gateway's calls to the tokenizer and scheduler services, errors turned into
+GatewayError, the request id sent along as metadata."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.api.kvrelay.v1 import (common_pb2, scheduler_pb2, scheduler_pb2_grpc,
+                                     tokenizer_pb2, tokenizer_pb2_grpc)
+from services.common.grpc_server import channel
+from services.common.log import request_metadata
+from services.gateway.errors import from_rpc_error
+
+PROBE_TIMEOUT_S = 2.0
+
+
+class Upstream:
+    def __init__(self, tokenizer_address: str, scheduler_address: str) -> None:
+        self.tokenizer_channel = channel(tokenizer_address)
+        self.scheduler_channel = channel(scheduler_address)
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
+        self.tokenizer_health = health_pb2_grpc.HealthStub(self.tokenizer_channel)
+
+    async def close(self) -> None:
+        await self.tokenizer_channel.close()
+        await self.scheduler_channel.close()
+
+    # ---- tokenizer -----------------------------------------------------------------------------
+    async def encode(self, prompt: str, add_special_tokens: bool, request_id: str) -> list[int]:
+        return await self._encode(tokenizer_pb2.EncodeRequest(
+            prompt=prompt, add_special_tokens=add_special_tokens), request_id)
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          request_id: str) -> list[int]:
+        chat = tokenizer_pb2.ChatRender(
+            messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"])
+                      for m in messages], add_generation_prompt=add_generation_prompt)
+        return await self._encode(tokenizer_pb2.EncodeRequest(chat=chat), request_id)
+
+    async def _encode(self, request, request_id: str) -> list[int]:
+        try:
+            reply = await self.tokenizer.Encode(request, metadata=request_metadata(request_id))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "tokenizer") from None
+        return list(reply.token_ids)
+
+    async def decode(self, token_ids: list[int], request_id: str,
+                     skip_special_tokens: bool = True) -> str:
+        request = tokenizer_pb2.DecodeRequest(token_ids=token_ids,
+                                              skip_special_tokens=skip_special_tokens)
+        try:
+            reply = await self.tokenizer.Decode(request, metadata=request_metadata(request_id))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "tokenizer") from None
+        return reply.text
+
+    async def tokenizer_serving(self) -> bool:
+        try:
+            reply = await self.tokenizer_health.Check(health_pb2.HealthCheckRequest(service=""),
+                                                      timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    # ---- scheduler -----------------------------------------------------------------------------
+    async def submit(self, request: scheduler_pb2.SubmitRequest) -> None:
+        try:
+            await self.scheduler.Submit(request, metadata=request_metadata(request.request_id))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
+
+    async def abort(self, ids: list[str]) -> list[str]:
+        reply = await self.scheduler.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=ids),
+                                           timeout=PROBE_TIMEOUT_S)
+        return list(reply.aborted)
+
+    async def stats(self) -> scheduler_pb2.StatsResponse | None:
+        try:
+            return await self.scheduler.Stats(scheduler_pb2.StatsRequest(),
+                                              timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return None
+
+    def outputs(self, gateway_id: str):
+        return self.scheduler.Outputs(scheduler_pb2.OutputsRequest(gateway_id=gateway_id),
+                                      wait_for_ready=True)
