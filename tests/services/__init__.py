@@ -1,0 +1,1 @@
+"""Service tests: each service as a real process on free localhost ports."""
