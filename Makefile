@@ -25,8 +25,9 @@ bench: $(STAMP)
 protos: $(STAMP)
 	$(PY) -m services.common.protogen
 
+# Flags pass through: make up ARGS="--topology colocated --log-dir logs" (or KVRELAY_* variables).
 up: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m services.cli up
+	HF_HUB_OFFLINE=1 $(PY) -m services.cli up $(ARGS)
 
 clean:
 	rm -rf .venv
