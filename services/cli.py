@@ -19,17 +19,23 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or with `only` just that subcommand's flags: each service imports only
+    its own module (the gateway never loads torch)."""
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=help_text))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(only).parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     return module.run(args) or 0
 

@@ -16,7 +16,8 @@ REQUEST_ID_KEY = "x-request-id"
 def setup_logging(service: str, level: str = "info") -> None:
     renderer = (structlog.dev.ConsoleRenderer(colors=False) if sys.stderr.isatty()
                 else structlog.processors.JSONRenderer())
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(message)s")
+    # Library loggers (grpc, asyncio) stay at warning: their debug output is noise here.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

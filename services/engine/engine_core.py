@@ -46,23 +46,10 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
                                   config.block_size, config.num_kv_blocks, config.kv_cache_memory)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self.sampler = Sampler()
         self.load_info = LoadInfo(str(self.model_dir), time.perf_counter() - started)
-
-    def _max_model_len(self) -> int:
-        model_max = self.hf_config.max_position_embeddings
-        window = _sliding_window(self.hf_config)
-        if window is not None and window < model_max:
-            # Attention here is full-context; capping the length at the window keeps it exact.
-            model_max = window
-        if self.config.max_model_len is None:
-            return model_max
-        if self.config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
-                             f"{model_max} positions")
-        return self.config.max_model_len
 
     def add_request(self, request: Request) -> None:
         vocab_size = self.hf_config.vocab_size
@@ -121,6 +108,19 @@ class EngineCore:
             updates.append(RequestUpdate(request, new_tokens, new_logprobs,
                                          request.request_id in finished))
         return updates
+
+
+def max_model_len_for(hf_config, requested: int | None) -> int:
+    model_max = hf_config.max_position_embeddings
+    window = _sliding_window(hf_config)
+    if window is not None and window < model_max:
+        # Attention here is full-context; capping the length at the window keeps it exact.
+        model_max = window
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's {model_max} positions")
+    return requested
 
 
 def _sliding_window(hf_config) -> int | None:

@@ -54,6 +54,18 @@ class KVCacheManager:
             self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def num_cached_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Leading full blocks of `token_ids` in the cache, without touching them (placement)."""
+        if not self.enable_prefix_caching:
+            return 0
+        parent, count = None, 0
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block(parent, token_ids[start:start + self.block_size], cache_salt)
+            if self.pool.lookup(parent) is None:
+                break
+            count += 1
+        return count
+
     def can_fit(self, request: Request, num_new_tokens: int,
                 computed_blocks: list[KVBlock] = ()) -> bool:
         return self._num_blocks_needed(request, num_new_tokens, computed_blocks) <= \

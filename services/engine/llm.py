@@ -236,9 +236,14 @@ def _check_conversation(conversation) -> None:
 
 
 def _eos_token_ids(engine: EngineCore, tokenizer) -> frozenset[int]:
+    return eos_token_ids(engine.hf_config, engine.model_dir, tokenizer)
+
+
+def eos_token_ids(hf_config, model_dir, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the config's, the tokenizer's and generation_config's."""
     ids: set[int] = set()
-    for source in (engine.hf_config.eos_token_id, tokenizer.eos_token_id,
-                   _generation_config_eos(engine.model_dir)):
+    for source in (hf_config.eos_token_id, tokenizer.eos_token_id,
+                   _generation_config_eos(model_dir)):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):

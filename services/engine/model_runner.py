@@ -32,7 +32,8 @@ class StepInput:
 
 class ModelRunner:
     def __init__(self, hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                 block_size: int, num_blocks: int | None, kv_cache_memory: int) -> None:
+                 block_size: int, num_blocks: int | None, kv_cache_memory: int,
+                 kv_cache_path: str | None = None) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -43,8 +44,9 @@ class ModelRunner:
         self.num_layers = hf_config.num_hidden_layers
         self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: the one KV layout.
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+        shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads,
+                 self.head_dim)
+        self.kv_cache = allocate_kv_cache(shape, dtype, device, kv_cache_path)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         if device.type == "cpu":
             paged_decode_op()  # build or load the native decode kernel now, not on step one
@@ -117,10 +119,36 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput, on_layer_done=None) -> torch.Tensor:
         """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
         attn_meta = build_attention_metadata(step.cu_seqlens_q, step.seq_lens, step.block_tables,
                                              self.block_size, max_seqlen_q=step.max_seqlen_q,
                                              max_seqlen_k=step.max_seqlen_k)
         return self.model(step.input_ids, step.positions, self.kv_caches, step.slot_mapping,
-                          attn_meta, step.logits_indices)
+                          attn_meta, step.logits_indices, on_layer_done)
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      path: str | None) -> torch.Tensor:
+    """Zeroed KV cache; with `path` (CPU only) it lives in a shared file that another process on
+    this host can map, which is what the shared-memory KV transport writes into."""
+    if path is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if device.type != "cpu":
+        raise ValueError("a shared-memory KV cache needs device cpu")
+    numel = int(np.prod(shape))
+    with open(path, "wb") as handle:
+        handle.truncate(numel * torch.tensor([], dtype=dtype).element_size())
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+
+
+def map_kv_cache_file(path: str, dtype: torch.dtype,
+                      block_shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Map another worker's shared KV cache file; block_shape is (layers, block_size, kv_heads,
+    head_dim) and the block count follows from the file size."""
+    layers, block_size, kv_heads, head_dim = block_shape
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    numel = Path(path).stat().st_size // element_size
+    num_blocks = numel // (layers * 2 * block_size * kv_heads * head_dim)
+    tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return tensor.view(layers, 2, num_blocks, block_size, kv_heads, head_dim)

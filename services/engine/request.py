@@ -13,6 +13,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # PD handoff: prompt KV final on the prefill worker, pages on their way to the decode worker
+    TRANSFERRING = "transferring"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

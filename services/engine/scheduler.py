@@ -56,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.num_reserved = 0  # decode-side requests waiting for their KV pages
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -158,6 +159,37 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.push(request)
 
+    # ---- PD handoff ----------------------------------------------------------------------------
+    # On the prefill worker a request leaves `running` once its first token is sampled but keeps
+    # its blocks until the KV pages are pushed; on the decode worker blocks are reserved before
+    # the pages arrive and the request joins `running` once they have.
+    def detach_for_transfer(self, request: Request) -> None:
+        self.running.remove(request)
+        request.status = RequestStatus.TRANSFERRING
+
+    def release_transferred(self, request: Request) -> None:
+        """The pages left: free the prefill side's blocks (their hashes stay cached)."""
+        self.kv.forget(request)
+        self.requests.pop(request.request_id, None)
+
+    def reserve_for_transfer(self, request: Request) -> bool:
+        """Blocks for the prompt's KV on this (decode) worker; False when they do not fit."""
+        if len(self.running) + self.num_reserved >= self.config.max_num_seqs:
+            return False
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens):
+            return False
+        request.status = RequestStatus.TRANSFERRING
+        self.requests[request.request_id] = request
+        self.num_reserved += 1
+        return True
+
+    def activate_transferred(self, request: Request) -> None:
+        """The pages arrived: decode from the token sampled on the prefill worker."""
+        self.num_reserved -= 1
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     # ---- results -------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
@@ -181,6 +213,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.TRANSFERRING and request.num_computed_tokens == 0:
+            self.num_reserved -= 1  # a decode-side reservation
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status

@@ -6,6 +6,8 @@ q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMM
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,12 +120,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
-                attn_meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                attn_meta: AttentionMetadata, logits_indices: torch.Tensor,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         # input_ids, positions, slot_mapping [T]; logits_indices [S] rows to sample -> [S, vocab]
+        # on_layer_done(i) runs once layer i's KV for this step is stored (the KV connector
+        # starts pushing that layer while later layers compute).
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables_for(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(rope, hidden, kv_cache, slot_mapping, attn_meta)
+            if on_layer_done is not None:
+                on_layer_done(index)
         hidden = self.norm(hidden[logits_indices])
         if self.packed_head is not None:
             return self.packed_head(hidden).float()

@@ -1,0 +1,54 @@
+"""Protobuf <-> engine conversions shared by the service edges (scheduler and workers)."""
+from __future__ import annotations
+
+from services.api.kvrelay.v1 import common_pb2
+from services.engine.sampling_params import SamplingParams
+
+# proto field -> SamplingParams field, for the `optional` scalars (unset keeps the default)
+_OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+             "repetition_penalty", "logprobs", "skip_special_tokens")
+_PLAIN = ("min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty")
+
+
+def params_from_proto(message: common_pb2.SamplingParams,
+                      default_max_tokens: int | None = None) -> SamplingParams:
+    """Raises ValueError with a user-facing message for invalid values."""
+    values = {name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)}
+    values.update({name: getattr(message, name) for name in _PLAIN})
+    values["stop_token_ids"] = list(message.stop_token_ids)
+    values["stop"] = list(message.stop)
+    values.setdefault("max_tokens", default_max_tokens)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        if name in values:  # float32 on the wire: 0.1 arrives as 0.10000000149
+            values[name] = _round_float32(values[name])
+    return SamplingParams.from_dict(values)
+
+
+def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids,
+        stop=params.stop, ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        skip_special_tokens=params.skip_special_tokens)
+    for name in ("seed", "max_tokens", "logprobs"):
+        value = getattr(params, name)
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
+def _round_float32(value: float) -> float:
+    return float(f"{value:.7g}")
+
+
+def logprob_to_proto(entry: dict[int, float], rank: int, token_id: int,
+                     num_top: int) -> common_pb2.TokenLogprob:
+    """entry: {token id: logprob} for the sampled token and the top `num_top` alternatives (one
+    dict, so it has num_top entries when the sampled token is among them)."""
+    ordered = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+    return common_pb2.TokenLogprob(
+        token_id=token_id, logprob=entry[token_id], rank=rank,
+        top=[common_pb2.TopLogprob(token_id=tid, logprob=lp) for tid, lp in ordered])

@@ -1,0 +1,212 @@
+"""The scheduler's core across workers: registry, placement, admission, aborts, worker death.
+
+Each worker has its own engine `Scheduler` (queues + block pool). In the PD topology a sample
+is queued and prefilled on a prefill worker, its pages go to blocks reserved on a decode worker
+(see handoff.py) and it decodes there; with `--role both` workers it runs start to end on one.
+Plain Python, driven by the service layer (service.py); every method runs on the event loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from services.api.kvrelay.v1 import common_pb2, scheduler_pb2
+from services.engine.config import EngineConfig
+from services.engine.request import Request, RequestStatus
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.scheduler.deltas import DeltaSink, finish_delta
+from services.scheduler.records import (BOTH, DECODE, PREFILL, Phase, RequestRecord,
+                                        SampleRecord, WorkerRecord)
+
+
+class Unavailable(Exception):
+    """No worker can take the request now (gRPC UNAVAILABLE)."""
+
+
+class ClusterScheduler:
+    def __init__(self, config: EngineConfig, lease_s: float, sink: DeltaSink) -> None:
+        self.config = config  # per-worker scheduling knobs; block counts come from workers
+        self.lease_s = lease_s
+        self.sink = sink
+        self.workers: dict[str, WorkerRecord] = {}
+        self.requests: dict[str, RequestRecord] = {}
+        self.samples: dict[str, SampleRecord] = {}
+        self.transfers: dict[str, SampleRecord] = {}  # transfer id -> sample being sent
+        self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
+        self.kv_transport = "grpc"  # "shm": same-host pairs copy pages through shared memory
+        self.on_work = lambda worker: None  # set by the service: wake that worker's step loop
+        self.accepting = True  # False while draining
+
+    # ---- registry ------------------------------------------------------------------------------
+    def register(self, info: scheduler_pb2.RegisterWorkerRequest) -> None:
+        """Raises ValueError when the worker cannot join this group."""
+        for other in self.workers.values():
+            if other.alive and (other.info.block_size, other.info.dtype, other.info.model) != \
+                    (info.block_size, info.dtype, info.model):
+                raise ValueError(f"worker {info.worker_id} ({info.model}, {info.dtype}, block "
+                                 f"{info.block_size}) does not match {other.worker_id}")
+        if info.worker_id in self.workers and self.workers[info.worker_id].alive:
+            self.worker_died(self.workers[info.worker_id], "worker re-registered")
+        config = replace(self.config, block_size=info.block_size)
+        core = Scheduler(config, info.num_blocks, info.max_model_len)
+        self.workers[info.worker_id] = WorkerRecord(info, core,
+                                                    time.monotonic() + self.lease_s)
+
+    def heartbeat(self, worker_id: str, draining: bool) -> bool:
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return False
+        worker.lease_deadline = time.monotonic() + self.lease_s
+        worker.draining = draining
+        return True
+
+    def live(self, *roles: int) -> list[WorkerRecord]:
+        return [w for w in self.workers.values()
+                if w.alive and not w.draining and w.role in roles]
+
+    @property
+    def pd_ready(self) -> bool:
+        return bool(self.live(PREFILL)) and bool(self.live(DECODE))
+
+    @property
+    def ready(self) -> bool:
+        return self.pd_ready or bool(self.live(BOTH))
+
+    @property
+    def max_model_len(self) -> int:
+        lengths = [w.info.max_model_len for w in self.workers.values() if w.alive]
+        return min(lengths) if lengths else 0
+
+    @property
+    def model(self) -> str:
+        names = [w.info.model for w in self.workers.values() if w.alive]
+        return names[0] if names else ""
+
+    # ---- admission -----------------------------------------------------------------------------
+    def submit(self, request_id: str, gateway_id: str, prompt: list[int],
+               params: SamplingParams, params_proto: common_pb2.SamplingParams,
+               priority: int) -> None:
+        """Raises ValueError (bad input) or Unavailable (no workers)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not self.accepting:
+            raise Unavailable("the scheduler is shutting down")
+        if not self.ready:
+            raise Unavailable("no workers are registered yet")
+        worker = self._place(prompt)
+        self._check_prompt(prompt, params, worker)
+        record = RequestRecord(request_id, gateway_id, len(prompt), params_proto)
+        # With prefix caching off, the samples of one request still share the prompt's blocks.
+        salt = None if self.config.enable_prefix_caching else request_id
+        eos = frozenset(worker.info.eos_token_ids)
+        phase = Phase.PREFILL if worker.role == PREFILL else Phase.COLOCATED
+        for index in range(params.n):
+            seq_id = f"{request_id}/{index}"
+            request = Request(seq_id, prompt, params, eos, priority, record.arrival, salt)
+            worker.core.add_request(request)
+            sample = SampleRecord(seq_id, index, record, request, worker, phase)
+            record.samples.append(sample)
+            self.samples[seq_id] = sample
+        self.requests[request_id] = record
+        self.on_work(worker)
+
+    def _place(self, prompt: list[int]) -> WorkerRecord:
+        candidates = self.live(PREFILL) if self.pd_ready else self.live(BOTH)
+        return min(candidates, key=lambda w: (_cached_blocks(w, prompt) * -1, w.load()))
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams,
+                      worker: WorkerRecord) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab_size = worker.info.vocab_size
+        bad = [t for t in prompt if t >= vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        limit = self.max_model_len
+        if len(prompt) + (params.max_tokens or 1) > limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens; the "
+                             f"prompt has {len(prompt)} tokens and max_tokens is "
+                             f"{params.max_tokens}")
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return max(1, self.max_model_len - prompt_len)
+
+    # ---- removal -------------------------------------------------------------------------------
+    def abort(self, ids: list[str]) -> list[str]:
+        """ids: "<request id>" (all samples) or "<request id>/<index>"."""
+        aborted = []
+        for target in ids:
+            record = self.requests.get(target)
+            samples = record.samples if record else [self.samples.get(target)]
+            for sample in samples:
+                if sample is not None and sample.phase is not Phase.DONE:
+                    self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ABORT))
+                    aborted.append(sample.seq_id)
+        return aborted
+
+    def end_sample(self, sample: SampleRecord, delta) -> None:
+        """Finish a sample in any phase, free what it holds and emit its final delta."""
+        if sample.phase is Phase.DONE:
+            return
+        if sample in self.awaiting_decode:
+            self.awaiting_decode.remove(sample)
+        self._free_prefill_side(sample)
+        self._free_decode_side(sample)
+        sample.phase = Phase.DONE
+        self.sink.emit(sample.parent.gateway_id, delta)
+        self._drop_if_done(sample.parent)
+
+    def _free_prefill_side(self, sample: SampleRecord) -> None:
+        worker = sample.worker
+        if sample.send_in_flight or sample.phase is Phase.DECODE:
+            return  # still being read by a send (handoff frees it), or already released
+        if sample.request.status is RequestStatus.TRANSFERRING:
+            worker.core.release_transferred(sample.request)
+        elif not sample.request.is_finished:
+            worker.core.abort([sample.seq_id])
+        self._forget_on(worker, sample.seq_id)
+        self.on_work(worker)
+
+    def _free_decode_side(self, sample: SampleRecord) -> None:
+        worker = sample.decode_worker
+        if worker is None or sample.send_in_flight:
+            return
+        if not sample.decode_request.is_finished:
+            worker.core.abort([sample.seq_id])
+        self._forget_on(worker, sample.seq_id)
+        self.on_work(worker)
+
+    def _forget_on(self, worker: WorkerRecord, seq_id: str) -> None:
+        if worker.known_blocks.pop(seq_id, None) is not None:
+            worker.forget.append(seq_id)
+
+    def _drop_if_done(self, record: RequestRecord) -> None:
+        if record.finished and not any(s.send_in_flight for s in record.samples):
+            self.requests.pop(record.request_id, None)
+            for sample in record.samples:
+                self.samples.pop(sample.seq_id, None)
+
+    # ---- failures ------------------------------------------------------------------------------
+    def worker_died(self, worker: WorkerRecord, reason: str) -> None:
+        if not worker.alive:
+            return
+        worker.alive = False
+        error = f"worker {worker.worker_id} failed: {reason}"
+        for sample in list(self.samples.values()):
+            if sample.worker is worker or sample.decode_worker is worker:
+                sample.send_in_flight = False  # no result will come from a dead side
+                self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
+                                                     error))
+
+    def expire_leases(self) -> list[WorkerRecord]:
+        now = time.monotonic()
+        expired = [w for w in self.workers.values() if w.alive and w.lease_deadline < now]
+        for worker in expired:
+            self.worker_died(worker, "missed its heartbeat lease")
+        return expired
+
+
+def _cached_blocks(worker: WorkerRecord, prompt: list[int]) -> int:
+    """How many leading blocks of the prompt this worker's prefix cache holds (placement)."""
+    return worker.core.kv.num_cached_blocks(prompt)

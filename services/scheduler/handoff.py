@@ -1,0 +1,119 @@
+"""The PD handoff: reserve blocks on a decode worker, order the prefill worker to push the
+prompt's pages into them, and move the sample to the decode worker once they have arrived.
+
+States (records.Phase): PREFILL -> TRANSFER -> DECODE. A send that reached the prefill worker
+holds the blocks on both sides until its result comes back, whatever happens to the request
+meanwhile, so a late write can never land in a block that was given to someone else.
+"""
+from __future__ import annotations
+
+import itertools
+
+from services.api.kvrelay.v1 import common_pb2, worker_pb2
+from services.engine.request import Request
+from services.scheduler.deltas import finish_delta
+from services.scheduler.records import DECODE, Phase, SampleRecord, WorkerRecord
+
+_transfer_ids = itertools.count()
+
+
+def reserve(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSendOrder | None:
+    """Reserve decode-side blocks for the sample's prompt; the send order, or None if no
+    decode worker has room now."""
+    request = sample.request
+    for decode in sorted(cluster.live(DECODE), key=_decode_preference):
+        clone = Request(sample.seq_id, request.prompt_token_ids, request.params,
+                        request.eos_token_ids, request.priority, request.arrival_time,
+                        cache_salt=f"pd:{sample.seq_id}")  # never shared before its KV lands
+        if decode.core.reserve_for_transfer(clone):
+            sample.decode_request, sample.decode_worker = clone, decode
+            return _order(cluster, sample, during_step)
+    return None
+
+
+def _decode_preference(worker: WorkerRecord) -> tuple:
+    return (-worker.core.kv.num_free_blocks, len(worker.core.running))
+
+
+def _order(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSendOrder:
+    prefill, decode = sample.worker, sample.decode_worker
+    num_blocks = -(-sample.request.num_prompt_tokens // prefill.info.block_size)
+    transfer_id = f"{sample.seq_id}#{next(_transfer_ids)}"
+    sample.transfer_id = transfer_id
+    cluster.transfers[transfer_id] = sample
+    transport = _transport(cluster.kv_transport, prefill, decode)
+    return worker_pb2.KvSendOrder(
+        transfer_id=transfer_id, seq_id=sample.seq_id,
+        src_block_ids=prefill.core.kv.block_ids(sample.seq_id)[:num_blocks],
+        dst_address=decode.info.address,
+        dst_block_ids=decode.core.kv.block_ids(sample.seq_id), transport=transport,
+        dst_shm_path=decode.info.shm_path if transport == "shm" else "",
+        during_step=during_step)
+
+
+def _transport(preferred: str, prefill: WorkerRecord, decode: WorkerRecord) -> str:
+    same_host = prefill.info.host_id and prefill.info.host_id == decode.info.host_id
+    if (preferred == "shm" and same_host and decode.info.shm_path
+            and "shm" in prefill.info.kv_transports):
+        return "shm"
+    return "grpc"
+
+
+def after_first_token(cluster, sample: SampleRecord) -> None:
+    """The prefill worker sampled the first token and the sample goes on: leave the prefill
+    worker's running batch and send the pages (now, or once a decode worker has room)."""
+    sample.worker.core.detach_for_transfer(sample.request)
+    sample.phase = Phase.TRANSFER
+    if sample.pages_delivered:
+        _activate(cluster, sample)
+    elif sample.transfer_id is None:
+        order = reserve(cluster, sample, during_step=False)
+        if order is None:
+            cluster.awaiting_decode.append(sample)
+        else:
+            sample.worker.pending_sends.append(order)
+            cluster.on_work(sample.worker)
+
+
+def retry_awaiting(cluster) -> None:
+    """Blocks were freed somewhere: place samples still waiting for a decode worker."""
+    while cluster.awaiting_decode:
+        sample = cluster.awaiting_decode[0]
+        order = reserve(cluster, sample, during_step=False)
+        if order is None:
+            return
+        cluster.awaiting_decode.pop(0)
+        sample.worker.pending_sends.append(order)
+        cluster.on_work(sample.worker)
+
+
+def on_send_result(cluster, result: worker_pb2.KvSendResult) -> None:
+    sample = cluster.transfers.pop(result.transfer_id, None)
+    if sample is None:
+        return  # its worker died and the sample was already cleaned up
+    sample.send_in_flight = False
+    if sample.phase is Phase.DONE:  # finished or aborted while the pages were in flight
+        cluster._free_prefill_side(sample)
+        cluster._free_decode_side(sample)
+        cluster._drop_if_done(sample.parent)
+    elif not result.ok:
+        cluster.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
+                                                f"KV transfer failed: {result.error}"))
+    elif sample.phase is Phase.TRANSFER:
+        _activate(cluster, sample)
+    else:  # pushed during its step, whose result is not applied yet: activate after it
+        sample.pages_delivered = True
+    retry_awaiting(cluster)
+
+
+def _activate(cluster, sample: SampleRecord) -> None:
+    prefill, decode = sample.worker, sample.decode_worker
+    prefill.core.release_transferred(sample.request)
+    cluster._forget_on(prefill, sample.seq_id)
+    clone = sample.decode_request
+    for token_id in sample.request.output_token_ids:
+        clone.append_token(token_id)
+    decode.core.activate_transferred(clone)
+    sample.phase = Phase.DECODE
+    cluster.on_work(decode)
+    cluster.on_work(prefill)

@@ -1,0 +1,66 @@
+"""`kvrelay scheduler`: the engine core as a service."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common import metrics
+from services.common.flags import add_flag
+from services.common.grpc_server import ServiceServer
+from services.common.log import get_logger
+from services.common.runtime import run_service
+from services.engine.config import EngineConfig
+from services.scheduler.cluster import ClusterScheduler
+from services.scheduler.deltas import DeltaSink
+from services.scheduler.service import SchedulerService
+
+log = get_logger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--host", default="0.0.0.0")
+    add_flag(parser, "--port", type=int, default=50052)
+    add_flag(parser, "--metrics-port", type=int, default=9102, help="0: no metrics endpoint")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
+             help="token budget of one step on one worker")
+    add_flag(parser, "--max-num-seqs", type=int, default=128, help="running sequences per worker")
+    add_flag(parser, "--long-prefill-token-threshold", type=int, default=0)
+    add_flag(parser, "--no-prefix-caching", action="store_true")
+    add_flag(parser, "--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    add_flag(parser, "--kv-transport", choices=["grpc", "shm"], default="grpc",
+             help="how prefill workers push KV pages; shm applies to same-host pairs only")
+    add_flag(parser, "--lease-ms", type=int, default=3000,
+             help="a worker silent for this long is declared dead")
+    add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
+    add_flag(parser, "--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_service("scheduler", serve(args), args.log_level)
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_num_seqs=args.max_num_seqs,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          scheduling_policy=args.scheduling_policy)
+    cluster = ClusterScheduler(config, args.lease_ms / 1000, DeltaSink())
+    cluster.kv_transport = args.kv_transport
+    service = SchedulerService(cluster, args.lease_ms)
+    server = ServiceServer(args.host, args.port,
+                           [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
+    server.install_signal_handlers()
+    await server.start()
+    metrics.serve_metrics(args.metrics_port)
+    reaper = asyncio.create_task(service.reap_leases())
+    # The scheduler itself is ready at once; `Stats.ready` tells whether workers are there.
+    await server.set_serving(True)
+    log.info("scheduler ready", port=server.port)
+    try:
+        await server.serve_until_stopped(service.drain, args.drain_timeout)
+    finally:
+        reaper.cancel()

@@ -1,0 +1,57 @@
+"""The scheduler's Prometheus metrics (vLLM names under `kvrelay:`), updated after each step."""
+from __future__ import annotations
+
+import time
+
+from services.common import metrics
+
+RUNNING = metrics.gauge("num_requests_running", "Requests computing on a worker", ("worker",))
+WAITING = metrics.gauge("num_requests_waiting", "Requests queued for a worker", ("worker",))
+TRANSFERRING = metrics.gauge("num_requests_transferring", "Samples whose KV pages are in flight")
+KV_USAGE = metrics.gauge("kv_cache_usage_perc", "Fraction of a worker's KV blocks in use",
+                         ("worker",))
+PREFIX_QUERIES = metrics.gauge("prefix_cache_queries", "Prompt tokens looked up in a worker's "
+                               "prefix cache (cumulative)", ("worker",))
+PREFIX_HITS = metrics.gauge("prefix_cache_hits", "Prompt tokens found in a worker's prefix cache "
+                            "(cumulative)", ("worker",))
+PREEMPTIONS = metrics.gauge("num_preemptions", "Preemptions on a worker (cumulative)",
+                            ("worker",))
+PROMPT_TOKENS = metrics.counter("prompt_tokens", "Prompt tokens computed (prefill)")
+GENERATION_TOKENS = metrics.counter("generation_tokens", "Tokens generated")
+QUEUE_TIME = metrics.histogram("request_queue_time_seconds", "Arrival to first scheduled step")
+STEP_TOKENS = metrics.histogram("iteration_tokens_total", "Tokens per engine step",
+                                buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+# The transfer bytes / seconds / failures are the prefill workers' metrics (kv_connector).
+TRANSFERS_DONE = metrics.counter("kv_transfers_completed", "KV transfers reported done",
+                                 ("ok",))
+STEPS_IN_FLIGHT = metrics.gauge("worker_steps", "Steps run per worker (cumulative)", ("worker",))
+
+
+def after_step(cluster, worker, plan, num_sampled: int) -> None:
+    name = worker.worker_id
+    core = worker.core
+    RUNNING.labels(name).set(len(core.running))
+    WAITING.labels(name).set(len(core.waiting))
+    KV_USAGE.labels(name).set(core.kv.usage)
+    PREFIX_QUERIES.labels(name).set(core.kv.stats.queries)
+    PREFIX_HITS.labels(name).set(core.kv.stats.hits)
+    PREEMPTIONS.labels(name).set(core.stats.num_preemptions)
+    STEPS_IN_FLIGHT.labels(name).set(core.stats.num_steps)
+    TRANSFERRING.set(len(cluster.transfers))
+    now = time.monotonic()
+    num_prompt = 0
+    for item in plan.output.scheduled:
+        request = item.request  # progress already advanced by this step
+        end = request.num_computed_tokens
+        num_prompt += max(0, min(request.num_prompt_tokens, end) - (end - item.num_new_tokens))
+        sample = cluster.samples.get(request.request_id)
+        if sample is not None and sample.parent.first_scheduled is None:
+            sample.parent.first_scheduled = now
+            QUEUE_TIME.observe(now - sample.parent.arrival)
+    PROMPT_TOKENS.inc(num_prompt)
+    GENERATION_TOKENS.inc(num_sampled)
+    STEP_TOKENS.observe(plan.output.num_batched_tokens)
+
+
+def transfer_result(send) -> None:
+    TRANSFERS_DONE.labels(str(send.ok).lower()).inc()

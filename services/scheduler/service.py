@@ -1,0 +1,120 @@
+"""The Scheduler gRPC service: submissions, aborts, per-gateway output streams, the worker
+registry and stats, over one ClusterScheduler."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.log import bind_request_id, get_logger, request_id_from
+from services.common.wire import params_from_proto
+from services.scheduler.cluster import ClusterScheduler, Unavailable
+from services.scheduler.worker_link import WorkerLink
+
+log = get_logger(__name__)
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, cluster: ClusterScheduler, lease_ms: int) -> None:
+        self.cluster = cluster
+        self.lease_ms = lease_ms
+        self.links: dict[str, WorkerLink] = {}
+        cluster.on_work = self._wake
+
+    def _wake(self, worker) -> None:
+        link = self.links.get(worker.worker_id)
+        if link is not None and link.worker is worker:
+            link.wakeup.set()
+
+    async def Submit(self, request, context):
+        bind_request_id(request_id_from(context) or request.request_id)
+        prompt = list(request.prompt_token_ids)
+        try:
+            params_proto = request.params
+            if not params_proto.HasField("max_tokens"):
+                params_proto.max_tokens = self.cluster.default_max_tokens(len(prompt))
+            params = params_from_proto(params_proto)
+            self.cluster.submit(request.request_id, request.gateway_id, prompt, params,
+                                params_proto, request.priority)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.debug("submitted", num_prompt_tokens=len(prompt), n=params.n)
+        return scheduler_pb2.SubmitResponse()
+
+    async def Abort(self, request, context):
+        aborted = self.cluster.abort(list(request.request_ids))
+        self.cluster.sink.flush()
+        return scheduler_pb2.SchedulerAbortResponse(aborted=aborted)
+
+    async def Outputs(self, request, context):
+        queue = self.cluster.sink.subscribe(request.gateway_id)
+        log.info("gateway connected", gateway_id=request.gateway_id)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.cluster.sink.unsubscribe(request.gateway_id, queue)
+            self._abort_gateway(request.gateway_id)
+
+    def _abort_gateway(self, gateway_id: str) -> None:
+        """A gateway that went away cannot receive its requests' tokens: stop computing them."""
+        orphans = [rid for rid, record in self.cluster.requests.items()
+                   if record.gateway_id == gateway_id]
+        if orphans and gateway_id not in self.cluster.sink.streams:
+            log.info("gateway gone, aborting its requests", gateway_id=gateway_id,
+                     num_requests=len(orphans))
+            self.cluster.abort(orphans)
+            self.cluster.sink.pending.pop(gateway_id, None)
+
+    async def RegisterWorker(self, request, context):
+        try:
+            self.cluster.register(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        old = self.links.pop(request.worker_id, None)
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        link = WorkerLink(self.cluster, self.cluster.workers[request.worker_id])
+        self.links[request.worker_id] = link
+        link.start()
+        log.info("worker registered", worker_id=request.worker_id, address=request.address,
+                 role=scheduler_pb2.WorkerRole.Name(request.role), num_blocks=request.num_blocks)
+        return scheduler_pb2.RegisterWorkerResponse(lease_ms=self.lease_ms)
+
+    async def Heartbeat(self, request, context):
+        known = self.cluster.heartbeat(request.worker_id, request.draining)
+        return scheduler_pb2.HeartbeatResponse(known=known)
+
+    async def Stats(self, request, context):
+        cluster = self.cluster
+        workers = [w for w in cluster.workers.values() if w.alive]
+        return scheduler_pb2.StatsResponse(
+            num_waiting=sum(len(w.core.waiting) for w in workers),
+            num_running=sum(len(w.core.running) for w in workers),
+            workers=[scheduler_pb2.WorkerStats(
+                worker_id=w.worker_id, role=w.role, num_blocks=w.core.kv.pool.num_blocks,
+                num_free_blocks=w.core.kv.num_free_blocks, num_running=len(w.core.running))
+                for w in workers],
+            prefix_cache_queries=sum(w.core.kv.stats.queries for w in workers),
+            prefix_cache_hits=sum(w.core.kv.stats.hits for w in workers),
+            num_preemptions=sum(w.core.stats.num_preemptions for w in workers),
+            model=cluster.model, max_model_len=cluster.max_model_len, ready=cluster.ready,
+            num_transferring=len(cluster.transfers))
+
+    async def reap_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 4000)
+            for worker in self.cluster.expire_leases():
+                link = self.links.pop(worker.worker_id, None)
+                if link is not None and link.task is not None:
+                    link.task.cancel()
+            self.cluster.sink.flush()
+
+    async def drain(self) -> None:
+        """SIGTERM: take no new requests, let the ones in flight finish."""
+        self.cluster.accepting = False
+        while self.cluster.requests:
+            await asyncio.sleep(0.1)

@@ -1,0 +1,112 @@
+"""The scheduler's side of one worker's step stream: plan a step, send it, wait for its result,
+apply it, repeat while the worker has work. Steps to different workers run concurrently; KV send
+results arrive on the same stream between steps."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.api.kvrelay.v1 import worker_pb2_grpc
+from services.common.grpc_server import channel
+from services.common.log import get_logger
+from services.scheduler import handoff, scheduler_metrics
+from services.scheduler.records import WorkerRecord
+from services.scheduler.step_plan import apply_result, plan_step
+
+log = get_logger(__name__)
+
+
+class WorkerLink:
+    def __init__(self, cluster, worker: WorkerRecord) -> None:
+        self.cluster = cluster
+        self.worker = worker
+        self.wakeup = asyncio.Event()
+        self.wakeup.set()
+        self.pending_result: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        chan = channel(self.worker.info.address)
+        call = worker_pb2_grpc.WorkerStub(chan).Steps()
+        reader = asyncio.create_task(self._read(call))
+        try:
+            await self._step_loop(call, reader)
+        except (grpc.aio.AioRpcError, ConnectionError, asyncio.CancelledError) as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._fail(f"step stream broke: {_describe(exc)}")
+            else:
+                raise
+        except Exception as exc:  # noqa: BLE001 - a bug here must not leave requests hanging
+            log.exception("step loop crashed", worker_id=self.worker.worker_id)
+            self._fail(f"scheduler error: {exc!r}")
+        finally:
+            reader.cancel()
+            call.cancel()
+            await chan.close()
+
+    async def _step_loop(self, call, reader: asyncio.Task) -> None:
+        while self.worker.alive:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            if not self.worker.alive:
+                return
+            plan = plan_step(self.cluster, self.worker)
+            if plan is None:
+                self.cluster.sink.flush()
+                continue
+            self.pending_result = asyncio.get_running_loop().create_future()
+            await call.write(plan.message)
+            log.debug("step sent", worker_id=self.worker.worker_id,
+                      step_id=plan.message.step_id, num_scheduled=len(plan.message.scheduled))
+            result = await _first(self.pending_result, reader)
+            log.debug("step done", worker_id=self.worker.worker_id, step_id=result.step_id,
+                      num_sampled=len(result.sampled))
+            apply_result(self.cluster, self.worker, plan, result)
+            handoff.retry_awaiting(self.cluster)
+            self.cluster.sink.flush()
+            scheduler_metrics.after_step(self.cluster, self.worker, plan, len(result.sampled))
+            if self.worker.has_work:
+                self.wakeup.set()
+
+    async def _read(self, call) -> None:
+        try:
+            await self._read_results(call)
+        except Exception:
+            log.exception("step stream reader failed", worker_id=self.worker.worker_id)
+            raise
+
+    async def _read_results(self, call) -> None:
+        async for result in call:
+            if result.step_id == 0:  # KV send results, between steps
+                log.debug("kv send results", results=str(result.kv_sends))
+                for send in result.kv_sends:
+                    scheduler_metrics.transfer_result(send)
+                    handoff.on_send_result(self.cluster, send)
+                self.cluster.sink.flush()
+            elif self.pending_result is not None and not self.pending_result.done():
+                self.pending_result.set_result(result)
+        raise ConnectionError("the worker closed its step stream")
+
+    def _fail(self, reason: str) -> None:
+        log.warning("worker lost", worker_id=self.worker.worker_id, reason=reason)
+        self.cluster.worker_died(self.worker, reason)
+        self.cluster.sink.flush()
+
+
+async def _first(result: asyncio.Future, reader: asyncio.Task):
+    """The step's result, or the reader's failure if the stream breaks first."""
+    done, _ = await asyncio.wait({result, reader}, return_when=asyncio.FIRST_COMPLETED)
+    if result in done:
+        return result.result()
+    reader.result()  # raises the stream's error
+    raise ConnectionError("the step stream ended")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,15 @@
+"""The KV connector: moves a sequence's KV pages from a prefill worker to a decode worker.
+
+Control goes through the scheduler (it orders a send in a step message and hears the result);
+data goes worker to worker through a `KvTransport`. Pages are fed layer by layer (`LayerFeed`),
+as each layer's KV becomes final during the forward pass when the order rides on that step.
+"""
+from services.worker.kv_connector.base import KvTransport, TransferFailed
+from services.worker.kv_connector.feed import LayerFeed
+from services.worker.kv_connector.grpc_transport import GrpcKvTransport
+from services.worker.kv_connector.receiver import KvReceiver
+from services.worker.kv_connector.sender import KvSender
+from services.worker.kv_connector.shm_transport import ShmKvTransport
+
+__all__ = ["KvTransport", "TransferFailed", "LayerFeed", "GrpcKvTransport", "KvReceiver",
+           "KvSender", "ShmKvTransport"]

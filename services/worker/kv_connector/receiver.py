@@ -1,0 +1,71 @@
+"""The decode side of the gRPC transport: the KvTransfer service writes pushed pages into this
+worker's cache. The blocks were reserved by the scheduler for exactly this transfer, so writing
+them while a forward pass runs on other blocks is safe."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from services.common.log import get_logger
+
+log = get_logger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
+    def __init__(self, kv_cache: torch.Tensor | None = None) -> None:
+        self.kv_cache = None
+        self.num_bytes_received = 0
+        if kv_cache is not None:
+            self.attach(kv_cache)
+
+    def attach(self, kv_cache: torch.Tensor) -> None:
+        # kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = kv_cache
+        self.page_shape = tuple(kv_cache.shape[3:])
+
+    async def Push(self, request_iterator, context) -> kv_transfer_pb2.KvPushAck:
+        if self.kv_cache is None:
+            return kv_transfer_pb2.KvPushAck(ok=False, error="the model is still loading")
+        transfer_id, num_bytes, started = "", 0, time.perf_counter()
+        try:
+            async for chunk in request_iterator:
+                transfer_id = chunk.transfer_id
+                num_bytes += self._write(chunk)
+        except ValueError as exc:
+            log.warning("kv push refused", transfer_id=transfer_id, error=str(exc))
+            return kv_transfer_pb2.KvPushAck(transfer_id=transfer_id, ok=False, error=str(exc))
+        self.num_bytes_received += num_bytes
+        log.debug("kv push received", transfer_id=transfer_id, num_bytes=num_bytes,
+                  seconds=time.perf_counter() - started)
+        return kv_transfer_pb2.KvPushAck(transfer_id=transfer_id, ok=True, num_bytes=num_bytes)
+
+    def _write(self, chunk: kv_transfer_pb2.KvChunk) -> int:
+        dtype = DTYPES.get(chunk.dtype)
+        if dtype != self.kv_cache.dtype:
+            raise ValueError(f"dtype {chunk.dtype!r} does not match the cache's "
+                             f"{self.kv_cache.dtype}")
+        if chunk.layer >= self.kv_cache.shape[0]:
+            raise ValueError(f"layer {chunk.layer} out of range")
+        dst = torch.tensor(list(chunk.dst_block_ids), dtype=torch.int64)
+        if dst.numel() == 0 or int(dst.max()) >= self.kv_cache.shape[2]:
+            raise ValueError("destination blocks missing or out of range")
+        shape = (len(chunk.dst_block_ids), *self.page_shape)
+        keys, values = _tensor(chunk.keys, dtype, shape), _tensor(chunk.values, dtype, shape)
+        self.kv_cache[chunk.layer, 0].index_copy_(0, dst, keys)
+        self.kv_cache[chunk.layer, 1].index_copy_(0, dst, values)
+        return len(chunk.keys) + len(chunk.values)
+
+
+def _tensor(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    expected = element_size
+    for size in shape:
+        expected *= size
+    if len(raw) != expected:
+        raise ValueError(f"chunk has {len(raw)} bytes, expected {expected} for {shape}")
+    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    # frombuffer needs a writable buffer; the bytearray is that copy of the message bytes.
+    return torch.frombuffer(bytearray(raw), dtype=storage_dtype).view(dtype).view(shape)

@@ -1,0 +1,49 @@
+"""The prefill side: runs each send order through its transport with a deadline, records the
+transfer metrics and turns the outcome into a KvSendResult for the scheduler."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.api.kvrelay.v1 import worker_pb2
+from services.common import metrics
+from services.common.log import get_logger
+from services.worker.kv_connector.base import KvTransport, TransferFailed
+from services.worker.kv_connector.feed import LayerFeed
+
+log = get_logger(__name__)
+
+TRANSFER_BYTES = metrics.counter("kv_transfer_bytes", "KV bytes pushed to decode workers",
+                                 ("transport",))
+TRANSFER_SECONDS = metrics.histogram("kv_transfer_seconds", "Seconds per KV transfer",
+                                     ("transport",))
+TRANSFER_FAILURES = metrics.counter("kv_transfer_failures", "KV transfers that failed",
+                                    ("transport",))
+
+
+class KvSender:
+    def __init__(self, transports: dict[str, KvTransport], timeout_s: float) -> None:
+        self.transports = transports
+        self.timeout_s = timeout_s
+
+    async def send(self, order: worker_pb2.KvSendOrder,
+                   feed: LayerFeed) -> worker_pb2.KvSendResult:
+        transport = self.transports.get(order.transport or "grpc")
+        started = time.perf_counter()
+        try:
+            if transport is None:
+                raise TransferFailed(f"transport {order.transport!r} is not enabled here")
+            num_bytes = await asyncio.wait_for(transport.push(order, feed), self.timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            # Every failure must reach the scheduler, or the blocks on both sides stay held.
+            error = str(exc) or type(exc).__name__
+            if isinstance(exc, asyncio.TimeoutError):
+                error = f"timed out after {self.timeout_s} s"
+            TRANSFER_FAILURES.labels(order.transport or "grpc").inc()
+            log.warning("kv transfer failed", transfer_id=order.transfer_id, error=error)
+            return worker_pb2.KvSendResult(transfer_id=order.transfer_id, ok=False, error=error)
+        seconds = time.perf_counter() - started
+        TRANSFER_BYTES.labels(transport.name).inc(num_bytes)
+        TRANSFER_SECONDS.labels(transport.name).observe(seconds)
+        return worker_pb2.KvSendResult(transfer_id=order.transfer_id, ok=True,
+                                       num_bytes=num_bytes, seconds=seconds)

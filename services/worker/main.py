@@ -1,0 +1,132 @@
+"""`kvrelay worker --role prefill|decode|both`: the model runner behind the step stream, the KV
+connector's sender (prefill) and receiver (decode), registered with the scheduler."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import uuid
+
+from services.api.kvrelay.v1 import kv_transfer_pb2, scheduler_pb2, worker_pb2
+from services.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
+from services.common import metrics
+from services.common.flags import add_flag
+from services.common.grpc_server import ServiceServer
+from services.common.log import get_logger
+from services.common.runtime import run_service
+from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
+                                          ShmKvTransport)
+from services.worker.model_setup import load_worker_model
+from services.worker.registration import Registration
+from services.worker.step_executor import StepExecutor
+from services.worker.step_service import WorkerService
+
+log = get_logger(__name__)
+ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.WORKER_ROLE_DECODE,
+         "both": scheduler_pb2.WORKER_ROLE_BOTH}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--role", choices=sorted(ROLES), default="both")
+    add_flag(parser, "--host", default="0.0.0.0")
+    add_flag(parser, "--port", type=int, default=50060, help="Worker + KvTransfer gRPC port")
+    add_flag(parser, "--advertise-address", default=None,
+             help="host:port the scheduler and other workers dial (default 127.0.0.1:PORT)")
+    add_flag(parser, "--metrics-port", type=int, default=9110, help="0: no metrics endpoint")
+    add_flag(parser, "--scheduler-address", default="127.0.0.1:50052")
+    add_flag(parser, "--worker-id", default=None, help="default: role-hostname-random")
+    add_flag(parser, "--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    add_flag(parser, "--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    add_flag(parser, "--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_flag(parser, "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
+    add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
+    add_flag(parser, "--block-size", type=int, default=16)
+    add_flag(parser, "--max-model-len", type=int, default=None)
+    add_flag(parser, "--num-threads", type=int, default=None, help="torch threads")
+    add_flag(parser, "--kv-transports", default="grpc,shm",
+             help="comma list of KV transports this worker can use (grpc, shm)")
+    add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0, help="seconds")
+    add_flag(parser, "--shm-dir", default="/dev/shm",
+             help="where a decode worker maps its KV cache for the shm transport")
+    add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
+    add_flag(parser, "--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_service(f"worker-{args.role}", serve(args), args.log_level)
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    transports = [name for name in args.kv_transports.split(",") if name]
+    shm_path = _shm_path(args, worker_id, transports)
+    server = ServiceServer(args.host, args.port, [
+        worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+        kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name])
+    service, receiver = WorkerService(), KvReceiver()
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server.server)
+    server.install_signal_handlers()
+    await server.start()  # health answers NOT_SERVING while the model loads
+    metrics.serve_metrics(args.metrics_port)
+    loaded = await asyncio.to_thread(load_worker_model, args, shm_path)
+    runner = loaded.runner
+    service.attach(StepExecutor(runner),
+                   KvSender(_transports(transports, runner), args.kv_transfer_timeout))
+    receiver.attach(runner.kv_cache)
+    registration = Registration(args.scheduler_address, scheduler_pb2.RegisterWorkerRequest(
+        worker_id=worker_id, role=ROLES[args.role],
+        address=args.advertise_address or f"127.0.0.1:{server.port}",
+        num_blocks=runner.num_blocks, block_size=runner.block_size, model=loaded.model_name,
+        dtype=str(runner.dtype).removeprefix("torch."), kv_transports=transports,
+        host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,
+        vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids)))
+    keep_alive = asyncio.create_task(registration.keep_alive())
+    await server.set_serving(True)
+    log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,
+             num_blocks=runner.num_blocks, dtype=str(runner.dtype).removeprefix("torch."))
+    try:
+        await server.serve_until_stopped(_drain(registration, service), args.drain_timeout)
+    finally:
+        keep_alive.cancel()
+        await registration.close()
+        if shm_path:
+            os.unlink(shm_path)
+
+
+def _drain(registration: Registration, service: WorkerService):
+    async def drain() -> None:
+        # The scheduler stops placing work here at the next heartbeat and closes the step
+        # stream once this worker's sequences are done.
+        registration.draining = True
+        await asyncio.sleep(registration.lease_s / 2)
+        await service.idle.wait()
+    return drain
+
+
+def _shm_path(args, worker_id: str, transports: list[str]) -> str | None:
+    """Decode-capable CPU workers keep their KV cache in a shared file so same-host prefill
+    workers can write pages straight into it."""
+    if "shm" not in transports or args.role == "prefill" or args.device == "cuda":
+        return None
+    return os.path.join(args.shm_dir, f"kvrelay-{worker_id}-kv")
+
+
+def _transports(names: list[str], runner) -> dict:
+    transports = {"grpc": GrpcKvTransport()}
+    if "shm" in names:
+        block_shape = (runner.num_layers, runner.block_size, runner.num_kv_heads,
+                       runner.head_dim)
+        transports["shm"] = ShmKvTransport(block_shape, runner.dtype)
+    return transports
+
+
+def _host_id() -> str:
+    """Same boot + same hostname: the shm transport can reach the other worker's file."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return f"{socket.gethostname()}:{handle.read().strip()}"
+    except OSError:
+        return socket.gethostname()

@@ -1,0 +1,60 @@
+"""The worker's own copy of each sequence it runs: tokens, progress, block table, generator.
+
+The scheduler sends a sequence's full state once (NewSequence) and afterwards only what changed
+(ScheduledSequence), so a step message stays small however long the sequences get.
+"""
+from __future__ import annotations
+
+from services.api.kvrelay.v1 import worker_pb2
+from services.common.wire import params_from_proto
+from services.engine.request import Request
+from services.engine.sampler import make_generator
+
+
+class SequenceTable:
+    def __init__(self) -> None:
+        self.sequences: dict[str, Request] = {}
+        self.block_ids: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def add(self, new: worker_pb2.NewSequence) -> None:
+        params = params_from_proto(new.params)
+        num_prompt = new.num_prompt_tokens or len(new.token_ids)
+        token_ids = list(new.token_ids)
+        generator = None
+        if params.seed is not None:
+            generator = make_generator(params.seed, new.child_index)
+        sequence = Request(new.seq_id, token_ids[:num_prompt], params,
+                           frozenset(new.eos_token_ids), generator=generator)
+        for token_id in token_ids[num_prompt:]:
+            sequence.append_token(token_id)
+        _skip_draws(generator, sequence.num_output_tokens)
+        sequence.num_computed_tokens = new.num_computed_tokens
+        self.sequences[new.seq_id] = sequence
+        self.block_ids[new.seq_id] = list(new.block_ids)
+
+    def update(self, scheduled: worker_pb2.ScheduledSequence) -> Request:
+        sequence = self.sequences.get(scheduled.seq_id)
+        if sequence is None:
+            raise KeyError(f"unknown sequence {scheduled.seq_id!r}")
+        self.block_ids[scheduled.seq_id].extend(scheduled.new_block_ids)
+        for token_id in scheduled.new_token_ids:
+            sequence.append_token(token_id)
+        return sequence
+
+    def forget(self, seq_id: str) -> None:
+        self.sequences.pop(seq_id, None)
+        self.block_ids.pop(seq_id, None)
+
+
+def _skip_draws(generator, num_draws: int) -> None:
+    """A seeded sequence draws one uniform per sampled token; one that resumes here after tokens
+    sampled elsewhere (the prefill worker, or before a preemption) skips those draws so its
+    stream of random numbers continues where it left off."""
+    if generator is None:
+        return
+    import torch
+    for _ in range(num_draws):
+        torch.rand(1, dtype=torch.float64, generator=generator)

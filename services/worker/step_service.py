@@ -1,0 +1,111 @@
+"""The Worker service: the scheduler's step stream. Each StepRequest updates the sequence table,
+starts the KV sends it orders, runs the forward pass in the compute thread and answers with the
+sampled tokens. Send results go back on the same stream when they finish (step_id 0)."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
+from services.common import metrics
+from services.common.log import get_logger
+from services.worker.kv_connector import KvSender, LayerFeed
+from services.worker.step_executor import StepExecutor
+
+log = get_logger(__name__)
+STEP_SECONDS = metrics.histogram("worker_step_seconds", "Forward pass + sampling per step")
+STEP_TOKENS = metrics.counter("worker_step_tokens", "Tokens computed by this worker")
+RUNNING_SEQUENCES = metrics.gauge("worker_sequences", "Sequences this worker holds state for")
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        # Registered with the server before the model loads (handlers cannot be added to a
+        # started server); `attach` makes it usable.
+        self.executor: StepExecutor | None = None
+        self.sender: KvSender | None = None
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.num_streams = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def attach(self, executor: StepExecutor, sender: KvSender) -> None:
+        self.executor, self.sender = executor, sender
+
+    async def Steps(self, request_iterator, context):
+        if self.executor is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        # A new scheduler connection starts from a clean slate: its plan knows no sequences.
+        self.executor.table = type(self.executor.table)()
+        outbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._serve_steps(request_iterator, outbox))
+        reader.add_done_callback(lambda _: outbox.put_nowait(None))
+        self.idle.clear()
+        try:
+            while (message := await outbox.get()) is not None:
+                await context.write(message)
+            if not reader.cancelled() and reader.exception() is not None:
+                error = reader.exception()
+                log.error("step failed", error=repr(error))
+                await context.abort(grpc.StatusCode.INTERNAL, f"step failed: {error!r}")
+        finally:
+            reader.cancel()
+            self.idle.set()
+
+    async def _serve_steps(self, request_iterator, outbox: asyncio.Queue) -> None:
+        sends: set[asyncio.Task] = set()
+        try:
+            async for request in request_iterator:
+                log.debug("step received", step_id=request.step_id)
+                result = await self._run_step(request, outbox, sends)
+                log.debug("step computed", step_id=request.step_id)
+                outbox.put_nowait(result)
+        finally:
+            for task in sends:
+                task.cancel()
+
+    async def _run_step(self, request: worker_pb2.StepRequest, outbox: asyncio.Queue,
+                        sends: set) -> worker_pb2.StepResult:
+        prepared = self.executor.apply(request)
+        RUNNING_SEQUENCES.set(len(self.executor.table))
+        feeds = self._start_sends(request.kv_sends, outbox, sends)
+        hook = _fan_out(feeds) if feeds else None
+        loop = asyncio.get_running_loop()
+        with STEP_SECONDS.time():
+            try:
+                sampled = await loop.run_in_executor(self.compute, self.executor.execute,
+                                                     prepared, hook)
+            except BaseException as exc:
+                for feed in feeds:
+                    feed.fail(exc)
+                raise
+        STEP_TOKENS.inc(sum(item.num_new_tokens for item in prepared.items))
+        return worker_pb2.StepResult(step_id=request.step_id, sampled=sampled)
+
+    def _start_sends(self, orders, outbox: asyncio.Queue, sends: set) -> list[LayerFeed]:
+        """Start every ordered send; return the feeds that this step's forward pass fills."""
+        loop = asyncio.get_running_loop()
+        during_step = []
+        for order in orders:
+            feed = LayerFeed(self.executor.runner.kv_cache, list(order.src_block_ids), loop)
+            if order.during_step:
+                during_step.append(feed)
+            else:
+                feed.fill_now()
+            task = asyncio.create_task(self._send(order, feed, outbox))
+            sends.add(task)
+            task.add_done_callback(sends.discard)
+        return during_step
+
+    async def _send(self, order, feed: LayerFeed, outbox: asyncio.Queue) -> None:
+        result = await self.sender.send(order, feed)
+        outbox.put_nowait(worker_pb2.StepResult(step_id=0, kv_sends=[result]))
+
+
+def _fan_out(feeds: list[LayerFeed]):
+    def on_layer_done(layer: int) -> None:
+        for feed in feeds:
+            feed.on_layer_done(layer)
+    return on_layer_done
