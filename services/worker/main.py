@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import uuid
+from pathlib import Path
 
 from services.api.kvrelay.v1 import kv_transfer_pb2, scheduler_pb2, worker_pb2
 from services.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
@@ -111,7 +112,17 @@ def _shm_path(args, worker_id: str, transports: list[str]) -> str | None:
     workers can write pages straight into it."""
     if "shm" not in transports or args.role == "prefill" or args.device == "cuda":
         return None
-    return os.path.join(args.shm_dir, f"kvrelay-{worker_id}-kv")
+    _remove_stale_shm_files(args.shm_dir)
+    # The pid keeps two workers with the same id (two stacks on one host) from sharing a file.
+    return os.path.join(args.shm_dir, f"kvrelay-{worker_id}-{os.getpid()}.kv")
+
+
+def _remove_stale_shm_files(shm_dir: str) -> None:
+    """A worker that was killed leaves its cache file behind; the pid in the name tells."""
+    for path in Path(shm_dir).glob("kvrelay-*.kv"):
+        pid = path.stem.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
 
 
 def _transports(names: list[str], runner) -> dict:
