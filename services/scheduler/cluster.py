@@ -58,8 +58,20 @@ class ClusterScheduler:
         if worker is None or not worker.alive:
             return False
         worker.lease_deadline = time.monotonic() + self.lease_s
-        worker.draining = draining
+        if draining and not worker.draining:
+            worker.draining = True
+            self.on_work(worker)  # its step loop lets go once its sequences are done
         return True
+
+    def holds_sequences(self, worker: WorkerRecord) -> bool:
+        """Anything still queued, running, reserved or being sent on this worker."""
+        return any(sample.phase is not Phase.DONE and worker in (sample.worker,
+                                                                  sample.decode_worker)
+                   for sample in self.samples.values())
+
+    def retire(self, worker: WorkerRecord) -> None:
+        """A drained worker leaves the group; it holds nothing any more."""
+        worker.alive = False
 
     def live(self, *roles: int) -> list[WorkerRecord]:
         return [w for w in self.workers.values()

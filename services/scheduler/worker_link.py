@@ -35,11 +35,10 @@ class WorkerLink:
         reader = asyncio.create_task(self._read(call))
         try:
             await self._step_loop(call, reader)
-        except (grpc.aio.AioRpcError, ConnectionError, asyncio.CancelledError) as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                self._fail(f"step stream broke: {_describe(exc)}")
-            else:
-                raise
+        except asyncio.CancelledError:
+            raise
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            self._fail(f"step stream broke: {_describe(exc)}")
         except Exception as exc:  # noqa: BLE001 - a bug here must not leave requests hanging
             log.exception("step loop crashed", worker_id=self.worker.worker_id)
             self._fail(f"scheduler error: {exc!r}")
@@ -53,6 +52,11 @@ class WorkerLink:
             await self.wakeup.wait()
             self.wakeup.clear()
             if not self.worker.alive:
+                return
+            if self.worker.draining and not self.cluster.holds_sequences(self.worker):
+                log.info("worker drained", worker_id=self.worker.worker_id)
+                self.cluster.retire(self.worker)
+                await call.done_writing()
                 return
             plan = plan_step(self.cluster, self.worker)
             if plan is None:

@@ -26,6 +26,8 @@ class Registration:
         registered = False
         while True:
             try:
+                if not registered and self.draining:
+                    return  # retired by the scheduler: do not join again
                 if not registered:
                     response = await self.stub.RegisterWorker(self.request, timeout=10)
                     self.lease_s = response.lease_ms / 1000

@@ -1,0 +1,187 @@
+"""chat-64 through the service stack (PD and colocated) beside the in-process engine, one run.
+
+    python benchmarks/stack.py [--topologies pd,colocated] [--dtype auto] [--threads-per-worker 2]
+
+Each stack is started with `kvrelay up`, warmed up, then sent the 64 chat requests at once as
+streaming OpenAI requests (greedy, max_tokens 128, ignore_eos). Reports output tokens/s, TTFT
+and ITL, and the CPU time the gateway, tokenizer and scheduler processes spent per output token
+(from /proc, so the client's own CPU is not counted). The offline engine runs last, alone.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.offline import MAX_TOKENS, _pct, run_kvrelay  # noqa: E402
+from benchmarks.workloads import chat64  # noqa: E402
+
+FRONT_SERVICES = ("gateway", "tokenizer", "scheduler")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class StackResult:
+    system: str
+    output_tokens: int
+    wall_s: float
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    itl_p50_ms: float | None
+    itl_p90_ms: float | None
+    cpu_us_per_token: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def start_stack(topology: str, args, workdir: Path, port: int) -> tuple[subprocess.Popen, dict]:
+    state_file = workdir / f"{topology}.json"
+    command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
+               "--port", str(port), "--grpc-port", str(port + 1), "--base-port", str(port + 2),
+               "--log-dir", str(workdir / topology), "--state-file", str(state_file)]
+    if args.dtype:
+        command += ["--dtype", args.dtype]
+    if args.threads_per_worker:
+        command += ["--threads-per-worker", str(args.threads_per_worker)]
+    if args.kv_transport:
+        command += ["--kv-transport", args.kv_transport]
+    stack = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if stack.poll() is not None:
+            raise SystemExit(f"kvrelay up ({topology}) exited with {stack.returncode}; "
+                             f"logs in {workdir / topology}")
+        if state_file.exists():
+            state = json.loads(state_file.read_text())
+            if state["status"] == "ready":
+                return stack, state
+        time.sleep(1)
+    stack.terminate()
+    raise SystemExit(f"kvrelay up ({topology}) not ready after 600 s")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+async def one_request(client: httpx.AsyncClient, url: str, messages, start: float,
+                      record: dict) -> None:
+    body = {"messages": messages, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    arrivals = []
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                record["tokens"] += chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                arrivals.append(time.perf_counter() - start)
+    if arrivals:
+        record["ttft"].append(arrivals[0])
+        record["gaps"].extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+
+async def drive(base_url: str, conversations) -> tuple[dict, float]:
+    url = f"{base_url}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        warm = {"tokens": 0, "ttft": [], "gaps": []}
+        await one_request(client, url, conversations[0], time.perf_counter(), warm)
+        record = {"tokens": 0, "ttft": [], "gaps": []}
+        start = time.perf_counter()
+        await asyncio.gather(*(one_request(client, url, messages, start, record)
+                               for messages in conversations))
+        return record, time.perf_counter() - start
+
+
+def run_stack(topology: str, args, workdir: Path, port: int, conversations) -> StackResult:
+    stack, state = start_stack(topology, args, workdir, port)
+    try:
+        pids = {name: info["pid"] for name, info in state["services"].items()
+                if info["kind"] in FRONT_SERVICES}
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        record, wall = asyncio.run(drive(state["rest_url"], conversations))
+        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(timeout=120)
+    tokens = record["tokens"]
+    per_token = {name: round(seconds / tokens * 1e6, 1) for name, seconds in cpu.items()}
+    per_token["total"] = round(sum(cpu.values()) / tokens * 1e6, 1)
+    return StackResult(f"kvrelay {topology} stack", tokens, wall, _pct(record["ttft"], 0.5),
+                       _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
+                       _ms(_pct(record["gaps"], 0.9)), per_token)
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def markdown(results: list[StackResult], offline_tps: float) -> str:
+    lines = ["| system | output tok/s | vs offline | wall s | TTFT p50 s | TTFT p90 s | "
+             "ITL p50 ms | ITL p90 ms | front CPU µs/token (gateway, tokenizer, scheduler) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        cpu = ", ".join(f"{k} {v}" for k, v in r.cpu_us_per_token.items()) or "-"
+        lines.append(f"| {r.system} | {r.tokens_per_s:.1f} | {r.tokens_per_s / offline_tps:.2f}x "
+                     f"| {r.wall_s:.1f} | {_f(r.ttft_p50_s)} | {_f(r.ttft_p90_s)} | "
+                     f"{_f(r.itl_p50_ms)} | {_f(r.itl_p90_ms)} | {cpu} |")
+    return "\n".join(lines)
+
+
+def _f(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topologies", default="pd,colocated")
+    parser.add_argument("--dtype", default=None, help="default: the stack's (auto)")
+    parser.add_argument("--threads-per-worker", type=int, default=None)
+    parser.add_argument("--kv-transport", default=None, choices=["grpc", "shm"])
+    parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    conversations = chat64()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
+        for offset, topology in enumerate(t for t in args.topologies.split(",") if t):
+            result = run_stack(topology, args, Path(tmp), args.port + 20 * offset, conversations)
+            print(f"{result.system}: {result.tokens_per_s:.1f} tok/s", flush=True)
+            results.append(result)
+    offline_tps = 0.0
+    if not args.no_offline:
+        offline = run_kvrelay(conversations, args.dtype or "auto")
+        offline_tps = offline.tokens_per_s
+        results.append(StackResult(
+            f"kvrelay offline LLM ({offline.dtype}, {offline.threads} threads)",
+            offline.output_tokens, offline.wall_s, offline.ttft_p50_s, offline.ttft_p90_s,
+            offline.itl_p50_ms, offline.itl_p90_ms))
+    print(markdown(results, offline_tps or results[0].tokens_per_s))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) | {"tokens_per_s": r.tokens_per_s}
+                                         for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()
