@@ -51,6 +51,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Outputs(self, request, context):
         queue = self.cluster.sink.subscribe(request.gateway_id)
+        # Tells the gateway its stream is registered, so no Submit of it can overtake it.
+        await context.send_initial_metadata((("kvrelay-outputs", "registered"),))
         log.info("gateway connected", gateway_id=request.gateway_id)
         try:
             while True:
