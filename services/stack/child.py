@@ -2,11 +2,10 @@
 
 Each child leads its own process group, so a terminal's Ctrl-C reaches only `up`, which then stops
 the children in order, and so a straggler's helpers (compiler runs, tokenizer threads) die with it.
-On Linux each child also asks the kernel for SIGKILL when `up` dies, even by SIGKILL.
+On Linux each child also asks the kernel for SIGKILL when `up` dies (see child_entry.py).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -16,19 +15,7 @@ from pathlib import Path
 
 from services.stack.plan import ServiceSpec
 
-PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 40
-
-
-def _die_with_parent(parent_pid: int):
-    """A preexec_fn: runs in the child between fork and exec."""
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # The parent may have died before prctl took effect; then nobody will signal us.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return preexec
 
 
 class Child:
@@ -49,11 +36,12 @@ class Child:
         env = {**base_env, **self.spec.env}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
+            # No preexec_fn (see child_entry.py): the child sets its own death signal.
             self.process = subprocess.Popen(
-                self.spec.command(), env=env, stdin=subprocess.DEVNULL,
-                stdout=log or sys.stderr, stderr=subprocess.STDOUT if log else sys.stderr,
-                start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None)
+                [sys.executable, "-m", "services.stack.child_entry", str(os.getpid()),
+                 self.spec.kind, *self.spec.argv],
+                env=env, stdin=subprocess.DEVNULL, stdout=log or sys.stderr,
+                stderr=subprocess.STDOUT if log else sys.stderr, start_new_session=True)
         finally:
             if log:
                 log.close()  # the child holds its own descriptor

@@ -27,6 +27,7 @@ class ServiceSpec:
     rest_url: str = ""  # the gateway's REST base, also health-checked
 
     def command(self) -> list[str]:
+        """The service as one would start it by hand (`up` adds a parent-death guard)."""
         return [sys.executable, "-m", "services.cli", self.kind, *self.argv]
 
 

@@ -27,6 +27,7 @@ def stack_state(status: str, topology: str, children: list[Child], ready: set[st
             "pid": child.pid,
             "address": child.spec.address,
             "metrics_url": child.spec.metrics_url,
+            "command": child.spec.command(),  # the same service by hand
             "log": str(child.log_path) if child.log_path else None,
             "ready": child.name in ready,
             "exit_code": child.exit_code(),
