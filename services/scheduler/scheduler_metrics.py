@@ -10,12 +10,11 @@ WAITING = metrics.gauge("num_requests_waiting", "Requests queued for a worker", 
 TRANSFERRING = metrics.gauge("num_requests_transferring", "Samples whose KV pages are in flight")
 KV_USAGE = metrics.gauge("kv_cache_usage_perc", "Fraction of a worker's KV blocks in use",
                          ("worker",))
-PREFIX_QUERIES = metrics.gauge("prefix_cache_queries", "Prompt tokens looked up in a worker's "
-                               "prefix cache (cumulative)", ("worker",))
-PREFIX_HITS = metrics.gauge("prefix_cache_hits", "Prompt tokens found in a worker's prefix cache "
-                            "(cumulative)", ("worker",))
-PREEMPTIONS = metrics.gauge("num_preemptions", "Preemptions on a worker (cumulative)",
-                            ("worker",))
+PREFIX_QUERIES = metrics.counter("prefix_cache_queries", "Prompt tokens looked up in a worker's "
+                                 "prefix cache", ("worker",))
+PREFIX_HITS = metrics.counter("prefix_cache_hits", "Prompt tokens found in a worker's prefix "
+                              "cache", ("worker",))
+PREEMPTIONS = metrics.counter("num_preemptions", "Preemptions on a worker", ("worker",))
 PROMPT_TOKENS = metrics.counter("prompt_tokens", "Prompt tokens computed (prefill)")
 GENERATION_TOKENS = metrics.counter("generation_tokens", "Tokens generated")
 QUEUE_TIME = metrics.histogram("request_queue_time_seconds", "Arrival to first scheduled step")
@@ -24,7 +23,16 @@ STEP_TOKENS = metrics.histogram("iteration_tokens_total", "Tokens per engine ste
 # The transfer bytes / seconds / failures are the prefill workers' metrics (kv_connector).
 TRANSFERS_DONE = metrics.counter("kv_transfers_completed", "KV transfers reported done",
                                  ("ok",))
-STEPS_IN_FLIGHT = metrics.gauge("worker_steps", "Steps run per worker (cumulative)", ("worker",))
+STEPS = metrics.counter("worker_steps", "Steps run per worker", ("worker",))
+# The engine cores keep running totals; the counters advance by the change since last time.
+_last_totals: dict[tuple[str, str], int] = {}
+
+
+def _advance(counter, worker: str, name: str, total: int) -> None:
+    previous = _last_totals.get((worker, name), 0)
+    if total > previous:
+        counter.labels(worker).inc(total - previous)
+    _last_totals[(worker, name)] = total
 
 
 def after_step(cluster, worker, plan, num_sampled: int) -> None:
@@ -33,10 +41,10 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     RUNNING.labels(name).set(len(core.running))
     WAITING.labels(name).set(len(core.waiting))
     KV_USAGE.labels(name).set(core.kv.usage)
-    PREFIX_QUERIES.labels(name).set(core.kv.stats.queries)
-    PREFIX_HITS.labels(name).set(core.kv.stats.hits)
-    PREEMPTIONS.labels(name).set(core.stats.num_preemptions)
-    STEPS_IN_FLIGHT.labels(name).set(core.stats.num_steps)
+    _advance(PREFIX_QUERIES, name, "queries", core.kv.stats.queries)
+    _advance(PREFIX_HITS, name, "hits", core.kv.stats.hits)
+    _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
+    STEPS.labels(name).inc()
     TRANSFERRING.set(len(cluster.transfers))
     now = time.monotonic()
     num_prompt = 0
