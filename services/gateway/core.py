@@ -22,8 +22,10 @@ from services.gateway.router import OutputRouter
 from services.gateway.upstream import Upstream
 
 log = get_logger(__name__)
-HEALTH_POLL_S = 0.5
+HEALTH_POLL_S = 1.0
 RECONNECT_DELAY_S = 0.5
+# How long an Outputs stream must stay open, without initial metadata, to count as registered.
+REGISTER_GRACE_S = 1.0
 
 
 class GatewayCore:
@@ -157,7 +159,7 @@ class GatewayCore:
         while True:
             call = self.upstream.outputs(self.gateway_id)
             try:
-                await call.initial_metadata()  # the scheduler has registered this gateway
+                await _registered(call)
                 self.outputs_connected = True
                 log.info("outputs stream open", gateway_id=self.gateway_id)
                 async for batch in call:
@@ -172,3 +174,13 @@ class GatewayCore:
             self.abort_nowait(list(self.router.requests))
             self.router.fail_all(message)
             await asyncio.sleep(RECONNECT_DELAY_S)
+
+
+async def _registered(call) -> None:
+    """Wait until the scheduler has surely registered this gateway's Outputs stream, so that no
+    Submit can overtake it. A scheduler that sends initial metadata on registering says so at
+    once; otherwise a stream still open after a grace period has run its handler (a stream
+    that failed meanwhile raises when it is read)."""
+    metadata = asyncio.ensure_future(call.initial_metadata())
+    metadata.add_done_callback(lambda future: future.cancelled() or future.exception())
+    await asyncio.wait({metadata}, timeout=REGISTER_GRACE_S)

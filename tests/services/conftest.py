@@ -58,14 +58,21 @@ class ServiceProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log_file.close()
+        stop_all([self])
+
+
+def stop_all(services: list[ServiceProcess], timeout: float = 15) -> None:
+    """SIGTERM every service at once (each drains on its own), then wait; kill stragglers."""
+    for service in services:
+        if service.process.poll() is None:
+            service.process.terminate()
+    for service in services:
+        try:
+            service.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait()
+        service.log_file.close()
 
 
 @dataclass

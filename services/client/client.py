@@ -1,0 +1,163 @@
+"""An async client for kvrelay's public gRPC API (the `Generation` service of the gateway)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Unpack
+
+import grpc
+
+from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.client.types import (FINISH_REASONS, Choice, Completion, GenerationChunk,
+                                   KvrelayError, ModelInfo, SamplingOptions, TokenLogprob, Usage)
+
+Messages = list[dict[str, str]]
+
+
+class KvrelayClient:
+    """`async with KvrelayClient("127.0.0.1:50050") as client: ...`"""
+
+    def __init__(self, address: str = "127.0.0.1:50050", api_key: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.timeout = timeout  # seconds for a whole call; None: no limit
+
+    async def __aenter__(self) -> "KvrelayClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, prompt: str | None = None, *,
+                       prompt_token_ids: list[int] | None = None,
+                       messages: Messages | None = None, add_generation_prompt: bool = True,
+                       model: str = "", request_id: str = "", priority: int = 0,
+                       **sampling: Unpack[SamplingOptions]) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks as the model produces them. Give exactly one of `prompt`,
+        `prompt_token_ids` or chat `messages`. Leaving the loop early aborts the request."""
+        request = _generate_request(prompt, prompt_token_ids, messages, add_generation_prompt,
+                                    model, request_id, priority, sampling)
+        call = self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout)
+        try:
+            async for response in call:
+                for chunk in _chunks(response):
+                    yield chunk
+        except grpc.aio.AioRpcError as exc:
+            raise KvrelayError(exc.code().name, exc.details() or "") from None
+        finally:
+            call.cancel()  # no-op once finished; otherwise the gateway aborts the request
+
+    async def complete(self, prompt: str | None = None, **kwargs) -> Completion:
+        """The whole result of `generate` (same arguments)."""
+        completion = Completion("", [], [], None)
+        async for chunk in self.generate(prompt, **kwargs):
+            _add_chunk(completion, chunk)
+        return completion
+
+    async def chat(self, messages: Messages, **kwargs) -> Completion:
+        """`complete` for a conversation rendered with the model's chat template."""
+        return await self.complete(messages=messages, **kwargs)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request by id; False when the gateway does not know it."""
+        reply = await self._unary(self.stub.Abort,
+                                  generation_pb2.AbortRequest(request_id=request_id))
+        return reply.found
+
+    # ---- models and tokens ---------------------------------------------------------------------
+    async def list_models(self) -> list[ModelInfo]:
+        reply = await self._unary(self.stub.ListModels, generation_pb2.ListModelsRequest())
+        return [ModelInfo(model.id, model.max_model_len) for model in reply.models]
+
+    async def tokenize(self, prompt: str | None = None, *, messages: Messages | None = None,
+                       add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                       model: str = "") -> list[int]:
+        request = generation_pb2.TokenizeRequest(model=model,
+                                                 add_special_tokens=add_special_tokens)
+        if (prompt is None) == (messages is None):
+            raise ValueError("give either a prompt or messages")
+        if prompt is not None:
+            request.prompt = prompt
+        else:
+            request.chat.CopyFrom(_chat(messages, add_generation_prompt))
+        return list((await self._unary(self.stub.Tokenize, request)).token_ids)
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, metadata=self.metadata, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise KvrelayError(exc.code().name, exc.details() or "") from None
+
+
+def _generate_request(prompt, prompt_token_ids, messages, add_generation_prompt, model,
+                      request_id, priority, sampling) -> generation_pb2.GenerateRequest:
+    if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+    request = generation_pb2.GenerateRequest(request_id=request_id, model=model,
+                                             priority=priority, params=_params(sampling))
+    if prompt is not None:
+        request.prompt = prompt
+    elif prompt_token_ids is not None:
+        request.prompt_token_ids.ids.extend(prompt_token_ids)
+    else:
+        request.chat.CopyFrom(_chat(messages, add_generation_prompt))
+    return request
+
+
+def _params(sampling: SamplingOptions) -> common_pb2.SamplingParams:
+    values = {name: value for name, value in sampling.items() if value is not None}
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    try:
+        return common_pb2.SamplingParams(**values)
+    except (ValueError, TypeError) as exc:  # unknown names, wrong types, out of range
+        raise ValueError(f"bad sampling option: {exc}") from None
+
+
+def _chat(messages: Messages, add_generation_prompt: bool) -> generation_pb2.ChatMessages:
+    return generation_pb2.ChatMessages(
+        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"])
+                  for m in messages], add_generation_prompt=add_generation_prompt)
+
+
+def _chunks(response) -> list[GenerationChunk]:
+    usage = (Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
+                   response.usage.cached_prompt_tokens) if response.HasField("usage") else None)
+    chunks = [GenerationChunk(
+        request_id=response.request_id, index=choice.index, text=choice.text,
+        token_ids=list(choice.token_ids),
+        logprobs=[TokenLogprob(lp.token_id, lp.logprob, lp.rank,
+                               {top.token_id: top.logprob for top in lp.top})
+                  for lp in choice.logprobs] or None,
+        finish_reason=FINISH_REASONS[choice.finish_reason],
+        stop_reason=choice.stop_reason or None) for choice in response.choices]
+    if chunks and usage is not None:  # the request's last chunk carries its usage
+        chunks[-1] = replace(chunks[-1], usage=usage)
+    if chunks and response.prompt_token_ids:
+        chunks[0] = replace(chunks[0], prompt_token_ids=list(response.prompt_token_ids))
+    return chunks
+
+
+def _add_chunk(completion: Completion, chunk: GenerationChunk) -> None:
+    completion.request_id = chunk.request_id
+    if chunk.prompt_token_ids is not None:
+        completion.prompt_token_ids = chunk.prompt_token_ids
+    while len(completion.choices) <= chunk.index:
+        completion.choices.append(Choice(len(completion.choices)))
+    choice = completion.choices[chunk.index]
+    choice.text += chunk.text
+    choice.token_ids.extend(chunk.token_ids)
+    if chunk.logprobs:
+        if choice.logprobs is None:
+            choice.logprobs = []
+        choice.logprobs.extend(chunk.logprobs)
+    if chunk.finish_reason is not None:
+        choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
+    if chunk.usage is not None:
+        completion.usage = chunk.usage

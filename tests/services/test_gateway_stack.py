@@ -1,0 +1,209 @@
+"""The gateway in a real stack (scheduler, one `--role both` worker, tokenizer, gateway, each its
+own process): stop strings through streaming, many prompts with echo, request ids, the public
+gRPC client, and aborts on disconnect or early exit that free every block."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.client import KvrelayClient, KvrelayError
+from tests.services.conftest import ServiceProcess, free_port, grpc_health, stop_all
+
+STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+@dataclass
+class Stack:
+    rest_url: str
+    grpc_address: str
+    scheduler_address: str
+
+    def scheduler_stats(self) -> scheduler_pb2.StatsResponse:
+        with grpc.insecure_channel(self.scheduler_address) as channel:
+            return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(),
+                                                                   timeout=5)
+
+    def wait_idle(self, timeout: float = 1.0) -> scheduler_pb2.StatsResponse:
+        """Stats once nothing runs and every block is free, or the last Stats at the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.scheduler_stats()
+            idle = stats.num_running == 0 and stats.num_waiting == 0 and all(
+                w.num_free_blocks == w.num_blocks for w in stats.workers)
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_address, tmp_path_factory) -> Stack:
+    logs = tmp_path_factory.mktemp("stack")
+    scheduler_port, worker_port, rest_port, grpc_port = (free_port() for _ in range(4))
+    scheduler_address = f"127.0.0.1:{scheduler_port}"
+    common = ["--host", "127.0.0.1", "--log-level", "warning"]
+    services = [
+        ServiceProcess("scheduler", [*common, "--port", str(scheduler_port), "--metrics-port",
+                                     "0"], logs / "scheduler.log"),
+        ServiceProcess("worker", [*common, "--role", "both", "--port", str(worker_port),
+                                  "--scheduler-address", scheduler_address, "--metrics-port", "0",
+                                  "--dtype", "float32", "--num-kv-blocks", "512"],
+                       logs / "worker.log"),
+        ServiceProcess("gateway", [*common, "--port", str(rest_port), "--grpc-port",
+                                   str(grpc_port), "--tokenizer-address", tokenizer_address,
+                                   "--scheduler-address", scheduler_address],
+                       logs / "gateway.log")]
+    rest_url = f"http://127.0.0.1:{rest_port}"
+    try:
+        services[-1].wait_for(lambda: _healthy(rest_url), "gateway with a ready stack", 180)
+        yield Stack(rest_url, f"127.0.0.1:{grpc_port}", scheduler_address)
+    finally:
+        stop_all(services)
+
+
+def _healthy(rest_url: str) -> bool:
+    try:
+        return httpx.get(f"{rest_url}/health", timeout=1, trust_env=False).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.rest_url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 60))
+
+
+def test_health_is_serving(stack):
+    assert grpc_health(stack.grpc_address) == "SERVING"
+
+
+def test_stop_string_is_never_streamed_and_counts_tokens_through_it(stack, client, tokenizer):
+    async def greedy(**options):
+        async with KvrelayClient(stack.grpc_address) as kv:
+            return await kv.chat(STORY, temperature=0, max_tokens=24, **options)
+
+    full = run(greedy())
+    text, tokens = full.text, full.choices[0].token_ids
+    stop = text[len(text) // 2:len(text) // 2 + 5]  # five characters mid-text, across tokens
+    expected = text[:text.index(stop)]
+    through_stop = next(k for k in range(1, len(tokens) + 1)
+                        if stop in tokenizer.decode(tokens[:k], skip_special_tokens=True))
+    args = dict(model=client.models.list().data[0].id, messages=STORY, temperature=0,
+                max_tokens=24, stop=[stop])
+    chunks = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **args))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(deltas) == expected
+    assert all(stop not in "".join(deltas[:i + 1]) for i in range(len(deltas)))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == through_stop
+    whole = client.chat.completions.create(**args)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage.completion_tokens == through_stop
+    assert whole.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_many_prompts_with_n_and_echo_stream_every_choice(stack, client):
+    prompts = ["The capital of France is", "Once upon a time"]
+    args = dict(model=client.models.list().data[0].id, prompt=prompts, n=2, temperature=0,
+                max_tokens=6, echo=True)
+    whole = client.completions.create(**args)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    for choice in whole.choices:
+        assert choice.text.startswith(prompts[choice.index // 2])
+        assert len(choice.text) > len(prompts[choice.index // 2])
+    streamed = {}
+    last = None
+    for chunk in client.completions.create(stream=True,
+                                           stream_options={"include_usage": True}, **args):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        last = chunk
+    assert streamed == {c.index: c.text for c in whole.choices}
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.completion_tokens == whole.usage.completion_tokens == 4 * 6
+
+
+def test_request_id_is_honoured(stack):
+    body = {"messages": STORY, "max_tokens": 2}
+    response = httpx.post(f"{stack.rest_url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": "trace-123"}, trust_env=False)
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "trace-123" == response.json()["id"]
+    generated = httpx.post(f"{stack.rest_url}/v1/completions", json={"prompt": "Hi",
+                           "max_tokens": 2}, timeout=60, trust_env=False)
+    assert generated.headers["x-request-id"].startswith("cmpl-")
+
+
+def test_client_streams_what_complete_returns(stack, tokenizer):
+    async def scenario():
+        async with KvrelayClient(stack.grpc_address) as kv:
+            models = await kv.list_models()
+            ids = await kv.tokenize("Hello 世界")
+            chunks = [c async for c in kv.generate("The capital of France is", max_tokens=10,
+                                                   temperature=0)]
+            whole = await kv.complete("The capital of France is", max_tokens=10, temperature=0)
+            with pytest.raises(KvrelayError) as bad:
+                await kv.complete("Hi", top_p=2.0)
+            return models, ids, chunks, whole, bad.value
+
+    models, ids, chunks, whole, bad = run(scenario())
+    assert models[0].id and models[0].max_model_len > 0
+    assert ids == tokenizer.encode("Hello 世界")
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.choices[0].token_ids
+    assert chunks[0].prompt_token_ids == tokenizer.encode("The capital of France is")
+    assert chunks[-1].usage.completion_tokens == len(whole.choices[0].token_ids) == 10
+    assert chunks[-1].finish_reason == "length"
+    assert bad.code == "INVALID_ARGUMENT" and "top_p" in bad.message
+
+
+def test_abort_by_id_ends_the_request_with_abort(stack):
+    async def scenario():
+        async with KvrelayClient(stack.grpc_address) as kv:
+            task = asyncio.create_task(kv.complete("Tell me everything", request_id="doomed",
+                                                   **LONG))
+            await asyncio.sleep(0.5)
+            found = await kv.abort("doomed")
+            return found, await task, await kv.abort("doomed")
+
+    found, result, found_again = run(scenario())
+    assert found and not found_again
+    assert result.choices[0].finish_reason == "abort"
+    assert 0 < result.usage.completion_tokens < LONG["max_tokens"]
+    stats = stack.wait_idle()
+    assert stats.num_running == 0
+
+
+def test_leaving_early_frees_every_block(stack):
+    async def leave_grpc_stream():
+        async with KvrelayClient(stack.grpc_address) as kv:
+            stream = kv.generate("Tell me everything", **LONG)
+            async with contextlib.aclosing(stream):
+                async for _ in stream:
+                    break
+
+    run(leave_grpc_stream())
+    stats = stack.wait_idle()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{stack.rest_url}/v1/chat/completions", json={"messages": STORY, **LONG},
+                   timeout=1.0, trust_env=False)
+    stats = stack.wait_idle()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert all(w.num_free_blocks == w.num_blocks for w in stats.workers)
