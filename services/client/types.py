@@ -78,10 +78,18 @@ class Completion:
     choices: list[Choice]
     usage: Usage | None
 
+    # The first choice's fields (the only choice unless n > 1).
     @property
     def text(self) -> str:
-        """The first choice's text (the only one unless n > 1)."""
         return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
 
 
 @dataclass(frozen=True, slots=True)

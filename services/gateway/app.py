@@ -35,7 +35,13 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
     app.state.draining = False
     _add_error_handlers(app)
     auth = [Depends(_authorizer(api_key))] if api_key else []
+    _add_generation_routes(app, auth)
+    _add_model_routes(app, core, auth)
+    _add_probe_routes(app, core)
+    return app
 
+
+def _add_generation_routes(app: FastAPI, auth: list) -> None:
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
         return await _generate(request, ChatCompletionRequest, create_chat_completion, "chatcmpl")
@@ -44,6 +50,8 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
     async def completions(request: Request):
         return await _generate(request, CompletionRequest, create_completion, "cmpl")
 
+
+def _add_model_routes(app: FastAPI, core, auth: list) -> None:
     @app.get("/v1/models", dependencies=auth)
     async def models():
         model = served_model(core, None)
@@ -54,8 +62,7 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request):
         body = await _parse(request, TokenizeRequest)
-        request_id = _request_id(request, "tok")
-        token_ids = await _tokenize(core, body, request_id)
+        token_ids = await _tokenize(core, body, _request_id(request, "tok"))
         return {"count": len(token_ids), "max_model_len": core.max_model_len,
                 "tokens": token_ids, "token_strs": None}
 
@@ -67,6 +74,9 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
                                           skip_special_tokens=False)
         return {"prompt": text}
 
+
+def _add_probe_routes(app: FastAPI, core) -> None:
+    """Health, metrics and version: never behind the API key (probes and scrapers)."""
     @app.get("/health")
     async def health():
         ready = core.ready and not app.state.draining
@@ -79,8 +89,6 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": _version()}
-
-    return app
 
 
 async def _generate(request: Request, model: type[BaseModel], handler, prefix: str):

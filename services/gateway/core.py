@@ -112,20 +112,20 @@ class GatewayCore:
             self.router.add(state)
         self.groups[request_id] = group
         try:
-            await self._submit_all(states, params, priority)
+            await self._submit_all(request_id, states, params, priority)
         except BaseException:
             group.close()
             raise
         metrics.PROMPT_TOKENS.inc(sum(map(len, prompts)))
         return group
 
-    async def _submit_all(self, states: list[RequestState], params: SamplingParams,
-                          priority: int) -> None:
+    async def _submit_all(self, request_id: str, states: list[RequestState],
+                          params: SamplingParams, priority: int) -> None:
         proto_params = params_to_proto(params)
         submits = [self.upstream.submit(scheduler_pb2.SubmitRequest(
             request_id=state.request_id, gateway_id=self.gateway_id,
-            prompt_token_ids=state.prompt_token_ids, params=proto_params, priority=priority))
-            for state in states]
+            prompt_token_ids=state.prompt_token_ids, params=proto_params, priority=priority),
+            request_id) for state in states]
         results = await asyncio.gather(*submits, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):

@@ -64,9 +64,10 @@ class Upstream:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     # ---- scheduler -----------------------------------------------------------------------------
-    async def submit(self, request: scheduler_pb2.SubmitRequest) -> None:
+    async def submit(self, request: scheduler_pb2.SubmitRequest, request_id: str) -> None:
+        """`request_id`: the client's id, for the logs (a prompt of many may have its own)."""
         try:
-            await self.scheduler.Submit(request, metadata=request_metadata(request.request_id))
+            await self.scheduler.Submit(request, metadata=request_metadata(request_id))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "scheduler") from None
 

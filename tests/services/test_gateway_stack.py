@@ -169,7 +169,7 @@ def test_client_streams_what_complete_returns(stack, tokenizer):
     assert [t for c in chunks for t in c.token_ids] == whole.choices[0].token_ids
     assert chunks[0].prompt_token_ids == tokenizer.encode("The capital of France is")
     assert chunks[-1].usage.completion_tokens == len(whole.choices[0].token_ids) == 10
-    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].finish_reason == whole.finish_reason == "length"
     assert bad.code == "INVALID_ARGUMENT" and "top_p" in bad.message
 
 
