@@ -15,6 +15,7 @@ from services.engine.config import EngineConfig
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
+from services.scheduler import handoff
 from services.scheduler.deltas import DeltaSink, finish_delta
 from services.scheduler.records import (BOTH, DECODE, PREFILL, Phase, RequestRecord,
                                         SampleRecord, WorkerRecord)
@@ -52,6 +53,7 @@ class ClusterScheduler:
         core = Scheduler(config, info.num_blocks, info.max_model_len)
         self.workers[info.worker_id] = WorkerRecord(info, core,
                                                     time.monotonic() + self.lease_s)
+        handoff.retry_awaiting(self)  # a new decode worker may be what they wait for
 
     def heartbeat(self, worker_id: str, draining: bool) -> bool:
         worker = self.workers.get(worker_id)
@@ -155,6 +157,8 @@ class ClusterScheduler:
                 if sample is not None and sample.phase is not Phase.DONE:
                     self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ABORT))
                     aborted.append(sample.seq_id)
+        # Freed decode blocks go to samples waiting for them now: no step may follow to retry.
+        handoff.retry_awaiting(self)
         return aborted
 
     def end_sample(self, sample: SampleRecord, delta) -> None:
@@ -163,16 +167,33 @@ class ClusterScheduler:
             return
         if sample in self.awaiting_decode:
             self.awaiting_decode.remove(sample)
+        if not sample.send_in_flight:
+            self._withdraw_send(sample)
         self._free_prefill_side(sample)
         self._free_decode_side(sample)
         sample.phase = Phase.DONE
         self.sink.emit(sample.parent.gateway_id, delta)
         self._drop_if_done(sample.parent)
 
+    def _withdraw_send(self, sample: SampleRecord) -> None:
+        """An order the prefill worker has not been given yet must never go out: it would write
+        into decode blocks that are about to be freed and given to another request."""
+        if sample.transfer_id is None:
+            return
+        self.transfers.pop(sample.transfer_id, None)
+        pending = sample.worker.pending_sends
+        pending[:] = [order for order in pending if order.transfer_id != sample.transfer_id]
+
     def _free_prefill_side(self, sample: SampleRecord) -> None:
         worker = sample.worker
-        if sample.send_in_flight or sample.phase is Phase.DECODE:
-            return  # still being read by a send (handoff frees it), or already released
+        if sample.phase is Phase.DECODE:
+            return  # already released when the pages landed
+        if sample.send_in_flight and sample.request.status is not RequestStatus.RUNNING:
+            return  # pages still being sent; handoff frees them on the send's result
+        # A send ordered in a step that is still running copies its pages out during that step,
+        # and this worker's blocks are not handed out again before the step's result, so a
+        # request in the running batch is aborted now: kept there, the next step would compute
+        # it again and reserve a second set of decode blocks for it.
         if sample.request.status is RequestStatus.TRANSFERRING:
             worker.core.release_transferred(sample.request)
         elif not sample.request.is_finished:
@@ -206,10 +227,19 @@ class ClusterScheduler:
         worker.alive = False
         error = f"worker {worker.worker_id} failed: {reason}"
         for sample in list(self.samples.values()):
-            if sample.worker is worker or sample.decode_worker is worker:
-                sample.send_in_flight = False  # no result will come from a dead side
+            if not _depends_on(sample, worker):
+                continue
+            if sample.send_in_flight:  # no result may come, or it comes too late to matter
+                self.transfers.pop(sample.transfer_id, None)
+                sample.send_in_flight = False
+            if sample.phase is Phase.DONE:  # ended earlier; only its send held the blocks
+                self._free_prefill_side(sample)
+                self._free_decode_side(sample)
+                self._drop_if_done(sample.parent)
+            else:
                 self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
                                                      error))
+        handoff.retry_awaiting(self)
 
     def expire_leases(self) -> list[WorkerRecord]:
         now = time.monotonic()
@@ -217,6 +247,13 @@ class ClusterScheduler:
         for worker in expired:
             self.worker_died(worker, "missed its heartbeat lease")
         return expired
+
+
+def _depends_on(sample: SampleRecord, worker: WorkerRecord) -> bool:
+    """Does the sample need this worker? Once decoding, it no longer needs its prefill worker."""
+    if sample.decode_worker is worker:
+        return True
+    return sample.worker is worker and sample.phase is not Phase.DECODE
 
 
 def _cached_blocks(worker: WorkerRecord, prompt: list[int]) -> int:

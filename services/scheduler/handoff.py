@@ -2,8 +2,9 @@
 prompt's pages into them, and move the sample to the decode worker once they have arrived.
 
 States (records.Phase): PREFILL -> TRANSFER -> DECODE. A send that reached the prefill worker
-holds the blocks on both sides until its result comes back, whatever happens to the request
-meanwhile, so a late write can never land in a block that was given to someone else.
+holds the decode worker's blocks until its result comes back, whatever happens to the request
+meanwhile, so a late write can never land in a block that was given to someone else. The prefill
+side's pages are copied out during the step that carries the order.
 """
 from __future__ import annotations
 
