@@ -12,6 +12,8 @@ from services.common.log import request_metadata
 from services.gateway.errors import from_rpc_error
 
 PROBE_TIMEOUT_S = 2.0
+# A unary call that has not answered in this long will not: fail it (503) rather than hang.
+CALL_TIMEOUT_S = 60.0
 
 
 class Upstream:
@@ -40,7 +42,8 @@ class Upstream:
 
     async def _encode(self, request, request_id: str) -> list[int]:
         try:
-            reply = await self.tokenizer.Encode(request, metadata=request_metadata(request_id))
+            reply = await self.tokenizer.Encode(request, metadata=request_metadata(request_id),
+                                                timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "tokenizer") from None
         return list(reply.token_ids)
@@ -50,7 +53,8 @@ class Upstream:
         request = tokenizer_pb2.DecodeRequest(token_ids=token_ids,
                                               skip_special_tokens=skip_special_tokens)
         try:
-            reply = await self.tokenizer.Decode(request, metadata=request_metadata(request_id))
+            reply = await self.tokenizer.Decode(request, metadata=request_metadata(request_id),
+                                                timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "tokenizer") from None
         return reply.text
@@ -67,7 +71,8 @@ class Upstream:
     async def submit(self, request: scheduler_pb2.SubmitRequest, request_id: str) -> None:
         """`request_id`: the client's id, for the logs (a prompt of many may have its own)."""
         try:
-            await self.scheduler.Submit(request, metadata=request_metadata(request_id))
+            await self.scheduler.Submit(request, metadata=request_metadata(request_id),
+                                        timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "scheduler") from None
 
