@@ -1,0 +1,326 @@
+"""Drives the real ClusterScheduler in-process the way worker_link.py does, with no gRPC and no
+model: plan a worker's step, answer it with the tokens a worker would sample, apply the result,
+and deliver KV send results whenever a test says so. Checks the scheduler's accounting."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
+from services.common.wire import params_from_proto, params_to_proto
+from services.engine.config import EngineConfig
+from services.engine.request import RequestStatus
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledRequest
+from services.engine.stop_checker import banned_token_ids
+from services.scheduler import handoff
+from services.scheduler.cluster import ClusterScheduler
+from services.scheduler.deltas import DeltaSink
+from services.scheduler.records import BOTH, DECODE, PREFILL, Phase, WorkerRecord
+from services.scheduler.step_plan import StepPlan, apply_result, plan_step
+
+BLOCK_SIZE = 16
+EOS, STOP_ID, FILLER = 2, 3, 7  # FILLER: what the fake model samples unless told otherwise
+VOCAB_SIZE = 64
+GATEWAY = "gw"
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
+
+
+def worker_info(worker_id: str, role: int, num_blocks: int,
+                max_model_len: int = 128) -> scheduler_pb2.RegisterWorkerRequest:
+    return scheduler_pb2.RegisterWorkerRequest(
+        worker_id=worker_id, role=role, address=f"{worker_id}.test:1", num_blocks=num_blocks,
+        block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=["grpc"],
+        max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS])
+
+
+def prompt(length: int, first: int = 10) -> list[int]:
+    return [(first + i) % (VOCAB_SIZE - 8) + 8 for i in range(length)]  # never EOS/STOP/FILLER
+
+
+@dataclass
+class InFlightStep:
+    plan: StepPlan
+    sampling: list[ScheduledRequest]  # items whose chunk completes the known tokens
+
+
+@dataclass
+class InFlightSend:
+    order: worker_pb2.KvSendOrder
+    prefill: WorkerRecord
+    decode: WorkerRecord
+
+
+@dataclass
+class Submitted:
+    prompt: list[int]
+    params: SamplingParams
+    deltas: dict[int, list[scheduler_pb2.SequenceDelta]] = field(
+        default_factory=lambda: defaultdict(list))
+
+
+class ClusterDriver:
+    def __init__(self, workers: list[scheduler_pb2.RegisterWorkerRequest],
+                 **config) -> None:
+        config = EngineConfig(**{"max_num_batched_tokens": 256, "max_num_seqs": 8, **config})
+        self.cluster = ClusterScheduler(config, lease_s=3600.0, sink=DeltaSink())
+        self.outputs = self.cluster.sink.subscribe(GATEWAY)
+        self.all_workers: list[WorkerRecord] = []  # dead and replaced ones too
+        for info in workers:
+            self.register(info)
+        self.steps: dict[str, InFlightStep] = {}  # worker id -> its unanswered step
+        self.sends: dict[str, InFlightSend] = {}  # transfer id -> a send a prefill worker runs
+        self.sampled: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens sampled for it
+        self.script: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens to sample next
+        self.requests: dict[str, Submitted] = {}
+
+    # ---- what the gateway does ------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], **params) -> None:
+        proto = params_to_proto(SamplingParams(**params))
+        self.cluster.submit(request_id, GATEWAY, prompt_ids, params_from_proto(proto), proto, 0)
+        self.requests[request_id] = Submitted(prompt_ids, params_from_proto(proto))
+        self.flush()
+
+    def abort(self, *ids: str) -> list[str]:
+        aborted = self.cluster.abort(list(ids))
+        self.flush()  # as SchedulerService.Abort does
+        return aborted
+
+    def flush(self) -> None:
+        self.cluster.sink.flush()
+        while not self.outputs.empty():
+            for delta in self.outputs.get_nowait().deltas:
+                self.requests[delta.request_id].deltas[delta.index].append(delta)
+
+    # ---- what a worker does ----------------------------------------------------------------------
+    def worker(self, worker_id: str) -> WorkerRecord:
+        return self.cluster.workers[worker_id]
+
+    def start_step(self, worker_id: str) -> bool:
+        """Plan the worker's next step and hand it over; False when there is nothing to run."""
+        assert worker_id not in self.steps, f"{worker_id} already has a step in flight"
+        worker = self.worker(worker_id)
+        plan = plan_step(self.cluster, worker)
+        if plan is None:
+            self.flush()
+            return False
+        for order in plan.message.kv_sends:
+            self._check_order(order, worker)
+            sample = self.cluster.transfers[order.transfer_id]
+            self.sends[order.transfer_id] = InFlightSend(order, worker, sample.decode_worker)
+        sampling = [item for item in plan.output.scheduled if item.samples]
+        self.steps[worker_id] = InFlightStep(plan, sampling)
+        return True
+
+    def finish_step(self, worker_id: str) -> None:
+        """The worker answers: one sampled token per sequence whose chunk reached its end."""
+        step = self.steps.pop(worker_id)
+        result = worker_pb2.StepResult(step_id=step.plan.message.step_id)
+        for item in step.sampling:
+            token_id = self._next_token(item.request)
+            self.sampled[item.request.request_id].append(token_id)
+            result.sampled.append(worker_pb2.SampledToken(seq_id=item.request.request_id,
+                                                          token_id=token_id))
+        worker = self.worker(worker_id)
+        apply_result(self.cluster, worker, step.plan, result)
+        handoff.retry_awaiting(self.cluster)  # as WorkerLink._step_loop does after each step
+        self.flush()
+
+    def step(self, worker_id: str) -> bool:
+        if not self.start_step(worker_id):
+            return False
+        self.finish_step(worker_id)
+        return True
+
+    def send_result(self, transfer_id: str, ok: bool = True) -> None:
+        send = self.sends.pop(transfer_id)
+        error = "" if ok else "connection refused"
+        handoff.on_send_result(self.cluster, worker_pb2.KvSendResult(
+            transfer_id=transfer_id, ok=ok, error=error))
+        self.flush()
+
+    def kill(self, worker_id: str) -> None:
+        """The worker's stream breaks: its step and its own sends never answer."""
+        worker = self.worker(worker_id)
+        self.cluster.worker_died(worker, "step stream broke")
+        self.flush()
+        self.steps.pop(worker_id, None)
+        for transfer_id, send in list(self.sends.items()):
+            if send.prefill is worker:
+                del self.sends[transfer_id]
+
+    def register(self, info: scheduler_pb2.RegisterWorkerRequest) -> None:
+        """A (fresh) worker process registers, maybe under a dead one's id."""
+        self.cluster.register(info)
+        self.all_workers.append(self.cluster.workers[info.worker_id])
+
+    def _next_token(self, request) -> int:
+        script = self.script[request.request_id]
+        token_id = script.pop(0) if script else FILLER
+        # A real worker never samples a stop token before min_tokens (stop_checker bans them).
+        return FILLER if token_id in banned_token_ids(request) else token_id
+
+    def _check_order(self, order: worker_pb2.KvSendOrder, prefill: WorkerRecord) -> None:
+        """A send may only write into blocks reserved for its sequence on a live decode worker."""
+        sample = self.cluster.transfers.get(order.transfer_id)
+        assert sample is not None and sample.seq_id == order.seq_id, order
+        assert sample.phase is not Phase.DONE, f"send for ended sample {order.seq_id}"
+        decode = sample.decode_worker
+        assert decode.alive and decode.role == DECODE
+        assert list(order.dst_block_ids) == decode.core.kv.block_ids(order.seq_id)
+        assert decode.core.requests[order.seq_id] is sample.decode_request
+        assert sample.decode_request.status is RequestStatus.TRANSFERRING
+        num_blocks = -(-sample.request.num_prompt_tokens // BLOCK_SIZE)
+        assert list(order.src_block_ids) == prefill.core.kv.block_ids(order.seq_id)[:num_blocks]
+        assert len(order.src_block_ids) == len(order.dst_block_ids)
+
+    # ---- driving to the end ------------------------------------------------------------------------
+    def run(self, sends: str = "after", max_rounds: int = 1000) -> None:
+        """Every worker steps while it has work and every send succeeds, until nothing is left.
+        sends: results of the sends a step carried arrive "before" that step's result, "after"
+        it, or "late" (after the worker's next step has been planned)."""
+        for _ in range(max_rounds):
+            if not self.cluster.requests and not self.steps and not self.sends:
+                return
+            progressed = bool(self.steps or self.sends)
+            carried = list(self.sends)
+            if sends == "before":
+                self.deliver_sends(carried)
+            for worker_id in list(self.steps):
+                self.finish_step(worker_id)
+            if sends == "after":
+                self.deliver_sends(carried)
+            for worker in list(self.cluster.workers.values()):
+                if worker.alive and worker.has_work:
+                    progressed |= self.start_step(worker.worker_id)
+            self.deliver_sends(carried)
+            if not progressed:
+                raise AssertionError(f"stuck with live requests: {self.describe()}")
+        raise AssertionError(f"no end after {max_rounds} rounds: {self.describe()}")
+
+    def deliver_sends(self, transfer_ids: list[str] | None = None) -> None:
+        """Results for these sends (all by default): ok unless the decode worker is gone."""
+        for transfer_id in list(self.sends) if transfer_ids is None else transfer_ids:
+            send = self.sends.get(transfer_id)
+            if send is not None:
+                self.send_result(transfer_id, ok=send.decode.alive)
+
+    def describe(self) -> str:
+        samples = {seq_id: (s.phase.value, s.request.status.value, s.transfer_id,
+                            s.send_in_flight) for seq_id, s in self.cluster.samples.items()}
+        workers = {w.worker_id: (w.alive, len(w.core.running), len(w.core.waiting),
+                                 w.core.num_reserved, w.core.kv.num_free_blocks,
+                                 len(w.pending_sends)) for w in self.cluster.workers.values()}
+        return (f"samples={samples} workers(alive, running, waiting, reserved, free, pending)="
+                f"{workers} awaiting={[s.seq_id for s in self.cluster.awaiting_decode]} "
+                f"transfers={list(self.cluster.transfers)}")
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def tokens(self, request_id: str, index: int = 0) -> list[int]:
+        return [t for d in self.requests[request_id].deltas[index] for t in d.new_token_ids]
+
+    def final(self, request_id: str, index: int = 0) -> scheduler_pb2.SequenceDelta:
+        deltas = self.requests[request_id].deltas[index]
+        assert deltas and deltas[-1].finish_reason, f"{request_id}/{index} has not ended"
+        return deltas[-1]
+
+    def check_deltas(self, ended: bool = False) -> None:
+        """Each sample: at most one final delta, nothing after it, its tokens those the workers
+        sampled for it, stopping where its parameters say; with ended, every sample has ended."""
+        for request_id, submitted in self.requests.items():
+            for index in range(submitted.params.n):
+                self._check_sample_deltas(request_id, index, submitted, ended)
+
+    def _check_sample_deltas(self, request_id: str, index: int, submitted: Submitted,
+                             ended: bool) -> None:
+        deltas = submitted.deltas[index]
+        finals = [i for i, d in enumerate(deltas) if d.finish_reason]
+        assert finals in ([], [len(deltas) - 1]), f"{request_id}/{index}: finals at {finals}"
+        if ended:
+            assert finals, f"{request_id}/{index} never got a final delta: {self.describe()}"
+        tokens = self.tokens(request_id, index)
+        seq_id = f"{request_id}/{index}"
+        assert tokens == self.sampled[seq_id][:len(tokens)], (tokens, self.sampled[seq_id])
+        params = submitted.params
+        stops = set(params.stop_token_ids) | ({EOS} if not params.ignore_eos else set())
+        assert len(tokens) <= params.max_tokens
+        for position, token_id in enumerate(tokens[:-1]):
+            assert token_id not in stops or position + 1 < params.min_tokens, tokens
+        if not finals:
+            return
+        final = deltas[-1]
+        if final.finish_reason == LENGTH:
+            assert len(tokens) == params.max_tokens, (seq_id, tokens)
+            assert not tokens or tokens[-1] not in stops or len(tokens) < params.min_tokens
+        elif final.finish_reason == STOP:
+            assert tokens[-1] in stops and len(tokens) >= params.min_tokens
+            assert final.stop_token_id == tokens[-1]
+        else:
+            assert final.finish_reason in (ABORT, ERROR), final
+            assert (final.finish_reason == ERROR) == bool(final.error), final
+
+    def check_accounting(self) -> None:
+        """What must hold between any two events, on every worker, dead ones included."""
+        cluster = self.cluster
+        for worker in self.all_workers:
+            _check_pool(worker)
+            for seq_id, request in worker.core.requests.items():
+                sample = cluster.samples.get(seq_id)
+                assert sample is not None, f"{worker.worker_id} holds orphan {seq_id}"
+                assert request in (sample.request, sample.decode_request), seq_id
+                assert sample.phase is not Phase.DONE or sample.send_in_flight, \
+                    f"{worker.worker_id} still holds ended {seq_id}: {self.describe()}"
+            reservations = [r for seq_id, r in worker.core.requests.items()
+                            if r.status is RequestStatus.TRANSFERRING
+                            and r is cluster.samples[seq_id].decode_request]
+            assert worker.core.num_reserved == len(reservations), self.describe()
+        for transfer_id, sample in cluster.transfers.items():
+            pending = [o.transfer_id for o in sample.worker.pending_sends]
+            assert sample.transfer_id == transfer_id
+            assert sample.send_in_flight or transfer_id in pending, \
+                f"transfer {transfer_id} neither in flight nor pending: {self.describe()}"
+        for transfer_id, send in self.sends.items():
+            if send.decode.alive:  # a result for a send to a dead worker may be ignored
+                sample = cluster.transfers.get(transfer_id)
+                assert sample is not None and sample.send_in_flight, transfer_id
+        for sample in cluster.awaiting_decode:
+            assert sample.phase is Phase.TRANSFER and sample.decode_worker is None
+        for record in cluster.requests.values():
+            assert all(cluster.samples.get(s.seq_id) is s for s in record.samples)
+
+    def assert_quiescent(self) -> None:
+        """Nothing left anywhere: every block free on every worker, no record of any request."""
+        cluster = self.cluster
+        assert not cluster.requests and not cluster.samples, self.describe()
+        assert not cluster.transfers and not cluster.awaiting_decode, self.describe()
+        for worker in self.all_workers:
+            core = worker.core
+            assert core.kv.num_free_blocks == core.kv.pool.num_blocks, self.describe()
+            assert not core.running and not core.waiting and not core.requests, self.describe()
+            assert core.num_reserved == 0, self.describe()
+            assert not core.kv.req_blocks, self.describe()
+            if worker.alive:
+                assert not worker.pending_sends and not worker.known_blocks, self.describe()
+
+
+def _check_pool(worker: WorkerRecord) -> None:
+    kv = worker.core.kv
+    holders: dict[int, int] = defaultdict(int)
+    for blocks in kv.req_blocks.values():
+        for block in blocks:
+            holders[block.block_id] += 1
+    for block in kv.pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], (worker.worker_id, block)
+    assert sum(1 for _ in kv.pool.free_queue) == kv.num_free_blocks
+    assert kv.num_free_blocks == sum(1 for b in kv.pool.blocks if b.ref_cnt == 0)
+    assert set(kv.req_blocks) <= set(worker.core.requests), worker.worker_id
+
+
+def pd_driver(prefill_blocks: int = 16, decode_blocks: int = 16, **config) -> ClusterDriver:
+    return ClusterDriver([worker_info("p0", PREFILL, prefill_blocks),
+                          worker_info("d0", DECODE, decode_blocks)], **config)
+
+
+def colocated_driver(num_blocks: int = 16, **config) -> ClusterDriver:
+    return ClusterDriver([worker_info("c0", BOTH, num_blocks)], **config)

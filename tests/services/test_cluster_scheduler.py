@@ -1,0 +1,405 @@
+"""The scheduler service's core (ClusterScheduler + step_plan + handoff) with its real engine
+cores, driven in-process: PD handoff and colocated runs, stops, n > 1, and every way a request
+can end (finish, abort in each phase, failed transfer, worker death) leaving every block free."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.engine.request import RequestStatus
+from services.scheduler.records import BOTH, DECODE, PREFILL, Phase
+from tests.services.cluster_driver import (ABORT, EOS, ERROR, FILLER, LENGTH, STOP, STOP_ID,
+                                           ClusterDriver, colocated_driver, pd_driver, prompt,
+                                           worker_info)
+
+TOPOLOGIES = {"pd": pd_driver, "colocated": colocated_driver}
+
+
+def _finish(driver, sends: str = "after") -> None:
+    driver.run(sends)
+    driver.check_deltas(ended=True)
+    driver.check_accounting()
+    driver.assert_quiescent()
+
+
+def _no_work_left_for(driver, seq_id: str) -> None:
+    """An ended sample is computed nowhere: in no running batch, no waiting queue."""
+    for worker in driver.all_workers:
+        assert all(r.request_id != seq_id for r in worker.core.running), worker.worker_id
+        assert all(r.request_id != seq_id for r in worker.core.waiting._members.values())
+
+
+# ---- finishing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sends", ["before", "after", "late"])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_every_sample_gets_its_tokens_then_one_final_delta(topology, sends):
+    driver = TOPOLOGIES[topology]()
+    driver.submit("long", prompt(40), max_tokens=5)
+    driver.submit("one", prompt(3, first=20), max_tokens=1)
+    driver.submit("many", prompt(17, first=30), max_tokens=3, n=3)
+    _finish(driver, sends)
+    assert driver.tokens("long") == [FILLER] * 5 and driver.final("long").finish_reason == LENGTH
+    assert driver.tokens("one") == [FILLER] and driver.final("one").finish_reason == LENGTH
+    for index in range(3):
+        assert driver.tokens("many", index) == [FILLER] * 3
+
+
+def test_pd_first_token_streams_before_the_pages_land():
+    driver = pd_driver()
+    driver.submit("r", prompt(40), max_tokens=4)
+    assert driver.start_step("p0")
+    [transfer_id] = driver.sends  # ordered in the step that computes the prompt's last KV
+    assert driver.sends[transfer_id].order.during_step
+    driver.finish_step("p0")
+    assert driver.tokens("r") == [FILLER]  # TTFT does not wait for the transfer
+    sample = driver.cluster.samples["r/0"]
+    assert sample.phase is Phase.TRANSFER and not driver.worker("d0").has_work
+    driver.send_result(transfer_id)
+    assert sample.phase is Phase.DECODE and driver.worker("d0").core.running
+    assert driver.worker("p0").core.kv.num_free_blocks == 16  # the prefill side let go
+    _finish(driver)
+    assert driver.tokens("r") == [FILLER] * 4
+
+
+def test_pd_chunked_prefill_orders_the_send_only_with_the_last_chunk():
+    driver = pd_driver(max_num_batched_tokens=16)
+    driver.submit("r", prompt(40), max_tokens=2)
+    for _ in range(2):
+        assert driver.step("p0") and not driver.sends and not driver.tokens("r")
+    assert driver.start_step("p0") and len(driver.sends) == 1
+    _finish(driver)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_eos_stops_once_min_tokens_are_out(topology):
+    driver = TOPOLOGIES[topology]()
+    driver.submit("r", prompt(20), max_tokens=8, min_tokens=3)
+    driver.script["r/0"] = [EOS, EOS, FILLER, EOS, FILLER]  # the first two EOS are banned
+    _finish(driver)
+    assert driver.tokens("r") == [FILLER, FILLER, FILLER, EOS]
+    final = driver.final("r")
+    assert final.finish_reason == STOP and final.stop_token_id == EOS
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_stop_token_ids_stop_and_ignore_eos_ignores_eos(topology):
+    driver = TOPOLOGIES[topology]()
+    driver.submit("r", prompt(20), max_tokens=6, stop_token_ids=[STOP_ID], ignore_eos=True)
+    driver.script["r/0"] = [EOS, FILLER, STOP_ID, FILLER]
+    _finish(driver)
+    assert driver.tokens("r") == [EOS, FILLER, STOP_ID]
+    assert driver.final("r").stop_token_id == STOP_ID
+
+
+def test_pd_eos_as_first_token_frees_the_decode_reservation():
+    driver = pd_driver()
+    driver.submit("r", prompt(40), max_tokens=8)
+    driver.script["r/0"] = [EOS]
+    driver.start_step("p0")
+    assert driver.worker("d0").core.num_reserved == 1
+    _finish(driver)
+    assert driver.tokens("r") == [EOS] and driver.final("r").finish_reason == STOP
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_n_samples_run_and_end_independently(topology):
+    driver = TOPOLOGIES[topology]()
+    driver.submit("r", prompt(33), max_tokens=4, n=3)
+    driver.script["r/1"] = [FILLER, EOS]
+    driver.script["r/2"] = [EOS]
+    _finish(driver)
+    assert driver.tokens("r", 0) == [FILLER] * 4
+    assert driver.tokens("r", 1) == [FILLER, EOS] and driver.tokens("r", 2) == [EOS]
+    assert [driver.final("r", i).finish_reason for i in range(3)] == [LENGTH, STOP, STOP]
+
+
+def test_pd_decode_worker_full_then_room_frees_up():
+    driver = pd_driver(decode_blocks=4)  # room for one 40-token prompt and its outputs
+    driver.submit("a", prompt(40), max_tokens=6)
+    driver.submit("b", prompt(40, first=50), max_tokens=6)
+    driver.step("p0")
+    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]
+    assert driver.tokens("b") == [FILLER]  # its first token is out all the same
+    _finish(driver)
+
+
+# ---- aborts ------------------------------------------------------------------------------------------
+def _to_phase(driver, phase: str) -> None:
+    """Bring request "r" (submitted by the caller) to `phase`."""
+    if phase == "queued":
+        return
+    if phase == "prefilling":  # mid-chunk: the first chunk's step is in flight
+        assert driver.start_step("p0") and not driver.sends
+        return
+    while not driver.sends:  # the last chunk's step, carrying the send
+        if "p0" in driver.steps:
+            driver.finish_step("p0")
+        assert driver.start_step("p0")
+    if phase == "last-chunk":  # that step still in flight
+        return
+    driver.finish_step("p0")
+    if phase == "transferring":  # first token out, pages in flight
+        return
+    driver.deliver_sends()
+    if phase == "decoding":
+        assert driver.step("d0") and driver.tokens("r", 0) == [FILLER, FILLER]
+        return
+    raise ValueError(phase)
+
+
+PD_PHASES = ["queued", "prefilling", "last-chunk", "transferring", "decoding"]
+
+
+@pytest.mark.parametrize("target", ["r", "r/1"])
+@pytest.mark.parametrize("phase", PD_PHASES)
+def test_pd_abort_in_each_phase_frees_everything(phase, target):
+    driver = pd_driver(max_num_batched_tokens=16)
+    driver.submit("r", prompt(40), max_tokens=6, n=2)
+    driver.submit("other", prompt(20, first=40), max_tokens=3)
+    _to_phase(driver, phase)
+    aborted = driver.abort(target)
+    assert aborted == (["r/0", "r/1"] if target == "r" else ["r/1"])
+    driver.check_accounting()
+    for seq_id in aborted:
+        _no_work_left_for(driver, seq_id)
+    _finish(driver)
+    for index in range(2):
+        expected = ABORT if f"r/{index}" in aborted else LENGTH
+        assert driver.final("r", index).finish_reason == expected
+    assert driver.final("other").finish_reason == LENGTH
+
+
+@pytest.mark.parametrize("phase", PD_PHASES)
+def test_pd_abort_with_a_late_send_result_after_more_steps(phase):
+    """The prefill worker plans more steps before the aborted sample's send result arrives."""
+    driver = pd_driver(max_num_batched_tokens=16)
+    driver.submit("r", prompt(40), max_tokens=6)
+    driver.submit("other", prompt(20, first=40), max_tokens=3)
+    _to_phase(driver, phase)
+    driver.abort("r")
+    _finish(driver, sends="late")
+    assert driver.final("r").finish_reason == ABORT
+
+
+def test_pd_abort_while_awaiting_a_decode_reservation():
+    driver = pd_driver(decode_blocks=4)
+    driver.submit("a", prompt(40), max_tokens=6)
+    driver.submit("r", prompt(40, first=50), max_tokens=6)
+    driver.step("p0")
+    assert driver.cluster.awaiting_decode[0].seq_id == "r/0"
+    driver.abort("r")
+    assert not driver.cluster.awaiting_decode
+    _finish(driver)
+    assert driver.final("r").finish_reason == ABORT and driver.tokens("a") == [FILLER] * 6
+
+
+def test_pd_abort_on_the_decode_worker_lets_an_awaiting_sample_in():
+    """Room freed by an abort must reach samples waiting for decode blocks, even when no worker
+    has a step to run (nothing else would retry them)."""
+    driver = pd_driver(decode_blocks=4)
+    driver.submit("a", prompt(40), max_tokens=6)
+    driver.submit("b", prompt(40, first=50), max_tokens=6)
+    driver.step("p0")
+    driver.deliver_sends()
+    assert driver.cluster.awaiting_decode[0].seq_id == "b/0"
+    driver.abort("a")
+    _finish(driver)
+    assert driver.final("a").finish_reason == ABORT and driver.tokens("b") == [FILLER] * 6
+
+
+def test_pd_abort_after_the_send_is_ordered_but_before_the_prefill_worker_has_it():
+    """The order waits for the prefill worker's next step; it must not go out any more, or it
+    writes into decode blocks that are free again."""
+    driver = pd_driver(decode_blocks=4)
+    driver.submit("a", prompt(40), max_tokens=3)
+    driver.submit("b", prompt(40, first=50), max_tokens=3)
+    driver.step("p0")
+    driver.deliver_sends()
+    while driver.cluster.awaiting_decode:  # a decodes to its end, freeing room for b
+        assert driver.step("d0")
+    assert [o.seq_id for o in driver.worker("p0").pending_sends] == ["b/0"]
+    driver.abort("b")
+    assert not driver.worker("p0").has_work
+    _finish(driver)
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_colocated_abort_frees_everything(in_flight):
+    driver = colocated_driver(max_num_batched_tokens=16)
+    driver.submit("r", prompt(40), max_tokens=6, n=2)
+    driver.step("c0")
+    if in_flight:
+        driver.start_step("c0")
+    driver.abort("r/0")
+    _finish(driver)
+    assert [driver.final("r", i).finish_reason for i in range(2)] == [ABORT, LENGTH]
+
+
+# ---- failures ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("moment", ["before-step-result", "after-step-result"])
+def test_pd_failed_transfer_ends_the_sample_with_an_error(moment):
+    driver = pd_driver()
+    driver.submit("r", prompt(40), max_tokens=6)
+    driver.submit("other", prompt(20, first=40), max_tokens=3)
+    driver.start_step("p0")
+    transfer_id = next(t for t, s in driver.sends.items() if s.order.seq_id == "r/0")
+    if moment == "after-step-result":
+        driver.finish_step("p0")
+    driver.send_result(transfer_id, ok=False)
+    assert driver.final("r").finish_reason == ERROR
+    assert "KV transfer failed" in driver.final("r").error
+    _finish(driver)
+    assert driver.final("other").finish_reason == LENGTH
+
+
+@pytest.mark.parametrize("dead", ["p0", "d0"])
+@pytest.mark.parametrize("phase", PD_PHASES)
+def test_pd_worker_death_in_each_phase_frees_everything(phase, dead):
+    driver = pd_driver(max_num_batched_tokens=16)
+    driver.submit("r", prompt(40), max_tokens=6)
+    _to_phase(driver, phase)
+    driver.kill(dead)
+    driver.check_accounting()
+    driver.register(worker_info(dead, driver.worker(dead).role, 16))  # its replacement
+    _finish(driver)
+    final = driver.final("r")
+    # Only what the dead worker held is lost: a sample already decoding on d0 survives p0.
+    survives = dead == "d0" and phase in ("queued", "prefilling") or \
+        dead == "p0" and phase == "decoding"
+    assert final.finish_reason == (LENGTH if survives else ERROR), final
+    if not survives:
+        assert "failed" in final.error
+
+
+def test_pd_worker_death_of_the_prefill_worker_with_an_aborted_sample_in_flight():
+    """The send's result can never come from a dead worker: its blocks must not wait for it."""
+    driver = pd_driver()
+    driver.submit("r", prompt(40), max_tokens=6)
+    driver.start_step("p0")
+    driver.finish_step("p0")
+    driver.abort("r")
+    driver.kill("p0")
+    driver.check_accounting()
+    assert driver.worker("d0").core.num_reserved == 0
+    driver.assert_quiescent()
+
+
+def test_pd_replacement_decode_worker_takes_samples_that_waited_for_one():
+    driver = pd_driver(decode_blocks=4)
+    driver.submit("a", prompt(40), max_tokens=6)
+    driver.submit("b", prompt(40, first=50), max_tokens=6)
+    driver.step("p0")
+    driver.deliver_sends()
+    driver.kill("d0")
+    assert driver.final("a").finish_reason == ERROR
+    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]
+    driver.register(worker_info("d0", DECODE, 16))
+    _finish(driver)
+    assert driver.tokens("b") == [FILLER] * 6
+
+
+def test_colocated_worker_death_ends_its_requests_with_an_error():
+    driver = colocated_driver()
+    driver.submit("r", prompt(40), max_tokens=6, n=2)
+    driver.step("c0")
+    driver.kill("c0")
+    driver.check_deltas(ended=True)
+    assert {driver.final("r", i).finish_reason for i in range(2)} == {ERROR}
+    driver.assert_quiescent()
+
+
+def test_decode_reservations_are_prompt_sized_and_on_a_decode_worker():
+    driver = pd_driver()
+    driver.submit("r", prompt(33), max_tokens=2)
+    driver.start_step("p0")
+    sample = driver.cluster.samples["r/0"]
+    assert sample.decode_worker.role == DECODE
+    assert sample.decode_request.status is RequestStatus.TRANSFERRING
+    assert len(driver.worker("d0").core.kv.block_ids("r/0")) == 3  # ceil(33 / 16)
+    _finish(driver)
+
+
+# ---- everything interleaved ------------------------------------------------------------------------
+class PDClusterMachine(RuleBasedStateMachine):
+    """Submits, steps of either worker, send results (ok, failed, before or after their step's
+    result, or never: the worker dies), aborts and worker deaths in any order, on tiny pools so
+    decode reservations wait and requests get preempted. Accounting holds after every event; at
+    the end every request has ended with one final delta and every block is free."""
+
+    WORKERS = (("p0", PREFILL, 8), ("d0", DECODE, 6))
+
+    def __init__(self):
+        super().__init__()
+        self.driver = ClusterDriver([worker_info(*w, max_model_len=64) for w in self.WORKERS],
+                                    max_num_batched_tokens=24, max_num_seqs=3)
+        self.next_id = 0
+
+    @rule(length=st.integers(1, 40), shared=st.booleans(), max_tokens=st.integers(1, 5),
+          min_tokens=st.integers(0, 2), n=st.integers(1, 2), stop=st.booleans())
+    def submit(self, length, shared, max_tokens, min_tokens, n, stop):
+        if not self.driver.cluster.ready:
+            return
+        request_id = f"q{self.next_id}"
+        self.next_id += 1
+        self.driver.submit(request_id, prompt(length, first=0 if shared else self.next_id),
+                           max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), n=n,
+                           stop_token_ids=[STOP_ID] if stop else [])
+
+    @rule(index=st.integers(0, 1))
+    def start_step(self, index):
+        worker = self.WORKERS[index % len(self.WORKERS)][0]
+        if self.driver.worker(worker).alive and worker not in self.driver.steps:
+            self.driver.start_step(worker)
+
+    @precondition(lambda self: self.driver.steps)
+    @rule(data=st.data())
+    def finish_step(self, data):
+        worker = data.draw(st.sampled_from(sorted(self.driver.steps)))
+        for item in self.driver.steps[worker].sampling:
+            token = data.draw(st.sampled_from([FILLER, FILLER, EOS, STOP_ID]))
+            self.driver.script[item.request.request_id] = [token]
+        self.driver.finish_step(worker)
+
+    @precondition(lambda self: self.driver.sends)
+    @rule(data=st.data(), ok=st.booleans())
+    def send_result(self, data, ok):
+        transfer_id = data.draw(st.sampled_from(sorted(self.driver.sends)))
+        ok = ok and self.driver.sends[transfer_id].decode.alive
+        self.driver.send_result(transfer_id, ok)
+
+    @precondition(lambda self: self.driver.requests)
+    @rule(data=st.data(), whole=st.booleans())
+    def abort(self, data, whole):
+        request_id = data.draw(st.sampled_from(sorted(self.driver.requests)))
+        n = self.driver.requests[request_id].params.n
+        target = request_id if whole else f"{request_id}/{data.draw(st.integers(0, n - 1))}"
+        self.driver.abort(target)
+
+    @rule(index=st.integers(0, 1))
+    def kill_and_replace(self, index):
+        worker_id, role, num_blocks = self.WORKERS[index % len(self.WORKERS)]
+        self.driver.kill(worker_id)
+        self.driver.register(worker_info(worker_id, role, num_blocks, max_model_len=64))
+
+    @invariant()
+    def accounting_holds(self):
+        self.driver.check_accounting()
+        self.driver.check_deltas()
+
+    def teardown(self):
+        self.driver.run()
+        self.driver.check_deltas(ended=True)
+        self.driver.check_accounting()
+        self.driver.assert_quiescent()
+
+
+class ColocatedClusterMachine(PDClusterMachine):
+    WORKERS = (("c0", BOTH, 6),)
+
+
+TestPDClusterMachine = PDClusterMachine.TestCase
+TestPDClusterMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestColocatedClusterMachine = ColocatedClusterMachine.TestCase
+TestColocatedClusterMachine.settings = settings(max_examples=80, stateful_step_count=40,
+                                                deadline=None)
