@@ -16,6 +16,7 @@ class LayerFeed:
         self.num_layers = kv_cache.shape[0]
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.error: BaseException | None = None  # why the layers stopped coming, if they did
 
     def gather(self, layer: int) -> torch.Tensor:
         """This layer's pages of the source blocks, copied out: [2, n, bs, kv_heads, head_dim]."""
@@ -39,5 +40,6 @@ class LayerFeed:
         for _ in range(self.num_layers):
             layer, pages = await self.queue.get()
             if layer < 0:
+                self.error = pages
                 raise pages
             yield layer, pages

@@ -5,6 +5,8 @@ receiver needs no special channel options.
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
@@ -35,6 +37,12 @@ class GrpcKvTransport(KvTransport):
         except grpc.aio.AioRpcError as exc:
             raise TransferFailed(f"push to {order.dst_address} failed: {exc.code().name}: "
                                  f"{exc.details()}") from None
+        except asyncio.CancelledError:
+            # grpc.aio cancels the call when the request iterator raises (the forward pass that
+            # feeds the layers failed); that is this send's failure, not a cancelled task.
+            if feed.error is None or asyncio.current_task().cancelling():
+                raise
+            raise TransferFailed(f"the pages could not be read: {feed.error!r}") from None
         if not ack.ok:
             raise TransferFailed(f"receiver {order.dst_address} refused: {ack.error}")
         return ack.num_bytes
