@@ -1,0 +1,279 @@
+"""The KV connector's transports for real: a grpc.aio KvTransfer server writing into a
+destination cache, the gRPC push from a source cache (all layers at once, or layer by layer from
+a compute thread), chunking above 4 MiB, refusals, dead destinations, and the shared-memory
+transport into a cache file another mapping reads."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from services.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2
+from services.engine.model_runner import allocate_kv_cache, map_kv_cache_file
+from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender, LayerFeed,
+                                          ShmKvTransport, TransferFailed)
+
+GRPC_LIMIT = 4 << 20  # gRPC's default receive limit, which the test server keeps
+SMALL = (3, 2, 12, 4, 2, 8)  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+class CountingReceiver(KvReceiver):
+    """The real receiver, remembering the size of each chunk it wrote."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        super().__init__(kv_cache)
+        self.chunk_sizes: list[int] = []
+
+    def _write(self, chunk) -> int:
+        self.chunk_sizes.append(chunk.ByteSize())
+        return super()._write(chunk)
+
+
+async def _serve(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()  # default options: messages over 4 MiB are refused
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _cache(shape, dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Compare bit for bit (bfloat16 and float32 alike, NaN-safe)."""
+    return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor.view(torch.int32)
+
+
+def _order(src: list[int], dst: list[int], address: str = "", transport: str = "grpc",
+           shm_path: str = "") -> worker_pb2.KvSendOrder:
+    return worker_pb2.KvSendOrder(transfer_id="t1", seq_id="r/0", src_block_ids=src,
+                                  dst_address=address, dst_block_ids=dst, transport=transport,
+                                  dst_shm_path=shm_path)
+
+
+def _assert_moved(source: torch.Tensor, destination: torch.Tensor, before: torch.Tensor,
+                  src: list[int], dst: list[int]) -> None:
+    """The destination blocks hold the source blocks exactly; every other block is as before."""
+    assert torch.equal(_bits(destination[:, :, dst]), _bits(source[:, :, src]))
+    others = [b for b in range(destination.shape[2]) if b not in dst]
+    assert torch.equal(_bits(destination[:, :, others]), _bits(before[:, :, others]))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- gRPC --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer_by_layer", [False, True])
+def test_grpc_push_copies_the_blocks_bit_for_bit(dtype, layer_by_layer):
+    source, destination = _cache(SMALL, dtype, 1), _cache(SMALL, dtype, 2)
+    before = destination.clone()
+    src, dst = [5, 0, 7, 3], [11, 2, 6, 9]
+
+    async def scenario():
+        server, address = await _serve(KvReceiver(destination))
+        transport = GrpcKvTransport()
+        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        try:
+            if layer_by_layer:  # as the compute thread does while the forward pass runs
+                thread = threading.Thread(target=_layers_done, args=(feed,))
+                thread.start()
+                num_bytes = await transport.push(_order(src, dst, address), feed)
+                thread.join()
+            else:
+                feed.fill_now()
+                num_bytes = await transport.push(_order(src, dst, address), feed)
+        finally:
+            await transport.close()
+            await server.stop(None)
+        return num_bytes
+
+    num_bytes = asyncio.run(scenario())
+    _assert_moved(source, destination, before, src, dst)
+    assert num_bytes == source[:, :, src].numel() * source.element_size()
+
+
+def _layers_done(feed: LayerFeed) -> None:
+    for layer in range(feed.num_layers):
+        time.sleep(0.01)
+        feed.on_layer_done(layer)
+
+
+def test_grpc_push_above_4_mib_per_layer_goes_in_chunks_under_the_limit():
+    shape = (2, 2, 96, 16, 4, 128)  # 64 KiB of K+V per block and layer
+    source, destination = _cache(shape, torch.float32, 3), _cache(shape, torch.float32, 4)
+    before = destination.clone()
+    src = list(range(80))  # 5 MiB per layer
+    dst = list(range(95, 15, -1))
+    receiver = CountingReceiver(destination)
+
+    async def scenario():
+        server, address = await _serve(receiver)
+        transport = GrpcKvTransport()
+        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        feed.fill_now()
+        try:
+            await transport.push(_order(src, dst, address), feed)
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    _assert_moved(source, destination, before, src, dst)
+    assert len(receiver.chunk_sizes) >= 2 * 2  # at least two chunks per layer
+    assert max(receiver.chunk_sizes) < GRPC_LIMIT
+
+
+@pytest.mark.parametrize("problem", ["dtype", "block-out-of-range", "layer-out-of-range"])
+def test_grpc_push_the_receiver_cannot_write_fails(problem):
+    destination = _cache(SMALL, torch.float32, 2)
+    before = destination.clone()
+    source_shape = (SMALL[0] + 1, *SMALL[1:]) if problem == "layer-out-of-range" else SMALL
+    source = _cache(source_shape, torch.bfloat16 if problem == "dtype" else torch.float32, 1)
+    dst = [1, SMALL[2]] if problem == "block-out-of-range" else [1, 2]
+
+    async def scenario():
+        server, address = await _serve(KvReceiver(destination))
+        transport = GrpcKvTransport()
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed.fill_now()
+        try:
+            with pytest.raises(TransferFailed, match="refused"):
+                await transport.push(_order([0, 1], dst, address), feed)
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    if problem != "layer-out-of-range":  # refused at the first chunk: nothing written
+        assert torch.equal(_bits(destination), _bits(before))
+
+
+def test_sender_reports_a_dead_destination_as_a_failed_result_within_its_timeout():
+    source = _cache(SMALL, torch.float32, 1)
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+
+    async def scenario():
+        transport = GrpcKvTransport()
+        sender = KvSender({"grpc": transport}, timeout_s=3.0)
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed.fill_now()
+        started = time.monotonic()
+        try:
+            result = await sender.send(_order([0, 1], [2, 3], address), feed)
+        finally:
+            await transport.close()
+        return result, time.monotonic() - started
+
+    result, seconds = asyncio.run(scenario())
+    assert not result.ok and result.transfer_id == "t1" and result.error
+    assert seconds < 3.0 + 1.0
+
+
+def test_sender_times_out_a_send_whose_layers_never_come():
+    """The forward pass that should feed a during-step send stalls: the send must still end."""
+    source, destination = _cache(SMALL, torch.float32, 1), _cache(SMALL, torch.float32, 2)
+
+    async def scenario():
+        server, address = await _serve(KvReceiver(destination))
+        transport = GrpcKvTransport()
+        sender = KvSender({"grpc": transport}, timeout_s=0.5)
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed.on_layer_done(0)  # the rest of the layers never come
+        started = time.monotonic()
+        try:
+            result = await sender.send(_order([0, 1], [2, 3], address), feed)
+        finally:
+            await transport.close()
+            await server.stop(None)
+        return result, time.monotonic() - started
+
+    result, seconds = asyncio.run(scenario())
+    assert not result.ok and "timed out" in result.error
+    assert 0.5 <= seconds < 2.0
+
+
+def test_sender_fails_a_send_whose_forward_pass_failed():
+    source, destination = _cache(SMALL, torch.float32, 1), _cache(SMALL, torch.float32, 2)
+
+    async def scenario():
+        server, address = await _serve(KvReceiver(destination))
+        transport = GrpcKvTransport()
+        sender = KvSender({"grpc": transport}, timeout_s=5.0)
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed.on_layer_done(0)
+        feed.fail(RuntimeError("out of memory"))
+        try:
+            return await sender.send(_order([0, 1], [2, 3], address), feed)
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    result = asyncio.run(scenario())
+    assert not result.ok and "out of memory" in result.error
+
+
+# ---- shared memory -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shm_push_lands_in_the_destination_file(tmp_path, dtype):
+    path = str(tmp_path / "decode.kv")
+    destination = allocate_kv_cache(SMALL, dtype, torch.device("cpu"), path)
+    destination.copy_(_cache(SMALL, dtype, 2))
+    before = destination.clone()
+    source = _cache(SMALL, dtype, 1)
+    layers, _, _, block_size, kv_heads, head_dim = SMALL
+    src, dst = [4, 0, 8], [10, 1, 5]
+
+    async def scenario():
+        transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), dtype)
+        sender = KvSender({"shm": transport}, timeout_s=5.0)
+        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        thread = threading.Thread(target=_layers_done, args=(feed,))
+        thread.start()
+        result = await sender.send(_order(src, dst, transport="shm", shm_path=path), feed)
+        thread.join()
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.ok, result.error
+    assert result.num_bytes == source[:, :, src].numel() * source.element_size()
+    _assert_moved(source, destination, before, src, dst)  # the decode worker's own mapping
+    reader = map_kv_cache_file(path, dtype, (layers, block_size, kv_heads, head_dim))
+    assert reader.shape == destination.shape
+    _assert_moved(source, reader, before, src, dst)  # and a fresh one
+
+
+@pytest.mark.parametrize("problem", ["block-out-of-range", "no-file", "no-path"])
+def test_shm_push_that_cannot_land_fails(tmp_path, problem):
+    path = str(tmp_path / "decode.kv")
+    if problem != "no-file":
+        allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
+    source = _cache(SMALL, torch.float32, 1)
+    layers, _, num_blocks, block_size, kv_heads, head_dim = SMALL
+    dst = [0, num_blocks] if problem == "block-out-of-range" else [0, 1]
+
+    async def scenario():
+        transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), torch.float32)
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed.fill_now()
+        order = _order([0, 1], dst, transport="shm",
+                       shm_path="" if problem == "no-path" else path)
+        result = await KvSender({"shm": transport}, timeout_s=5.0).send(order, feed)
+        with pytest.raises(TransferFailed):
+            await transport.push(order, feed)
+        return result
+
+    result = asyncio.run(scenario())
+    assert not result.ok and result.error
