@@ -142,6 +142,17 @@ class ClusterScheduler:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the "
                              f"prompt has {len(prompt)} tokens and max_tokens is "
                              f"{params.max_tokens}")
+        if worker.role == PREFILL:
+            self._check_decode_room(prompt, worker.info.block_size)
+
+    def _check_decode_room(self, prompt: list[int], block_size: int) -> None:
+        """The prefill worker's core checks its own pool; a prompt that no decode worker could
+        ever hold would wait for a decode reservation forever."""
+        largest = max(w.info.num_blocks for w in self.live(DECODE))
+        blocks_needed = -(-(len(prompt) + 1) // block_size)
+        if blocks_needed > largest:
+            raise ValueError(f"prompt needs {blocks_needed} KV blocks; the decode workers' "
+                             f"caches have at most {largest}")
 
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, self.max_model_len - prompt_len)

@@ -124,6 +124,15 @@ def test_pd_decode_worker_full_then_room_frees_up():
     _finish(driver)
 
 
+def test_pd_prompt_no_decode_worker_can_hold_is_refused_at_submit():
+    driver = pd_driver(decode_blocks=2)
+    driver.submit("fits", prompt(31), max_tokens=1)  # 32 tokens with its first output
+    with pytest.raises(ValueError, match="decode"):
+        driver.submit("r", prompt(32), max_tokens=4)
+    assert "r" not in driver.cluster.requests
+    _finish(driver)
+
+
 # ---- aborts ------------------------------------------------------------------------------------------
 def _to_phase(driver, phase: str) -> None:
     """Bring request "r" (submitted by the caller) to `phase`."""
