@@ -56,7 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self.num_reserved = 0  # decode-side requests waiting for their KV pages
+        self.reserved: set[str] = set()  # decode-side requests waiting for their KV pages
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -163,6 +163,10 @@ class Scheduler:
     # On the prefill worker a request leaves `running` once its first token is sampled but keeps
     # its blocks until the KV pages are pushed; on the decode worker blocks are reserved before
     # the pages arrive and the request joins `running` once they have.
+    @property
+    def num_reserved(self) -> int:
+        return len(self.reserved)
+
     def detach_for_transfer(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.TRANSFERRING
@@ -180,12 +184,12 @@ class Scheduler:
             return False
         request.status = RequestStatus.TRANSFERRING
         self.requests[request.request_id] = request
-        self.num_reserved += 1
+        self.reserved.add(request.request_id)
         return True
 
     def activate_transferred(self, request: Request) -> None:
         """The pages arrived: decode from the token sampled on the prefill worker."""
-        self.num_reserved -= 1
+        self.reserved.discard(request.request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -213,8 +217,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status == RequestStatus.TRANSFERRING and request.num_computed_tokens == 0:
-            self.num_reserved -= 1  # a decode-side reservation
+        elif request.request_id in self.reserved:
+            self.reserved.discard(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status

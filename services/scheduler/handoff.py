@@ -16,6 +16,7 @@ from services.scheduler.deltas import finish_delta
 from services.scheduler.records import DECODE, Phase, SampleRecord, WorkerRecord
 
 _transfer_ids = itertools.count()
+_reservation_ids = itertools.count()
 
 
 def reserve(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSendOrder | None:
@@ -25,7 +26,9 @@ def reserve(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSe
     for decode in sorted(cluster.live(DECODE), key=_decode_preference):
         clone = Request(sample.seq_id, request.prompt_token_ids, request.params,
                         request.eos_token_ids, request.priority, request.arrival_time,
-                        cache_salt=f"pd:{sample.seq_id}")  # never shared before its KV lands
+                        # A salt of its own: these blocks are hashed before their pages land, and
+                        # after a failed transfer they hold garbage no one else may ever match.
+                        cache_salt=f"pd:{sample.seq_id}:{next(_reservation_ids)}")
         if decode.core.reserve_for_transfer(clone):
             sample.decode_request, sample.decode_worker = clone, decode
             return _order(cluster, sample, during_step)

@@ -29,11 +29,14 @@ class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
     async def Push(self, request_iterator, context) -> kv_transfer_pb2.KvPushAck:
         if self.kv_cache is None:
             return kv_transfer_pb2.KvPushAck(ok=False, error="the model is still loading")
-        transfer_id, num_bytes, started = "", 0, time.perf_counter()
+        transfer_id, num_bytes, started, complete = "", 0, time.perf_counter(), False
         try:
             async for chunk in request_iterator:
                 transfer_id = chunk.transfer_id
                 num_bytes += self._write(chunk)
+                complete = chunk.last
+            if not complete:  # a sender that stopped early must not read as a success
+                raise ValueError("the push ended before its last chunk")
         except ValueError as exc:
             log.warning("kv push refused", transfer_id=transfer_id, error=str(exc))
             return kv_transfer_pb2.KvPushAck(transfer_id=transfer_id, ok=False, error=str(exc))
