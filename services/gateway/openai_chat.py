@@ -9,9 +9,9 @@ from starlette.responses import JSONResponse
 from services.gateway.openai_logprobs import chat_logprobs
 from services.gateway.openai_params import chat_params
 from services.gateway.openai_protocol import ChatCompletionRequest
-from services.gateway.openai_serving import (SSE_DONE, EventStreamResponse, collect_choices,
-                                             served_model, sse, sse_error, unless_disconnected,
-                                             usage)
+from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
+                                             collect_choices, served_model, sse, sse_error,
+                                             unless_disconnected, usage)
 from services.gateway.request_group import RequestGroup
 
 
@@ -41,10 +41,10 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
     chunk = {**header, "object": "chat.completion.chunk"}
     if include_usage:
         chunk["usage"] = None
+    encoder = ChunkEncoder(chunk)
     for index in range(n):
-        yield sse({**chunk, "choices": [{"index": index, "logprobs": None,
-                                         "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
+        yield encoder.event({"index": index, "logprobs": None, "finish_reason": None,
+                             "delta": {"role": "assistant", "content": ""}})
     async for _, deltas in group.steps():
         for delta in deltas:
             if delta.finish_reason == "error":
@@ -52,7 +52,7 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
                 yield SSE_DONE
                 return
             if delta.text or delta.finish_reason or delta.logprobs:
-                yield sse({**chunk, "choices": [_choice_chunk(delta)]})
+                yield encoder.event(_choice_chunk(delta))
     if include_usage:
         yield sse({**chunk, "choices": [], "usage": usage(group)})
     yield SSE_DONE

@@ -11,9 +11,9 @@ from services.gateway.errors import invalid
 from services.gateway.openai_logprobs import CompletionLogprobs
 from services.gateway.openai_params import completion_params
 from services.gateway.openai_protocol import CompletionRequest
-from services.gateway.openai_serving import (SSE_DONE, EventStreamResponse, collect_choices,
-                                             served_model, sse, sse_error, unless_disconnected,
-                                             usage)
+from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
+                                             collect_choices, served_model, sse, sse_error,
+                                             unless_disconnected, usage)
 from services.gateway.request_group import RequestGroup
 
 
@@ -76,12 +76,13 @@ async def _echo_texts(core, prompt, prompts: list[list[int]], request_id: str) -
 async def _stream(group: RequestGroup, header: dict, n: int, echoes: list[str] | None,
                   want_logprobs: bool, include_usage: bool):
     chunk = dict(header, usage=None) if include_usage else header
+    encoder = ChunkEncoder(chunk)
     offsets = [CompletionLogprobs(len(echoes[i // n]) if echoes else 0)
                for i in range(len(group.states) * n)]
     if echoes:
         for index in range(len(offsets)):
-            yield sse({**chunk, "choices": [{"index": index, "text": echoes[index // n],
-                                             "logprobs": None, "finish_reason": None}]})
+            yield encoder.event({"index": index, "text": echoes[index // n], "logprobs": None,
+                                 "finish_reason": None})
     async for prompt_index, deltas in group.steps():
         for delta in deltas:
             if delta.finish_reason == "error":
@@ -96,7 +97,7 @@ async def _stream(group: RequestGroup, header: dict, n: int, echoes: list[str] |
                                    if want_logprobs else None)}
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
-            yield sse({**chunk, "choices": [choice]})
+            yield encoder.event(choice)
     if include_usage:
         yield sse({**chunk, "choices": [], "usage": usage(group)})
     yield SSE_DONE

@@ -34,9 +34,23 @@ def usage(group: RequestGroup) -> dict:
             "prompt_tokens_details": {"cached_tokens": group.num_cached_tokens}}
 
 
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    return b"data: " + _json(payload).encode() + b"\n\n"
+
+
+class ChunkEncoder:
+    """SSE events of one streamed response: the fields every chunk repeats (id, model, ...)
+    are serialized once; each event serializes only its choices."""
+
+    def __init__(self, header: dict) -> None:
+        self.prefix = b"data: " + _json(header)[:-1].encode() + b',"choices":['
+
+    def event(self, choice: dict) -> bytes:
+        return self.prefix + _json(choice).encode() + b"]}\n\n"
 
 
 def sse_error(message: str) -> bytes:

@@ -5,7 +5,7 @@ import json
 
 from services.gateway.openai_params import chat_params, completion_params
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.openai_serving import sse
+from services.gateway.openai_serving import ChunkEncoder, sse
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -52,3 +52,12 @@ def test_sse_frames_are_one_json_line_each():
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert frame.count(b"\n") == 2  # a newline in the text is escaped inside the JSON
     assert json.loads(frame[len(b"data: "):]) == {"text": "ligne\nnouvelle 🚀"}
+
+
+def test_chunk_encoder_event_equals_the_whole_chunk_serialized():
+    header = {"id": "chatcmpl-1", "created": 7, "model": "m", "object": "chat.completion.chunk",
+              "usage": None}
+    choice = {"index": 1, "delta": {"content": "é\"🚀"}, "finish_reason": None}
+    event = ChunkEncoder(header).event(choice)
+    assert event.endswith(b"\n\n") and event.count(b"\n") == 2
+    assert json.loads(event[len(b"data: "):]) == {**header, "choices": [choice]}
