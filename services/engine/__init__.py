@@ -1,9 +1,24 @@
 """The in-process engine core: config, requests, block pool, scheduler, model runner, sampler,
-and the offline API (`LLM`). No gRPC in here; the services wrap it."""
-from services.engine.config import EngineConfig
-from services.engine.llm import LLM
-from services.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from services.engine.sampling_params import SamplingParams
+and the offline API (`LLM`). No gRPC in here; the services wrap it.
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "Logprob"]
+The names below load lazily: the gateway and tokenizer import only torch-free modules of this
+package (sampling parameters, conversation checks) and must not pay for torch at start-up."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "services.engine.llm",
+    "SamplingParams": "services.engine.sampling_params",
+    "EngineConfig": "services.engine.config",
+    "RequestOutput": "services.engine.outputs",
+    "CompletionOutput": "services.engine.outputs",
+    "Logprob": "services.engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'services.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from services.engine.config import EngineConfig
+from services.engine.conversation import check_conversation
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.engine_core import EngineCore, RequestUpdate
 from services.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -54,7 +55,7 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> list[int]:
-        _check_conversation(conversation)
+        check_conversation(conversation)
         rendered = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
         return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
@@ -225,14 +226,6 @@ def _logprob_entry(entry: dict[int, float], rank: int, sampled: int,
     ranks[sampled] = rank
     return {token: Logprob(value, ranks[token], tokenizer.decode([token]))
             for token, value in entry.items()}
-
-
-def _check_conversation(conversation) -> None:
-    if not isinstance(conversation, list) or not conversation:
-        raise ValueError("a conversation is a non-empty list of messages")
-    for message in conversation:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"a message needs 'role' and 'content', got {message!r}")
 
 
 def _eos_token_ids(engine: EngineCore, tokenizer) -> frozenset[int]:

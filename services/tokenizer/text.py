@@ -3,14 +3,14 @@ and the detokenizer states of one Detokenize stream."""
 from __future__ import annotations
 
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.llm import _check_conversation
+from services.engine.conversation import check_conversation
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template.
 
     Raises ValueError for a malformed conversation or one the template rejects."""
-    _check_conversation(messages)
+    check_conversation(messages)
     for message in messages:
         if not message["role"]:
             raise ValueError(f"a message needs a non-empty 'role', got {message!r}")
