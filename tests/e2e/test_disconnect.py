@@ -31,17 +31,18 @@ def test_disconnect_mid_stream_frees_every_block(pd_stack, model_id):
     with httpx.Client(timeout=60, trust_env=False) as http:
         with http.stream("POST", f"{pd_stack.base_url}/chat/completions", json=body) as response:
             assert response.status_code == 200
-            events = 0
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    assert "error" not in json.loads(line[6:])
-                    events += 1
-                if events == 5:
-                    break
+            # Keep the iterator alive: dropping a half-read one closes the connection already.
+            lines = response.iter_lines()
+            events = []
+            while len(events) < 5 and (line := next(lines, None)) is not None:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+            assert len(events) == 5 and "[DONE]" not in events, f"the stream ended: {events}"
+            assert not any("error" in json.loads(event) for event in events), events
             during = pd_stack.scheduler_stats()
             assert during.num_running == 1, describe(during)
             assert any(w.num_free_blocks < w.num_blocks for w in during.workers)
-        # Leaving the block closed the response: the connection is gone.
+        # Leaving the block closes the response: the connection is gone.
     closed_at = time.monotonic()
     while not all_blocks_free(stats := pd_stack.scheduler_stats()):
         assert time.monotonic() - closed_at < ABORT_DEADLINE_S, \
