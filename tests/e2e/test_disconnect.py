@@ -2,10 +2,13 @@
 held is free again on both workers within a second."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
+
+from services.client import KvrelayClient
 
 ABORT_DEADLINE_S = 1.0
 
@@ -20,6 +23,14 @@ def describe(stats) -> str:
                         f"{w.num_running} running" for w in stats.workers)
     return (f"running {stats.num_running}, waiting {stats.num_waiting}, "
             f"transferring {stats.num_transferring}; {workers}")
+
+
+def wait_until_all_free(pd_stack) -> None:
+    closed_at = time.monotonic()
+    while not all_blocks_free(stats := pd_stack.scheduler_stats()):
+        assert time.monotonic() - closed_at < ABORT_DEADLINE_S, \
+            f"still held {ABORT_DEADLINE_S}s after the disconnect: {describe(stats)}"
+        time.sleep(0.05)
 
 
 def test_disconnect_mid_stream_frees_every_block(pd_stack, model_id):
@@ -43,8 +54,22 @@ def test_disconnect_mid_stream_frees_every_block(pd_stack, model_id):
             assert during.num_running == 1, describe(during)
             assert any(w.num_free_blocks < w.num_blocks for w in during.workers)
         # Leaving the block closes the response: the connection is gone.
-    closed_at = time.monotonic()
-    while not all_blocks_free(stats := pd_stack.scheduler_stats()):
-        assert time.monotonic() - closed_at < ABORT_DEADLINE_S, \
-            f"still held {ABORT_DEADLINE_S}s after the disconnect: {describe(stats)}"
-        time.sleep(0.05)
+    wait_until_all_free(pd_stack)
+
+
+def test_grpc_client_leaving_its_stream_early_frees_every_block(pd_stack):
+    async def read_a_few_chunks() -> int:
+        async with KvrelayClient(pd_stack.grpc_address) as client:
+            stream = client.generate("Once upon a time", max_tokens=2000, ignore_eos=True)
+            num_chunks = 0
+            async for _ in stream:
+                num_chunks += 1
+                if num_chunks == 5:
+                    during = pd_stack.scheduler_stats()
+                    assert during.num_running == 1, describe(during)
+                    break
+            await stream.aclose()  # cancels the call: the gateway must abort the request
+            return num_chunks
+
+    assert asyncio.run(read_a_few_chunks()) == 5
+    wait_until_all_free(pd_stack)

@@ -2,8 +2,11 @@
 token for token, in both topologies, over REST (streaming and not) and over gRPC."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from services.client import KvrelayClient
 from tests.e2e.conftest import MAX_NEW_TOKENS, openai_client
 from tests.e2e.grpc_api import chat_request, generate, token_ids_request
 
@@ -65,3 +68,26 @@ def test_chat_equals_hf_streaming_and_not(stack, greedy_cases):
         pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
         assert "".join(pieces) == case.text
         assert chunks[-1].usage.completion_tokens == len(case.hf_tokens)
+
+
+def test_python_client_gives_hf_tokens(stack, greedy_cases):
+    async def run_cases():
+        results = []
+        async with KvrelayClient(stack.grpc_address) as client:
+            for case in greedy_cases:
+                completion = await client.chat(case.messages, temperature=0.0,
+                                               max_tokens=MAX_NEW_TOKENS)
+                streamed = [chunk async for chunk in client.generate(
+                    prompt_token_ids=case.prompt_ids, temperature=0.0,
+                    max_tokens=MAX_NEW_TOKENS)]
+                results.append((completion, streamed))
+        return results
+
+    for case, (completion, streamed) in zip(greedy_cases, asyncio.run(run_cases())):
+        choice = completion.choices[0]
+        assert completion.prompt_token_ids == case.prompt_ids
+        assert choice.token_ids == case.hf_tokens and choice.text == case.text
+        assert choice.finish_reason == case.finish_reason
+        assert completion.usage.completion_tokens == len(case.hf_tokens)
+        assert [t for chunk in streamed for t in chunk.token_ids] == case.hf_tokens
+        assert "".join(chunk.text for chunk in streamed) == case.text
