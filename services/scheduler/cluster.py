@@ -28,6 +28,7 @@ class Unavailable(Exception):
 class ClusterScheduler:
     def __init__(self, config: EngineConfig, lease_s: float, sink: DeltaSink) -> None:
         self.config = config  # per-worker scheduling knobs; block counts come from workers
+        self.prefill_max_num_batched_tokens: int | None = None  # prefill-only workers' budget
         self.lease_s = lease_s
         self.sink = sink
         self.workers: dict[str, WorkerRecord] = {}
@@ -50,6 +51,10 @@ class ClusterScheduler:
         if info.worker_id in self.workers and self.workers[info.worker_id].alive:
             self.worker_died(self.workers[info.worker_id], "worker re-registered")
         config = replace(self.config, block_size=info.block_size)
+        if info.role == PREFILL and self.prefill_max_num_batched_tokens:
+            # A prefill-only worker has no decodes whose inter-token latency a long step would
+            # hurt: bigger steps prefill the same prompts in fewer, more efficient passes.
+            config = replace(config, max_num_batched_tokens=self.prefill_max_num_batched_tokens)
         core = Scheduler(config, info.num_blocks, info.max_model_len)
         self.workers[info.worker_id] = WorkerRecord(info, core,
                                                     time.monotonic() + self.lease_s)

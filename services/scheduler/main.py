@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--metrics-port", type=int, default=9102, help="0: no metrics endpoint")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
              help="token budget of one step on one worker")
+    add_flag(parser, "--prefill-max-num-batched-tokens", type=int, default=8192,
+             help="token budget of one step on a prefill-only worker (0: same as above)")
     add_flag(parser, "--max-num-seqs", type=int, default=128, help="running sequences per worker")
     add_flag(parser, "--long-prefill-token-threshold", type=int, default=0)
     add_flag(parser, "--no-prefix-caching", action="store_true")
@@ -49,6 +51,7 @@ async def serve(args: argparse.Namespace) -> None:
                           scheduling_policy=args.scheduling_policy)
     cluster = ClusterScheduler(config, args.lease_ms / 1000, DeltaSink())
     cluster.kv_transport = args.kv_transport
+    cluster.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or None
     service = SchedulerService(cluster, args.lease_ms)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])

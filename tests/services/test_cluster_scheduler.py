@@ -412,3 +412,16 @@ TestPDClusterMachine.settings = settings(max_examples=200, stateful_step_count=5
 TestColocatedClusterMachine = ColocatedClusterMachine.TestCase
 TestColocatedClusterMachine.settings = settings(max_examples=80, stateful_step_count=40,
                                                 deadline=None)
+
+
+def test_prefill_only_workers_take_their_own_larger_step_budget():
+    driver = ClusterDriver([], max_num_batched_tokens=64)
+    driver.cluster.prefill_max_num_batched_tokens = 512
+    for info in (worker_info("p0", PREFILL, 64, 1024), worker_info("d0", DECODE, 64, 1024),
+                 worker_info("c0", BOTH, 64, 1024)):
+        driver.register(info)
+    budgets = {w.worker_id: w.core.config.max_num_batched_tokens for w in driver.all_workers}
+    assert budgets == {"p0": 512, "d0": 64, "c0": 64}
+    driver.submit("long", prompt(300), max_tokens=2)
+    assert driver.start_step("p0")  # the whole 300-token prompt in one prefill step
+    assert driver.cluster.samples["long/0"].transfer_id is not None
