@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--num-threads", type=int, default=None, help="torch threads")
     add_flag(parser, "--kv-transports", default="grpc,shm",
              help="comma list of KV transports this worker can use (grpc, shm)")
+    add_flag(parser, "--layerwise-kv-push", choices=["auto", "on", "off"], default="auto",
+             help="push KV pages layer by layer during the forward pass (auto: on CUDA only)")
     add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0, help="seconds")
     add_flag(parser, "--shm-dir", default="/dev/shm",
              help="where a decode worker maps its KV cache for the shm transport")
@@ -66,7 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     server = ServiceServer(args.host, args.port, [
         worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
         kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name])
-    service, receiver = WorkerService(), KvReceiver()
+    service, receiver = WorkerService(_layerwise(args)), KvReceiver()
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server.server)
     server.install_signal_handlers()
@@ -105,6 +107,17 @@ def _drain(registration: Registration, service: WorkerService):
         await asyncio.sleep(registration.lease_s / 2)
         await service.idle.wait()
     return drain
+
+
+def _layerwise(args) -> bool:
+    if args.layerwise_kv_push == "auto":
+        return args.device == "cuda" or (args.device == "auto" and _cuda_available())
+    return args.layerwise_kv_push == "on"
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _shm_path(args, worker_id: str, transports: list[str]) -> str | None:
