@@ -58,7 +58,7 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
     server.install_signal_handlers()
     await server.start()
-    metrics.serve_metrics(args.metrics_port)
+    metrics.serve_metrics(args.metrics_port, args.host)
     reaper = asyncio.create_task(service.reap_leases())
     # The scheduler itself is ready at once; `Stats.ready` tells whether workers are there.
     await server.set_serving(True)

@@ -73,7 +73,7 @@ async def serve(args: argparse.Namespace) -> None:
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server.server)
     server.install_signal_handlers()
     await server.start()  # health answers NOT_SERVING while the model loads
-    metrics.serve_metrics(args.metrics_port)
+    metrics.serve_metrics(args.metrics_port, args.host)
     loaded = await asyncio.to_thread(load_worker_model, args, shm_path)
     runner = loaded.runner
     service.attach(StepExecutor(runner),
