@@ -27,7 +27,12 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # gRPC sets SO_REUSEPORT by default: a second process on the same port would silently take
+    # half the connections (a worker started twice splits its step streams). Fail to bind.
+    ("grpc.so_reuseport", 0),
+]
 
 log = get_logger(__name__)
 

@@ -15,7 +15,7 @@ from services.common import metrics
 from services.common.flags import add_flag
 from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
-from services.common.runtime import run_service
+from services.common.runtime import freeze_heap, run_service
 from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           ShmKvTransport)
 from services.worker.model_setup import load_worker_model
@@ -75,6 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()  # health answers NOT_SERVING while the model loads
     metrics.serve_metrics(args.metrics_port, args.host)
     loaded = await asyncio.to_thread(load_worker_model, args, shm_path)
+    freeze_heap()  # the model's modules and tensors, too
     runner = loaded.runner
     service.attach(StepExecutor(runner),
                    KvSender(_transports(transports, runner), args.kv_transfer_timeout))
