@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
     add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)
     add_flag(parser, "--threads-per-worker", type=int, default=None,
-             help="torch threads per worker (default: the cores split between workers)")
+             help="torch threads per worker (default: every core for up to two workers, "
+                  "else the cores split between them)")
     add_flag(parser, "--api-key", default=None, help="required bearer token for the API")
     add_flag(parser, "--log-level", default="info")
     add_flag(parser, "--log-dir", default=None,

@@ -45,9 +45,14 @@ def worker_roles(args: Namespace) -> list[tuple[str, str]]:
 
 
 def threads_per_worker(args: Namespace, num_workers: int) -> int:
-    # Workers are the only processes doing heavy math; the others get one thread each.
+    """Workers are the only processes doing heavy math; the others get one thread each. A
+    prefill and a decode worker are rarely both at full load (prompts arrive, then decode), so
+    up to two workers each get every core: on chat-64 with 2 cores the PD stack made 294 tok/s
+    with 2 threads per worker against 247 with the cores split (BENCHMARKS.md)."""
     if args.threads_per_worker:
         return args.threads_per_worker
+    if num_workers <= 2:
+        return usable_cpus()
     return max(1, usable_cpus() // num_workers)
 
 
