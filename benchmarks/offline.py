@@ -54,15 +54,20 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_kvrelay(conversations, dtype: str, full_warmup: bool = False, **engine_args) -> Result:
+def run_kvrelay(conversations, dtype: str, warmup_conversations=None,
+                **engine_args) -> Result:
     llm = LLM(dtype=dtype, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     token_ids = [llm.apply_chat_template(c) for c in conversations]
-    # Warm-up: first-call allocations (and, with full_warmup, every batch shape's oneDNN
-    # kernels) stay out of the timing.
-    warmup = token_ids if full_warmup else token_ids[:1]
-    llm.generate([{"prompt_token_ids": ids} for ids in warmup],
-                 params if full_warmup else SamplingParams(max_tokens=4), use_tqdm=False)
+    # Warm-up: first-call allocations (and, given a warm-up workload of other prompts, every
+    # batch shape's oneDNN kernels, without leaving the timed prompts in the prefix cache)
+    # stay out of the timing.
+    if warmup_conversations:
+        llm.generate([{"prompt_token_ids": llm.apply_chat_template(c)}
+                      for c in warmup_conversations], params, use_tqdm=False)
+    else:
+        llm.generate({"prompt_token_ids": token_ids[0]}, SamplingParams(max_tokens=4),
+                     use_tqdm=False)
     engine = llm.engine
     requests = [req for i, ids in enumerate(token_ids)
                 for req in llm._make_requests(f"bench-{i}", ids, params, 0)]
