@@ -255,6 +255,7 @@ class ClusterScheduler:
             else:
                 self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
                                                      error))
+        handoff.activate_waiting_groups(self)  # their last send may have been a dead one
         handoff.retry_awaiting(self)
 
     def expire_leases(self) -> list[WorkerRecord]:

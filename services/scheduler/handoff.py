@@ -69,7 +69,7 @@ def after_first_token(cluster, sample: SampleRecord) -> None:
     sample.worker.core.detach_for_transfer(sample.request)
     sample.phase = Phase.TRANSFER
     if sample.pages_delivered:
-        _activate(cluster, sample)
+        _activate_step_group(cluster, sample.send_step)
     elif sample.transfer_id is None:
         order = reserve(cluster, sample, during_step=False)
         if order is None:
@@ -103,11 +103,31 @@ def on_send_result(cluster, result: worker_pb2.KvSendResult) -> None:
     elif not result.ok:
         cluster.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
                                                 f"KV transfer failed: {result.error}"))
-    elif sample.phase is Phase.TRANSFER:
-        _activate(cluster, sample)
-    else:  # pushed during its step, whose result is not applied yet: activate after it
+    else:  # before its step's result is applied (layer by layer), or after
         sample.pages_delivered = True
+    _activate_step_group(cluster, sample.send_step)  # this result may have been the last
     retry_awaiting(cluster)
+
+
+def _activate_step_group(cluster, send_step: int) -> None:
+    """Samples whose sends one prefill step ordered join the decode batch together, once the
+    last of those sends is back: the decode worker then sees the same batches however the
+    sends' results interleave, which keeps seeded sampling reproducible (float reductions
+    depend on the batch) and spares it steps of one or two rows."""
+    if any(s.send_step == send_step for s in cluster.transfers.values() if s.send_in_flight):
+        return
+    ready = [s for s in cluster.samples.values() if s.send_step == send_step
+             and s.phase is Phase.TRANSFER and s.pages_delivered]
+    for sample in ready:
+        _activate(cluster, sample)
+
+
+def activate_waiting_groups(cluster) -> None:
+    """After sends vanished without a result (a dead worker), release the groups they held."""
+    steps = {s.send_step for s in cluster.samples.values()
+             if s.phase is Phase.TRANSFER and s.pages_delivered}
+    for send_step in steps:
+        _activate_step_group(cluster, send_step)
 
 
 def _activate(cluster, sample: SampleRecord) -> None:

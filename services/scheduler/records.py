@@ -63,6 +63,7 @@ class SampleRecord:
     transfer_id: str | None = None
     send_in_flight: bool = False  # an order reached the prefill worker; wait for its result
     pages_delivered: bool = False  # a layer-by-layer send can finish before its step's result
+    send_step: int = 0  # the prefill step whose message carried the send order
     num_sent_tokens: int = 0
 
 

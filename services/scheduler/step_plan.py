@@ -33,7 +33,8 @@ def plan_step(cluster, worker: WorkerRecord) -> StepPlan | None:
     message.kv_sends.extend(worker.pending_sends)
     worker.pending_sends = []
     for order in message.kv_sends:
-        cluster.transfers[order.transfer_id].send_in_flight = True
+        sample = cluster.transfers[order.transfer_id]
+        sample.send_in_flight, sample.send_step = True, message.step_id
     if not message.scheduled and not message.kv_sends:
         worker.forget = list(message.finished_seq_ids)  # nothing to run: keep them for later
         return None

@@ -425,3 +425,18 @@ def test_prefill_only_workers_take_their_own_larger_step_budget():
     driver.submit("long", prompt(300), max_tokens=2)
     assert driver.start_step("p0")  # the whole 300-token prompt in one prefill step
     assert driver.cluster.samples["long/0"].transfer_id is not None
+
+
+def test_pd_samples_of_one_prefill_step_join_the_decode_batch_together():
+    driver = pd_driver()
+    driver.submit("r", prompt(20), max_tokens=4, n=2)
+    assert driver.start_step("p0")
+    first, second = list(driver.sends)
+    driver.finish_step("p0")
+    driver.send_result(first)
+    samples = [driver.cluster.samples[f"r/{i}"] for i in range(2)]
+    assert [s.phase for s in samples] == [Phase.TRANSFER, Phase.TRANSFER]  # waits for its group
+    driver.send_result(second)
+    assert [s.phase for s in samples] == [Phase.DECODE, Phase.DECODE]
+    assert len(driver.worker("d0").core.running) == 2
+    _finish(driver)
