@@ -200,6 +200,12 @@ class ClusterScheduler:
         pending = sample.worker.pending_sends
         pending[:] = [order for order in pending if order.transfer_id != sample.transfer_id]
 
+    def release_ended(self, sample: SampleRecord) -> None:
+        """An ended sample whose send held its blocks: free both sides now that it is back."""
+        self._free_prefill_side(sample)
+        self._free_decode_side(sample)
+        self._drop_if_done(sample.parent)
+
     def _free_prefill_side(self, sample: SampleRecord) -> None:
         worker = sample.worker
         if sample.phase is Phase.DECODE:
@@ -214,7 +220,7 @@ class ClusterScheduler:
             worker.core.release_transferred(sample.request)
         elif not sample.request.is_finished:
             worker.core.abort([sample.seq_id])
-        self._forget_on(worker, sample.seq_id)
+        self.forget_on(worker, sample.seq_id)
         self.on_work(worker)
 
     def _free_decode_side(self, sample: SampleRecord) -> None:
@@ -223,10 +229,10 @@ class ClusterScheduler:
             return
         if not sample.decode_request.is_finished:
             worker.core.abort([sample.seq_id])
-        self._forget_on(worker, sample.seq_id)
+        self.forget_on(worker, sample.seq_id)
         self.on_work(worker)
 
-    def _forget_on(self, worker: WorkerRecord, seq_id: str) -> None:
+    def forget_on(self, worker: WorkerRecord, seq_id: str) -> None:
         if worker.known_blocks.pop(seq_id, None) is not None:
             worker.forget.append(seq_id)
 
@@ -249,9 +255,7 @@ class ClusterScheduler:
                 self.transfers.pop(sample.transfer_id, None)
                 sample.send_in_flight = False
             if sample.phase is Phase.DONE:  # ended earlier; only its send held the blocks
-                self._free_prefill_side(sample)
-                self._free_decode_side(sample)
-                self._drop_if_done(sample.parent)
+                self.release_ended(sample)
             else:
                 self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
                                                      error))

@@ -97,9 +97,7 @@ def on_send_result(cluster, result: worker_pb2.KvSendResult) -> None:
         return  # its worker died and the sample was already cleaned up
     sample.send_in_flight = False
     if sample.phase is Phase.DONE:  # finished or aborted while the pages were in flight
-        cluster._free_prefill_side(sample)
-        cluster._free_decode_side(sample)
-        cluster._drop_if_done(sample.parent)
+        cluster.release_ended(sample)
     elif not result.ok:
         cluster.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
                                                 f"KV transfer failed: {result.error}"))
@@ -133,7 +131,7 @@ def activate_waiting_groups(cluster) -> None:
 def _activate(cluster, sample: SampleRecord) -> None:
     prefill, decode = sample.worker, sample.decode_worker
     prefill.core.release_transferred(sample.request)
-    cluster._forget_on(prefill, sample.seq_id)
+    cluster.forget_on(prefill, sample.seq_id)
     clone = sample.decode_request
     for token_id in sample.request.output_token_ids:
         clone.append_token(token_id)

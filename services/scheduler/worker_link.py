@@ -86,7 +86,7 @@ class WorkerLink:
     async def _read_results(self, call) -> None:
         async for result in call:
             if result.step_id == 0:  # KV send results, between steps
-                log.debug("kv send results", results=str(result.kv_sends))
+                log.debug("kv send results", num_results=len(result.kv_sends))
                 for send in result.kv_sends:
                     scheduler_metrics.transfer_result(send)
                     handoff.on_send_result(self.cluster, send)

@@ -5,6 +5,8 @@ The scheduler sends a sequence's full state once (NewSequence) and afterwards on
 """
 from __future__ import annotations
 
+import torch
+
 from services.api.kvrelay.v1 import worker_pb2
 from services.common.wire import params_from_proto
 from services.engine.request import Request
@@ -55,6 +57,5 @@ def _skip_draws(generator, num_draws: int) -> None:
     stream of random numbers continues where it left off."""
     if generator is None:
         return
-    import torch
     for _ in range(num_draws):
         torch.rand(1, dtype=torch.float64, generator=generator)

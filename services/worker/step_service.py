@@ -12,6 +12,7 @@ from services.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.log import get_logger
 from services.worker.kv_connector import KvSender, LayerFeed
+from services.worker.sequences import SequenceTable
 from services.worker.step_executor import StepExecutor
 
 log = get_logger(__name__)
@@ -42,7 +43,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self.executor is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         # A new scheduler connection starts from a clean slate: its plan knows no sequences.
-        self.executor.table = type(self.executor.table)()
+        self.executor.table = SequenceTable()
         outbox: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(self._serve_steps(request_iterator, outbox))
         reader.add_done_callback(lambda _: outbox.put_nowait(None))
