@@ -15,8 +15,9 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
-    """Like `parser.add_argument`, with the default taken from the flag's environment variable."""
+def add_flag(parser: argparse.ArgumentParser, flag: str, *aliases: str, **kwargs) -> None:
+    """Like `parser.add_argument`, with the default taken from the flag's environment variable
+    (that of `flag`; `aliases` are other spellings on the command line only)."""
     name = env_name(flag)
     raw = os.environ.get(name)
     if raw is not None:
@@ -24,7 +25,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
         kwargs.pop("required", None)
     help_text = kwargs.get("help", "")
     kwargs["help"] = f"{help_text} [env {name}]".strip()
-    parser.add_argument(flag, **kwargs)
+    parser.add_argument(flag, *aliases, **kwargs)
 
 
 def _parse_env(raw: str, kwargs: dict, name: str):
@@ -46,10 +47,11 @@ def _parse_env(raw: str, kwargs: dict, name: str):
 
 
 def flag_env_names(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """{flag: env var} for every long flag of a parser (used by the manifest checks)."""
+    """{flag: env var} for every flag of a parser (used by the manifest checks); an alias has
+    no variable of its own."""
     names = {}
     for action in parser._actions:
-        for option in action.option_strings:
-            if option.startswith("--") and option != "--help":
-                names[option] = env_name(option)
+        options = [option for option in action.option_strings if option.startswith("--")]
+        if options and options[0] != "--help":
+            names[options[0]] = env_name(options[0])
     return names

@@ -27,6 +27,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A `dns:///name:port` target that resolves to several replicas (a Kubernetes headless Service of
+# tokenizers) spreads calls over all of them; with one address it behaves like pick_first.
+CLIENT_ONLY_OPTIONS = [("grpc.lb_policy_name", "round_robin")]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # gRPC sets SO_REUSEPORT by default: a second process on the same port would silently take
@@ -88,4 +91,4 @@ class ServiceServer:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + CLIENT_ONLY_OPTIONS)

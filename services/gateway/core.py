@@ -1,8 +1,8 @@
 """The transport-neutral gateway: submit prompts, stream each step's SampleDeltas back, abort.
 
 Both front ends (OpenAI REST and the public gRPC API) use it. It keeps one Outputs stream from
-the scheduler and one Detokenize stream to the tokenizer for all requests, and polls both
-services to know whether it can serve."""
+each scheduler group and one Detokenize stream to the tokenizer for all requests, sends each
+request to the least loaded group, and polls the services to know whether it can serve."""
 from __future__ import annotations
 
 import asyncio
@@ -19,10 +19,12 @@ from services.gateway.errors import GatewayError
 from services.gateway.request_group import RequestGroup
 from services.gateway.request_state import RequestState
 from services.gateway.router import OutputRouter
+from services.gateway.scheduler_group import SchedulerGroup, least_loaded
 from services.gateway.upstream import Upstream
 
 log = get_logger(__name__)
-HEALTH_POLL_S = 1.0
+# Stats also steer placement between scheduler groups, so they are polled often (a cheap call).
+HEALTH_POLL_S = 0.5
 RECONNECT_DELAY_S = 0.5
 # How long an Outputs stream must stay open, without initial metadata, to count as registered.
 REGISTER_GRACE_S = 1.0
@@ -41,17 +43,15 @@ class GatewayCore:
         self.groups: dict[str, RequestGroup] = {}
         self.pending_aborts: list[str] = []
         self.abort_wakeup = asyncio.Event()
-        self.outputs_connected = False
-        self.stats: scheduler_pb2.StatsResponse | None = None
         self.tokenizer_serving = False
         self.on_health_change = []  # callbacks(ready: bool)
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(coro) for coro in (
-            self.pipeline.run(), self._consume_outputs(), self._send_aborts(),
-            self._poll_health())]
+        coros = [self.pipeline.run(), self._send_aborts(), self._poll_health(),
+                 *(self._consume_outputs(group) for group in self.upstream.groups)]
+        self._tasks = [asyncio.create_task(coro) for coro in coros]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -66,30 +66,35 @@ class GatewayCore:
 
     # ---- health and model ----------------------------------------------------------------------
     @property
+    def ready_groups(self) -> list[SchedulerGroup]:
+        return [group for group in self.upstream.groups if group.ready]
+
+    @property
     def ready(self) -> bool:
-        return (self.tokenizer_serving and self.outputs_connected
-                and self.stats is not None and self.stats.ready)
+        return self.tokenizer_serving and bool(self.ready_groups)
 
     @property
     def model_name(self) -> str | None:
         if self.served_model_name_flag:
             return self.served_model_name_flag
-        return self.stats.model if self.stats is not None and self.stats.model else None
+        names = [group.stats.model for group in self.ready_groups if group.stats.model]
+        return names[0] if names else None
 
     @property
     def max_model_len(self) -> int:
-        return self.stats.max_model_len if self.stats is not None else 0
+        """The smallest of the ready groups': a request must fit wherever it is placed."""
+        return min((group.stats.max_model_len for group in self.ready_groups), default=0)
 
     async def _poll_health(self) -> None:
         was_ready = None
         while True:
-            self.tokenizer_serving, self.stats = await asyncio.gather(
-                self.upstream.tokenizer_serving(), self.upstream.stats())
+            self.tokenizer_serving, *_ = await asyncio.gather(
+                self.upstream.tokenizer_serving(),
+                *(group.refresh_stats() for group in self.upstream.groups))
             if self.ready != was_ready:
                 was_ready = self.ready
                 log.info("gateway health", ready=was_ready, tokenizer=self.tokenizer_serving,
-                         scheduler_ready=bool(self.stats and self.stats.ready),
-                         outputs_connected=self.outputs_connected)
+                         groups={group.address: group.ready for group in self.upstream.groups})
                 for callback in self.on_health_change:
                     await callback(was_ready)
             await asyncio.sleep(HEALTH_POLL_S)
@@ -98,31 +103,33 @@ class GatewayCore:
     async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                        priority: int = 0) -> RequestGroup:
         """Submit one scheduler request per prompt; their deltas come out of the group."""
-        if not self.outputs_connected:
-            raise GatewayError("unavailable", "the gateway is not connected to the scheduler")
+        scheduler = least_loaded(self.upstream.groups)
+        if scheduler is None:
+            raise GatewayError("unavailable", "no scheduler group is ready")
         if request_id in self.groups:
             raise GatewayError("invalid_request", f"request id {request_id!r} is in use")
         queue: asyncio.Queue = asyncio.Queue()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                       for i in range(len(prompts))]
-        states = [RequestState(rid, index, prompt, params, queue)
+        states = [RequestState(rid, index, prompt, params, queue, scheduler=scheduler)
                   for index, (rid, prompt) in enumerate(zip(ids, prompts))]
         group = RequestGroup(self, request_id, states, queue)
         for state in states:
             self.router.add(state)
         self.groups[request_id] = group
         try:
-            await self._submit_all(request_id, states, params, priority)
+            await self._submit_all(scheduler, request_id, states, params, priority)
         except BaseException:
             group.close()
             raise
         metrics.PROMPT_TOKENS.inc(sum(map(len, prompts)))
         return group
 
-    async def _submit_all(self, request_id: str, states: list[RequestState],
-                          params: SamplingParams, priority: int) -> None:
+    async def _submit_all(self, scheduler: SchedulerGroup, request_id: str,
+                          states: list[RequestState], params: SamplingParams,
+                          priority: int) -> None:
         proto_params = params_to_proto(params)
-        submits = [self.upstream.submit(scheduler_pb2.SubmitRequest(
+        submits = [scheduler.submit(scheduler_pb2.SubmitRequest(
             request_id=state.request_id, gateway_id=self.gateway_id,
             prompt_token_ids=state.prompt_token_ids, params=proto_params, priority=priority),
             request_id) for state in states]
@@ -149,30 +156,37 @@ class GatewayCore:
             await self.abort_wakeup.wait()
             self.abort_wakeup.clear()
             ids, self.pending_aborts = self.pending_aborts, []
-            try:
-                await self.upstream.abort(ids)
-            except grpc.RpcError as exc:
-                log.warning("abort failed", request_ids=ids, error=exc.code().name)
+            # Every group gets every abort: a group ignores ids it does not hold, and aborts are
+            # rare enough that remembering each id's group is not worth it.
+            results = await asyncio.gather(*(group.abort(ids) for group in self.upstream.groups
+                                             if group.outputs_connected),
+                                           return_exceptions=True)
+            for result in results:
+                if isinstance(result, grpc.RpcError):
+                    log.warning("abort failed", request_ids=ids, error=result.code().name)
 
     # ---- the scheduler's output stream ---------------------------------------------------------
-    async def _consume_outputs(self) -> None:
+    async def _consume_outputs(self, group: SchedulerGroup) -> None:
         while True:
-            call = self.upstream.outputs(self.gateway_id)
+            call = group.outputs(self.gateway_id)
             try:
                 await _registered(call)
-                self.outputs_connected = True
-                log.info("outputs stream open", gateway_id=self.gateway_id)
+                group.outputs_connected = True
+                log.info("outputs stream open", gateway_id=self.gateway_id,
+                         scheduler=group.address)
                 async for batch in call:
                     self.router.route(batch)
                 message = "the scheduler closed the output stream"
             except grpc.RpcError as exc:
                 message = f"lost the scheduler's output stream: {exc.code().name}"
             finally:
-                self.outputs_connected = False
+                group.outputs_connected = False
                 call.cancel()
-            log.warning("outputs stream failed", error=message)
-            self.abort_nowait(list(self.router.requests))
-            self.router.fail_all(message)
+            log.warning("outputs stream failed", error=message, scheduler=group.address)
+            lost = [rid for rid, state in self.router.requests.items()
+                    if state.scheduler is group]
+            self.abort_nowait(lost)
+            self.router.fail_all(message, scheduler=group)
             await asyncio.sleep(RECONNECT_DELAY_S)
 
 

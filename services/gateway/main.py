@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--tokenizer-address", default="127.0.0.1:50051",
              help="host:port of the tokenizer service")
     add_flag(parser, "--scheduler-address", default="127.0.0.1:50052",
-             help="host:port of the scheduler service")
+             help="host:port of the scheduler; comma-separated for several scheduler groups "
+                  "(each request goes to the least loaded)")
     add_flag(parser, "--served-model-name", default=None,
              help="model name clients use (default: the scheduler's model)")
     add_flag(parser, "--api-key", default=None,
@@ -47,7 +48,9 @@ async def serve(args: argparse.Namespace) -> None:
     from services.gateway.upstream import Upstream
 
     gateway_id = args.gateway_id or f"gateway-{uuid.uuid4().hex[:12]}"
-    core = GatewayCore(Upstream(args.tokenizer_address, args.scheduler_address), gateway_id,
+    schedulers = [address.strip() for address in args.scheduler_address.split(",")
+                  if address.strip()]
+    core = GatewayCore(Upstream(args.tokenizer_address, schedulers), gateway_id,
                        args.served_model_name)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(

@@ -128,6 +128,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float = 0.0
     last_token_time: float = 0.0
+    scheduler: object = None  # the SchedulerGroup it was submitted to
 
     def __post_init__(self) -> None:
         self.samples = [SampleState(self.request_id, i, self.params)

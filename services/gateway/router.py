@@ -60,15 +60,18 @@ class OutputRouter:
             if state.num_unfinished == 0:
                 self.requests.pop(state.request_id, None)
 
-    def fail_all(self, message: str, forget: bool = True) -> None:
-        """End every request with an error (a stream to the scheduler or tokenizer broke)."""
+    def fail_all(self, message: str, forget: bool = True, scheduler=None) -> None:
+        """End every request (or those sent to one scheduler group) with an error: a stream to
+        the scheduler or tokenizer broke."""
         now = time.monotonic()
-        for state in self.requests.values():
+        for state in list(self.requests.values()):
+            if scheduler is not None and state.scheduler is not scheduler:
+                continue
             unfinished = [s for s in state.samples if not s.finished]
             if forget:
                 self._forget([s for s in unfinished if s.detokenizing])
             state.publish([s.error_delta(message) for s in unfinished], now)
-        self.requests.clear()
+            del self.requests[state.request_id]
 
     def _forget(self, samples) -> None:
         if samples:

@@ -1,32 +1,28 @@
-"""The gateway's calls to the tokenizer and scheduler services, errors turned into
-GatewayError, the request id sent along as metadata."""
+"""The gateway's upstream services: the tokenizer's calls (errors turned into GatewayError, the
+request id sent along as metadata) and the scheduler groups (scheduler_group.py)."""
 from __future__ import annotations
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.api.kvrelay.v1 import (common_pb2, scheduler_pb2, scheduler_pb2_grpc,
-                                     tokenizer_pb2, tokenizer_pb2_grpc)
+from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.grpc_server import channel
 from services.common.log import request_metadata
 from services.gateway.errors import from_rpc_error
-
-PROBE_TIMEOUT_S = 2.0
-# A unary call that has not answered in this long will not: fail it (503) rather than hang.
-CALL_TIMEOUT_S = 60.0
+from services.gateway.scheduler_group import CALL_TIMEOUT_S, PROBE_TIMEOUT_S, SchedulerGroup
 
 
 class Upstream:
-    def __init__(self, tokenizer_address: str, scheduler_address: str) -> None:
+    def __init__(self, tokenizer_address: str, scheduler_addresses: list[str]) -> None:
         self.tokenizer_channel = channel(tokenizer_address)
-        self.scheduler_channel = channel(scheduler_address)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
         self.tokenizer_health = health_pb2_grpc.HealthStub(self.tokenizer_channel)
+        self.groups = [SchedulerGroup(address) for address in scheduler_addresses]
 
     async def close(self) -> None:
         await self.tokenizer_channel.close()
-        await self.scheduler_channel.close()
+        for group in self.groups:
+            await group.close()
 
     # ---- tokenizer -----------------------------------------------------------------------------
     async def encode(self, prompt: str, add_special_tokens: bool, request_id: str) -> list[int]:
@@ -66,28 +62,3 @@ class Upstream:
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    # ---- scheduler -----------------------------------------------------------------------------
-    async def submit(self, request: scheduler_pb2.SubmitRequest, request_id: str) -> None:
-        """`request_id`: the client's id, for the logs (a prompt of many may have its own)."""
-        try:
-            await self.scheduler.Submit(request, metadata=request_metadata(request_id),
-                                        timeout=CALL_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, "scheduler") from None
-
-    async def abort(self, ids: list[str]) -> list[str]:
-        reply = await self.scheduler.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=ids),
-                                           timeout=PROBE_TIMEOUT_S)
-        return list(reply.aborted)
-
-    async def stats(self) -> scheduler_pb2.StatsResponse | None:
-        try:
-            return await self.scheduler.Stats(scheduler_pb2.StatsRequest(),
-                                              timeout=PROBE_TIMEOUT_S)
-        except grpc.RpcError:
-            return None
-
-    def outputs(self, gateway_id: str):
-        return self.scheduler.Outputs(scheduler_pb2.OutputsRequest(gateway_id=gateway_id),
-                                      wait_for_ready=True)

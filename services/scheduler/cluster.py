@@ -67,8 +67,34 @@ class ClusterScheduler:
         worker.lease_deadline = time.monotonic() + self.lease_s
         if draining and not worker.draining:
             worker.draining = True
+            self.move_queued(worker)
             self.on_work(worker)  # its step loop lets go once its sequences are done
         return True
+
+    def move_queued(self, worker: WorkerRecord) -> int:
+        """A draining worker's requests that have not started yet go to other workers of its
+        role, so it can leave without making them wait; the ones it computes stay. Returns how
+        many samples moved."""
+        others = self.live(worker.role)
+        if not others:
+            return 0  # no one to take them: they finish where they are
+        moved = 0
+        for sample in list(self.samples.values()):
+            request = sample.request
+            if (sample.worker is not worker or request.status is not RequestStatus.WAITING
+                    or request.num_computed_tokens or request.num_output_tokens):
+                continue
+            target = _best_placed(others, request.prompt_token_ids)
+            worker.core.abort([sample.seq_id])
+            self.forget_on(worker, sample.seq_id)
+            sample.request = Request(sample.seq_id, request.prompt_token_ids, request.params,
+                                     request.eos_token_ids, request.priority,
+                                     request.arrival_time, request.cache_salt)
+            sample.worker = target
+            target.core.add_request(sample.request)
+            self.on_work(target)
+            moved += 1
+        return moved
 
     def holds_sequences(self, worker: WorkerRecord) -> bool:
         """Anything still queued, running, reserved or being sent on this worker."""
@@ -131,8 +157,7 @@ class ClusterScheduler:
         self.on_work(worker)
 
     def _place(self, prompt: list[int]) -> WorkerRecord:
-        candidates = self.live(PREFILL) if self.pd_ready else self.live(BOTH)
-        return min(candidates, key=lambda w: (_cached_blocks(w, prompt) * -1, w.load()))
+        return _best_placed(self.live(PREFILL) if self.pd_ready else self.live(BOTH), prompt)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams,
                       worker: WorkerRecord) -> None:
@@ -275,6 +300,11 @@ def _depends_on(sample: SampleRecord, worker: WorkerRecord) -> bool:
     if sample.decode_worker is worker:
         return True
     return sample.worker is worker and sample.phase is not Phase.DECODE
+
+
+def _best_placed(candidates: list[WorkerRecord], prompt: list[int]) -> WorkerRecord:
+    """Longest cached prefix first, then the least loaded."""
+    return min(candidates, key=lambda w: (-_cached_blocks(w, prompt), w.load()))
 
 
 def _cached_blocks(worker: WorkerRecord, prompt: list[int]) -> int:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from services.common.flags import add_flag, flag_env_names
-from services.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack
+from services.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
 from services.stack.ports import busy_ports
 from services.stack.supervisor import Supervisor, say
 
@@ -22,9 +22,17 @@ STATE_FILE_NAME = "stack.json"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--topology", choices=TOPOLOGIES, default="pd",
              help="pd: prefill + decode workers; colocated: --role both workers")
-    add_flag(parser, "--num-prefill-workers", type=int, default=1, help="pd topology")
-    add_flag(parser, "--num-decode-workers", type=int, default=1, help="pd topology")
-    add_flag(parser, "--num-workers", type=int, default=1, help="colocated topology")
+    add_flag(parser, "--prefill-workers", "--num-prefill-workers", type=int, default=1,
+             help="prefill workers per group (pd topology)")
+    add_flag(parser, "--decode-workers", "--num-decode-workers", type=int, default=1,
+             help="decode workers per group (pd topology)")
+    add_flag(parser, "--num-workers", type=int, default=1,
+             help="--role both workers per group (colocated topology)")
+    add_flag(parser, "--groups", type=int, default=1,
+             help="scheduler groups (data parallel), each with its own scheduler and workers")
+    add_flag(parser, "--gateways", type=int, default=1,
+             help="gateway replicas; gateway i serves REST on --port + i, gRPC on --grpc-port + i")
+    add_flag(parser, "--tokenizers", type=int, default=1, help="tokenizer replicas")
     add_flag(parser, "--host", default="127.0.0.1", help="interface every service binds")
     add_flag(parser, "--port", type=int, default=8000, help="the gateway's OpenAI REST port")
     add_flag(parser, "--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
@@ -70,14 +78,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    counts = (args.num_prefill_workers, args.num_decode_workers, args.num_workers)
+    counts = (args.prefill_workers, args.decode_workers, args.num_workers, args.groups,
+              args.gateways, args.tokenizers)
     if min(counts) < 1:
-        return "worker counts must be >= 1"
+        return "worker, group, gateway and tokenizer counts must be >= 1"
     internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))
-    if args.port in internal or args.grpc_port in internal or args.port == args.grpc_port:
-        return (f"--port {args.port} and --grpc-port {args.grpc_port} must differ and lie "
-                f"outside the internal ports {internal[0]}-{internal[-1]} (--base-port)")
-    busy = busy_ports(args.host, [args.port, args.grpc_port, *internal])
+    public = public_ports(args)
+    if len(set(public)) < len(public) or set(public) & set(internal):
+        return (f"the gateways' ports (--port {args.port}, --grpc-port {args.grpc_port}, "
+                f"{args.gateways} of each) must differ and lie outside the internal ports "
+                f"{internal[0]}-{internal[-1]} (--base-port)")
+    busy = busy_ports(args.host, [*public, *internal])
     if busy:
         return f"port(s) already in use on {args.host}: {', '.join(map(str, busy))}"
     return None

@@ -1,8 +1,10 @@
 """The stack's shape: which services run, on which ports, with which command lines.
 
 Pure data and arithmetic, no processes, so `kvrelay up`'s topology is easy to read and test.
-Internal gRPC ports come first in one block from `--base-port` (tokenizer, scheduler, workers),
-their metrics ports right after; the gateway takes the public `--port` (REST) and `--grpc-port`.
+Internal gRPC ports come first in one block from `--base-port` (tokenizers, schedulers, workers),
+their metrics ports right after; gateway i takes the public `--port` + i (REST) and
+`--grpc-port` + i. With `--groups G` each scheduler group has its own scheduler and workers
+(`g<k>-` before their names) and every gateway sends requests to all groups.
 """
 from __future__ import annotations
 
@@ -37,11 +39,29 @@ def connect_host(host: str) -> str:
 
 
 def worker_roles(args: Namespace) -> list[tuple[str, str]]:
-    """[(name, role)] of the workers the topology runs."""
+    """[(name, role)] of one group's workers."""
     if args.topology == "colocated":
         return [(f"worker-{i}", "both") for i in range(args.num_workers)]
-    return ([(f"prefill-{i}", "prefill") for i in range(args.num_prefill_workers)]
-            + [(f"decode-{i}", "decode") for i in range(args.num_decode_workers)])
+    return ([(f"prefill-{i}", "prefill") for i in range(args.prefill_workers)]
+            + [(f"decode-{i}", "decode") for i in range(args.decode_workers)])
+
+
+def _numbered(kind: str, index: int, count: int) -> str:
+    """`kind` alone when there is one of it (the names a single-group stack always had)."""
+    return kind if count == 1 else f"{kind}-{index}"
+
+
+def group_prefix(group: int, num_groups: int) -> str:
+    return "" if num_groups == 1 else f"g{group}-"
+
+
+def internal_names(args: Namespace) -> list[str]:
+    """Every service with a port in the internal block, in port order."""
+    names = [_numbered("tokenizer", i, args.tokenizers) for i in range(args.tokenizers)]
+    names += [_numbered("scheduler", g, args.groups) for g in range(args.groups)]
+    for group in range(args.groups):
+        names += [group_prefix(group, args.groups) + name for name, _ in worker_roles(args)]
+    return names
 
 
 def threads_per_worker(args: Namespace, num_workers: int) -> int:
@@ -65,14 +85,20 @@ def usable_cpus() -> int:
 
 def num_internal_ports(args: Namespace) -> int:
     """How many consecutive ports from --base-port the stack uses (gRPC + metrics)."""
-    return 2 * (2 + len(worker_roles(args)))
+    return 2 * len(internal_names(args))
+
+
+def public_ports(args: Namespace) -> list[int]:
+    """Each gateway's REST port, then each one's gRPC port."""
+    return ([args.port + i for i in range(args.gateways)]
+            + [args.grpc_port + i for i in range(args.gateways)])
 
 
 def plan_stack(args: Namespace) -> list[ServiceSpec]:
-    """Every service of the stack, in start order (the gateway last)."""
+    """Every service of the stack, in start order (the gateways last)."""
     host, dial = args.host, connect_host(args.host)
     roles = worker_roles(args)
-    names = ["tokenizer", "scheduler", *(name for name, _ in roles)]
+    names = internal_names(args)
     grpc_ports = {name: args.base_port + i for i, name in enumerate(names)}
     metrics_ports = {name: args.base_port + len(names) + i for i, name in enumerate(names)}
     common = ["--host", host, "--log-level", args.log_level]
@@ -86,42 +112,49 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
                            address=f"{dial}:{grpc_ports[name]}",
                            metrics_url=f"http://{dial}:{metrics_ports[name]}/metrics", **kwargs)
 
-    tokenizer_address = f"{dial}:{grpc_ports['tokenizer']}"
-    scheduler_address = f"{dial}:{grpc_ports['scheduler']}"
     one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    services = [
-        spec("tokenizer", "tokenizer",
-             internal("tokenizer") + _optional(args, "--model"), env=dict(one_thread)),
-        spec("scheduler", "scheduler",
-             internal("scheduler") + _scheduler_flags(args), env=dict(one_thread)),
-    ]
-    num_threads = threads_per_worker(args, len(roles))
-    for name, role in roles:
-        argv = internal(name) + [
-            "--role", role, "--worker-id", name,
-            "--advertise-address", f"{dial}:{grpc_ports[name]}",
-            "--scheduler-address", scheduler_address,
-            "--num-threads", str(num_threads),
-            *_optional(args, "--model", "--dtype", "--kv-cache-memory", "--num-kv-blocks")]
-        # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
-        # fresh machine the GGUF is converted once rather than by every process at once.
-        services.append(spec(name, "worker", argv, role=role,
-                             depends_on=("tokenizer", "scheduler"),
-                             env={"OMP_NUM_THREADS": str(num_threads)}))
-    services.append(_gateway(args, dial, tokenizer_address, scheduler_address, one_thread))
+    tokenizers = [_numbered("tokenizer", i, args.tokenizers) for i in range(args.tokenizers)]
+    schedulers = [_numbered("scheduler", g, args.groups) for g in range(args.groups)]
+    services = [spec(name, "tokenizer", internal(name) + _optional(args, "--model"),
+                     env=dict(one_thread)) for name in tokenizers]
+    services += [spec(name, "scheduler", internal(name) + _scheduler_flags(args),
+                      env=dict(one_thread)) for name in schedulers]
+    num_threads = threads_per_worker(args, len(roles) * args.groups)
+    for group, scheduler in enumerate(schedulers):
+        for base_name, role in roles:
+            name = group_prefix(group, args.groups) + base_name
+            argv = internal(name) + [
+                "--role", role, "--worker-id", name,
+                "--advertise-address", f"{dial}:{grpc_ports[name]}",
+                "--scheduler-address", f"{dial}:{grpc_ports[scheduler]}",
+                "--num-threads", str(num_threads),
+                *_optional(args, "--model", "--dtype", "--kv-cache-memory", "--num-kv-blocks")]
+            # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
+            # fresh machine the GGUF is converted once rather than by every process at once.
+            services.append(spec(name, "worker", argv, role=role,
+                                 depends_on=(tokenizers[0], scheduler),
+                                 env={"OMP_NUM_THREADS": str(num_threads)}))
+    scheduler_addresses = ",".join(f"{dial}:{grpc_ports[name]}" for name in schedulers)
+    for index in range(args.gateways):
+        tokenizer = tokenizers[index % len(tokenizers)]  # gateways spread over the tokenizers
+        services.append(_gateway(args, index, dial, f"{dial}:{grpc_ports[tokenizer]}",
+                                 scheduler_addresses, (tokenizer, *schedulers), one_thread))
     return services
 
 
-def _gateway(args: Namespace, dial: str, tokenizer_address: str, scheduler_address: str,
+def _gateway(args: Namespace, index: int, dial: str, tokenizer_address: str,
+             scheduler_addresses: str, depends_on: tuple[str, ...],
              env: dict[str, str]) -> ServiceSpec:
+    rest_port, grpc_port = args.port + index, args.grpc_port + index
     argv = ["--host", args.host, "--log-level", args.log_level,
-            "--port", str(args.port), "--grpc-port", str(args.grpc_port),
-            "--tokenizer-address", tokenizer_address, "--scheduler-address", scheduler_address,
+            "--port", str(rest_port), "--grpc-port", str(grpc_port),
+            "--tokenizer-address", tokenizer_address, "--scheduler-address", scheduler_addresses,
             *_optional(args, "--served-model-name", "--api-key")]
-    rest_url = f"http://{dial}:{args.port}"
-    return ServiceSpec(name="gateway", kind="gateway", argv=argv,
-                       address=f"{dial}:{args.grpc_port}", metrics_url=f"{rest_url}/metrics",
-                       depends_on=("tokenizer", "scheduler"), env=dict(env), rest_url=rest_url)
+    rest_url = f"http://{dial}:{rest_port}"
+    return ServiceSpec(name=_numbered("gateway", index, args.gateways), kind="gateway",
+                       argv=argv, address=f"{dial}:{grpc_port}",
+                       metrics_url=f"{rest_url}/metrics", depends_on=depends_on,
+                       env=dict(env), rest_url=rest_url)
 
 
 def _scheduler_flags(args: Namespace) -> list[str]:

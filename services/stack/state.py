@@ -13,7 +13,8 @@ from services.stack.child import Child
 
 
 def stack_state(status: str, topology: str, children: list[Child], ready: set[str]) -> dict:
-    gateway = next(child.spec for child in children if child.spec.kind == "gateway")
+    gateways = [child.spec for child in children if child.spec.kind == "gateway"]
+    gateway = gateways[0]
     return {
         "status": status,  # starting, ready, stopping, stopped, failed
         "pid": os.getpid(),
@@ -21,6 +22,7 @@ def stack_state(status: str, topology: str, children: list[Child], ready: set[st
         "rest_url": gateway.rest_url,
         "openai_base_url": f"{gateway.rest_url}/v1",
         "grpc_address": gateway.address,
+        "rest_urls": [spec.rest_url for spec in gateways],  # every gateway replica
         "services": {child.name: {
             "kind": child.spec.kind,
             "role": child.spec.role,

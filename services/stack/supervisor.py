@@ -123,21 +123,30 @@ class Supervisor:
 
     # ---- running -------------------------------------------------------------------------------
     def _watch(self) -> int:
-        """Wait for a signal (0) or a child's death (1)."""
+        """Wait for a signal (0) or a child's death (1). A worker that exits cleanly was drained
+        (SIGTERM) and left its group on purpose; the stack serves on without it."""
+        retired: set[str] = set()
         while not self.num_signals:
             for child in self.children:
-                if child.exit_code() is not None:
-                    self._report_death(child, "while serving; stopping the stack")
-                    return 1
+                code = child.exit_code()
+                if code is None or child.name in retired:
+                    continue
+                if code == 0 and child.spec.kind == "worker":
+                    retired.add(child.name)
+                    say(f"{child.name} drained and left its group")
+                    self._publish("ready")
+                    continue
+                self._report_death(child, "while serving; stopping the stack")
+                return 1
             time.sleep(POLL_S)
         say("stopping")
         return 0
 
     def _print_endpoints(self) -> None:
-        gateway = next(child.spec for child in self.children if child.spec.kind == "gateway")
+        gateways = [child.spec for child in self.children if child.spec.kind == "gateway"]
         lines = [f"kvrelay is up ({self.topology}, {time.monotonic() - self.started_at:.1f}s)",
-                 f"  OpenAI REST  {gateway.rest_url}/v1",
-                 f"  gRPC API     {gateway.address}",
+                 *(f"  OpenAI REST  {gateway.rest_url}/v1" for gateway in gateways),
+                 *(f"  gRPC API     {gateway.address}" for gateway in gateways),
                  f"  {'service':<11}{'pid':<9}{'gRPC':<22}metrics"]
         for child in self.children:
             lines.append(f"  {child.name:<11}{child.pid:<9}{child.spec.address:<22}"

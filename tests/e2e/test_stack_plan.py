@@ -79,3 +79,26 @@ def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
                                   ("--num-decode-workers", "0")])
 def test_conflicting_ports_and_empty_topologies_are_refused(argv):
     assert stack_main._check_args(parse(*argv)) is not None
+
+
+def test_groups_have_their_own_scheduler_and_workers_behind_every_gateway():
+    args = parse("--groups", "2", "--gateways", "2", "--prefill-workers", "2",
+                 "--decode-workers", "2", "--base-port", "41000", "--port", "8100")
+    specs = {s.name: s for s in plan_stack(args)}
+    schedulers = [specs["scheduler-0"], specs["scheduler-1"]]
+    for group, scheduler in enumerate(schedulers):
+        workers = [s for name, s in specs.items() if name.startswith(f"g{group}-")]
+        assert sorted(flag(w, "--role") for w in workers) == ["decode"] * 2 + ["prefill"] * 2
+        for worker in workers:
+            assert flag(worker, "--scheduler-address") == scheduler.address
+            assert scheduler.name in worker.depends_on
+    every_group = ",".join(s.address for s in schedulers)
+    for index in range(2):
+        gateway = specs[f"gateway-{index}"]
+        assert flag(gateway, "--scheduler-address") == every_group
+        assert flag(gateway, "--port") == str(8100 + index)
+        assert flag(gateway, "--grpc-port") == str(50050 + index)
+    internal = [s for s in specs.values() if s.kind != "gateway"]
+    ports = [int(flag(s, "--port")) for s in internal] + \
+            [int(flag(s, "--metrics-port")) for s in internal]
+    assert sorted(ports) == list(range(41000, 41000 + num_internal_ports(args)))

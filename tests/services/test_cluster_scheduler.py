@@ -355,7 +355,7 @@ class PDClusterMachine(RuleBasedStateMachine):
                            max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), n=n,
                            stop_token_ids=[STOP_ID] if stop else [])
 
-    @rule(index=st.integers(0, 1))
+    @rule(index=st.integers(0, 2))
     def start_step(self, index):
         worker = self.WORKERS[index % len(self.WORKERS)][0]
         if self.driver.worker(worker).alive and worker not in self.driver.steps:
@@ -385,7 +385,7 @@ class PDClusterMachine(RuleBasedStateMachine):
         target = request_id if whole else f"{request_id}/{data.draw(st.integers(0, n - 1))}"
         self.driver.abort(target)
 
-    @rule(index=st.integers(0, 1))
+    @rule(index=st.integers(0, 2))
     def kill_and_replace(self, index):
         worker_id, role, num_blocks = self.WORKERS[index % len(self.WORKERS)]
         self.driver.kill(worker_id)
@@ -407,8 +407,23 @@ class ColocatedClusterMachine(PDClusterMachine):
     WORKERS = (("c0", BOTH, 6),)
 
 
+class DrainingPDClusterMachine(PDClusterMachine):
+    """Two prefill workers, either of which may start draining at any moment: its queued
+    samples move to the other one, the rest finish where they are."""
+    WORKERS = (("p0", PREFILL, 8), ("p1", PREFILL, 8), ("d0", DECODE, 6))
+
+    @rule(index=st.integers(0, 1))
+    def drain_prefill_worker(self, index):
+        worker_id = self.WORKERS[index][0]
+        self.driver.cluster.heartbeat(worker_id, draining=True)
+        self.driver.flush()
+
+
 TestPDClusterMachine = PDClusterMachine.TestCase
 TestPDClusterMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestDrainingPDClusterMachine = DrainingPDClusterMachine.TestCase
+TestDrainingPDClusterMachine.settings = settings(max_examples=80, stateful_step_count=50,
+                                                 deadline=None)
 TestColocatedClusterMachine = ColocatedClusterMachine.TestCase
 TestColocatedClusterMachine.settings = settings(max_examples=80, stateful_step_count=40,
                                                 deadline=None)

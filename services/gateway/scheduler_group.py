@@ -1,0 +1,75 @@
+"""One scheduler group (a scheduler with its own workers) as one gateway sees it.
+
+Several groups behind the gateways give data parallelism: each request goes, whole, to the
+group with the least load. A group's load comes from its Stats (polled) plus what this gateway
+sent it since, so a burst that arrives between two polls still spreads over the groups."""
+from __future__ import annotations
+
+import grpc
+
+from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.grpc_server import channel
+from services.common.log import request_metadata
+from services.gateway.errors import from_rpc_error
+
+PROBE_TIMEOUT_S = 2.0
+CALL_TIMEOUT_S = 60.0  # a unary call that has not answered in this long will not
+
+
+class SchedulerGroup:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = channel(address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.stats: scheduler_pb2.StatsResponse | None = None
+        self.outputs_connected = False
+        self.submitted_since_stats = 0  # requests sent after the last Stats answer
+
+    @property
+    def ready(self) -> bool:
+        return self.outputs_connected and self.stats is not None and self.stats.ready
+
+    def load(self) -> tuple[float, float]:
+        """(sequences per worker, fraction of KV blocks in use): lower is freer."""
+        stats = self.stats
+        if stats is None:
+            return (float("inf"), 1.0)
+        num_sequences = stats.num_waiting + stats.num_running + self.submitted_since_stats
+        num_blocks = sum(w.num_blocks for w in stats.workers)
+        used_blocks = sum(w.num_blocks - w.num_free_blocks for w in stats.workers)
+        return (num_sequences / max(1, len(stats.workers)), used_blocks / max(1, num_blocks))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def submit(self, request: scheduler_pb2.SubmitRequest, request_id: str) -> None:
+        """`request_id`: the client's id, for the logs (a prompt of many may have its own)."""
+        self.submitted_since_stats += 1
+        try:
+            await self.stub.Submit(request, metadata=request_metadata(request_id),
+                                   timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
+
+    async def abort(self, ids: list[str]) -> list[str]:
+        reply = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=ids),
+                                      timeout=PROBE_TIMEOUT_S)
+        return list(reply.aborted)
+
+    async def refresh_stats(self) -> None:
+        submitted_before = self.submitted_since_stats  # these the answer will count
+        try:
+            self.stats = await self.stub.Stats(scheduler_pb2.StatsRequest(),
+                                               timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            self.stats = None
+        self.submitted_since_stats -= submitted_before
+
+    def outputs(self, gateway_id: str):
+        return self.stub.Outputs(scheduler_pb2.OutputsRequest(gateway_id=gateway_id),
+                                 wait_for_ready=True)
+
+
+def least_loaded(groups: list[SchedulerGroup]) -> SchedulerGroup | None:
+    ready = [group for group in groups if group.ready]
+    return min(ready, key=SchedulerGroup.load) if ready else None
