@@ -68,7 +68,8 @@ class ClusterScheduler:
         if draining and not worker.draining:
             worker.draining = True
             self.move_queued(worker)
-            self.on_work(worker)  # its step loop lets go once its sequences are done
+        if worker.draining:
+            self.on_work(worker)  # its step loop lets go once it holds nothing
         return True
 
     def move_queued(self, worker: WorkerRecord) -> int:
@@ -97,9 +98,10 @@ class ClusterScheduler:
         return moved
 
     def holds_sequences(self, worker: WorkerRecord) -> bool:
-        """Anything still queued, running, reserved or being sent on this worker."""
-        return any(sample.phase is not Phase.DONE and worker in (sample.worker,
-                                                                  sample.decode_worker)
+        """Anything still queued, running, reserved or being sent on this worker (a prefill
+        worker is done with a sample once its pages have landed)."""
+        return any((sample.phase is not Phase.DONE and _depends_on(sample, worker))
+                   or (sample.send_in_flight and sample.worker is worker)
                    for sample in self.samples.values())
 
     def retire(self, worker: WorkerRecord) -> None:
@@ -303,8 +305,22 @@ def _depends_on(sample: SampleRecord, worker: WorkerRecord) -> bool:
 
 
 def _best_placed(candidates: list[WorkerRecord], prompt: list[int]) -> WorkerRecord:
-    """Longest cached prefix first, then the least loaded."""
-    return min(candidates, key=lambda w: (-_cached_blocks(w, prompt), w.load()))
+    """The worker that would finish this prompt's prefill soonest: the fewest tokens to compute
+    there, counting its queue and this prompt less what its prefix cache already holds. Cache
+    affinity wins while queues are even; a backlog outweighs it, so a burst of prompts that
+    share a system prompt still spreads over the workers."""
+    def cost(worker: WorkerRecord) -> tuple:
+        cached_tokens = _cached_blocks(worker, prompt) * worker.info.block_size
+        return (_tokens_to_compute(worker) + len(prompt) - cached_tokens, worker.load())
+    return min(candidates, key=cost)
+
+
+def _tokens_to_compute(worker: WorkerRecord) -> int:
+    """Tokens the worker's queued and running requests still need computed (a decoding one
+    counts its next token)."""
+    return sum(request.num_tokens - request.num_computed_tokens
+               for request in worker.core.requests.values()
+               if request.status in (RequestStatus.WAITING, RequestStatus.RUNNING))
 
 
 def _cached_blocks(worker: WorkerRecord, prompt: list[int]) -> int:

@@ -81,15 +81,18 @@ def free_port_block(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports in {PORT_RANGE}")
 
 
-def start_stack(topology: str, log_dir: Path, *extra: str) -> RunningStack:
+def start_stack(topology: str, log_dir: Path, *extra: str, num_internal_ports: int = 0,
+                num_gateways: int = 1, num_kv_blocks: int = NUM_KV_BLOCKS) -> RunningStack:
+    """num_internal_ports: what the topology in `extra` needs (default: one group of one
+    tokenizer, one scheduler and the topology's default workers)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     num_workers = 2 if topology == "pd" else 1
-    num_internal = 2 * (2 + num_workers)
-    base = free_port_block(num_internal + 2)
+    num_internal = num_internal_ports or 2 * (2 + num_workers)
+    base = free_port_block(num_internal + 2 * num_gateways)
     command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
                "--base-port", str(base), "--port", str(base + num_internal),
-               "--grpc-port", str(base + num_internal + 1), "--dtype", "float32",
-               "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-dir", str(log_dir),
+               "--grpc-port", str(base + num_internal + num_gateways), "--dtype", "float32",
+               "--num-kv-blocks", str(num_kv_blocks), "--log-dir", str(log_dir),
                "--startup-timeout", str(STARTUP_TIMEOUT_S), *extra]
     # The stack's flags come from the command line only, never from the test's environment.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")
