@@ -153,10 +153,27 @@ def test_grafana_provisioning_points_at_the_mounts():
     assert sources["datasources"][0]["url"] == "http://prometheus:9090"
 
 
+def test_gpu_override():
+    """docker-compose.gpu.yml merged over the base (environment maps merge, the rest is
+    added): still valid, and each worker reserves a GPU and runs on CUDA."""
+    compose = load_compose()
+    override = yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text())
+    assert set(override["services"]) == {"prefill-worker", "decode-worker"}
+    for name, extra in override["services"].items():
+        service = compose["services"][name]
+        service["environment"] = {**service["environment"], **extra["environment"]}
+        service["deploy"] = extra["deploy"]
+        assert env(service)["KVRELAY_DEVICE"] == "cuda"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["count"] == 1
+    assert compose_problems(compose) == []
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
                     reason="docker-compose is not installed (Debian package docker-compose)")
 def test_docker_compose_config():
-    for profile in ([], ["--profile", "monitoring"]):
-        done = subprocess.run(["docker-compose", *profile, "config", "-q"], cwd=REPO,
+    gpu = ["-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml"]
+    for options in ([], ["--profile", "monitoring"], gpu):
+        done = subprocess.run(["docker-compose", *options, "config", "-q"], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
