@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     add_flag(parser, "--kv-transport", choices=["grpc", "shm"], default="grpc",
              help="how prefill workers push KV pages; shm applies to same-host pairs only")
+    add_flag(parser, "--shared-compute-steps", choices=["serialize", "overlap"],
+             default="serialize",
+             help="workers on the same hardware (same compute domain, e.g. a prefill and a decode "
+                  "worker on one machine's CPUs): run their steps one at a time, or let them "
+                  "overlap and contend")
     add_flag(parser, "--lease-ms", type=int, default=3000,
              help="a worker silent for this long is declared dead")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
@@ -52,7 +57,8 @@ async def serve(args: argparse.Namespace) -> None:
     cluster = ClusterScheduler(config, args.lease_ms / 1000, DeltaSink())
     cluster.kv_transport = args.kv_transport
     cluster.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or None
-    service = SchedulerService(cluster, args.lease_ms)
+    service = SchedulerService(cluster, args.lease_ms,
+                               args.shared_compute_steps == "serialize")
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)

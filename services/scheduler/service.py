@@ -16,10 +16,14 @@ log = get_logger(__name__)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, cluster: ClusterScheduler, lease_ms: int) -> None:
+    def __init__(self, cluster: ClusterScheduler, lease_ms: int,
+                 serialize_shared_compute: bool = True) -> None:
         self.cluster = cluster
         self.lease_ms = lease_ms
         self.links: dict[str, WorkerLink] = {}
+        self.serialize_shared_compute = serialize_shared_compute
+        # compute domain -> the lock its workers' steps take turns on
+        self.domain_locks: dict[str, asyncio.Lock] = {}
         cluster.on_work = self._wake
 
     def _wake(self, worker) -> None:
@@ -79,12 +83,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         old = self.links.pop(request.worker_id, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        link = WorkerLink(self.cluster, self.cluster.workers[request.worker_id])
+        link = WorkerLink(self.cluster, self.cluster.workers[request.worker_id],
+                          self._domain_lock(request.compute_domain))
         self.links[request.worker_id] = link
         link.start()
         log.info("worker registered", worker_id=request.worker_id, address=request.address,
                  role=scheduler_pb2.WorkerRole.Name(request.role), num_blocks=request.num_blocks)
         return scheduler_pb2.RegisterWorkerResponse(lease_ms=self.lease_ms)
+
+    def _domain_lock(self, domain: str) -> asyncio.Lock | None:
+        """Two workers computing on the same CPUs (or GPU) that step at once each get half of
+        it, and on CPUs their thread pools preempt each other at every parallel region; taking
+        turns gives each step the whole hardware."""
+        if not self.serialize_shared_compute or not domain:
+            return None
+        return self.domain_locks.setdefault(domain, asyncio.Lock())
 
     async def Heartbeat(self, request, context):
         known = self.cluster.heartbeat(request.worker_id, request.draining)

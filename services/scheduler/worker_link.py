@@ -4,6 +4,7 @@ results arrive on the same stream between steps."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -18,9 +19,13 @@ log = get_logger(__name__)
 
 
 class WorkerLink:
-    def __init__(self, cluster, worker: WorkerRecord) -> None:
+    def __init__(self, cluster, worker: WorkerRecord,
+                 compute_lock: asyncio.Lock | None = None) -> None:
         self.cluster = cluster
         self.worker = worker
+        # Held from planning a step to applying its result, shared by the workers of one
+        # compute domain (service.py); None: this worker steps whenever it has work.
+        self.compute_lock = compute_lock or contextlib.nullcontext()
         self.wakeup = asyncio.Event()
         self.wakeup.set()
         self.pending_result: asyncio.Future | None = None
@@ -58,23 +63,29 @@ class WorkerLink:
                 self.cluster.retire(self.worker)
                 await call.done_writing()
                 return
-            plan = plan_step(self.cluster, self.worker)
-            if plan is None:
-                self.cluster.sink.flush()
-                continue
-            self.pending_result = asyncio.get_running_loop().create_future()
-            await call.write(plan.message)
-            log.debug("step sent", worker_id=self.worker.worker_id,
-                      step_id=plan.message.step_id, num_scheduled=len(plan.message.scheduled))
-            result = await _first(self.pending_result, reader)
-            log.debug("step done", worker_id=self.worker.worker_id, step_id=result.step_id,
-                      num_sampled=len(result.sampled))
-            apply_result(self.cluster, self.worker, plan, result)
-            handoff.retry_awaiting(self.cluster)
-            self.cluster.sink.flush()
-            scheduler_metrics.after_step(self.cluster, self.worker, plan, len(result.sampled))
+            async with self.compute_lock:
+                await self._one_step(call, reader)
             if self.worker.has_work:
                 self.wakeup.set()
+
+    async def _one_step(self, call, reader: asyncio.Task) -> None:
+        if not self.worker.alive:  # died while waiting for its turn
+            return
+        plan = plan_step(self.cluster, self.worker)
+        if plan is None:
+            self.cluster.sink.flush()
+            return
+        self.pending_result = asyncio.get_running_loop().create_future()
+        await call.write(plan.message)
+        log.debug("step sent", worker_id=self.worker.worker_id,
+                  step_id=plan.message.step_id, num_scheduled=len(plan.message.scheduled))
+        result = await _first(self.pending_result, reader)
+        log.debug("step done", worker_id=self.worker.worker_id, step_id=result.step_id,
+                  num_sampled=len(result.sampled))
+        apply_result(self.cluster, self.worker, plan, result)
+        handoff.retry_awaiting(self.cluster)
+        self.cluster.sink.flush()
+        scheduler_metrics.after_step(self.cluster, self.worker, plan, len(result.sampled))
 
     async def _read(self, call) -> None:
         try:

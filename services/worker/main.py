@@ -86,7 +86,8 @@ async def serve(args: argparse.Namespace) -> None:
         num_blocks=runner.num_blocks, block_size=runner.block_size, model=loaded.model_name,
         dtype=str(runner.dtype).removeprefix("torch."), kv_transports=transports,
         host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,
-        vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids)))
+        vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
+        compute_domain=_compute_domain(runner.device)))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,
@@ -146,6 +147,17 @@ def _transports(names: list[str], runner) -> dict:
                        runner.head_dim)
         transports["shm"] = ShmKvTransport(block_shape, runner.dtype)
     return transports
+
+
+def _compute_domain(device) -> str:
+    """What this worker computes on, named so that two workers on the same hardware match: the
+    GPU's UUID, or this host's CPUs that the process may run on."""
+    if device.type == "cuda":
+        import torch
+        properties = torch.cuda.get_device_properties(device)
+        return f"{_host_id()}/cuda:{getattr(properties, 'uuid', device.index)}"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return f"{_host_id()}/cpus:{','.join(map(str, cpus))}"
 
 
 def _host_id() -> str:
