@@ -7,39 +7,57 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-from services.cli import COMMANDS, build_parser
-from services.common.flags import env_name, flag_env_names
+from services.cli import COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
 ENV_NAME = re.compile(r"^KVRELAY_[A-Z0-9_]+$")
 
 
-@functools.cache
-def service_parser(command: str):
-    """The argparse parser of one `kvrelay <command>`."""
+# Built in a child process: the services' modules register their Prometheus metrics in one
+# shared registry on import, and the gateway's and the scheduler's both define generation_tokens,
+# so importing every service here would break other tests in the same pytest process.
+_FLAGS_SCRIPT = """
+import json
+from services.cli import build_parser
+from services.common.flags import flag_env_names
+result = {}
+for command in ("gateway", "tokenizer", "scheduler", "worker"):
     parser = build_parser(only=command)
-    subparsers = next(action for action in parser._actions if action.choices)
-    return subparsers.choices[command]
+    service = next(action for action in parser._actions if action.choices).choices[command]
+    names = flag_env_names(service)
+    result[command] = {names[option]: action.default for action in service._actions
+                       for option in action.option_strings if option in names}
+print(json.dumps(result))
+"""
 
 
 @functools.cache
+def _flags() -> dict[str, dict[str, object]]:
+    """{subcommand: {KVRELAY_* variable: its flag's default}} from the real parsers."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVRELAY_")}
+    done = subprocess.run([sys.executable, "-c", _FLAGS_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the CLI parsers failed: {done.stderr}")
+    return json.loads(done.stdout)
+
+
 def flag_envs(command: str) -> frozenset[str]:
     """Every KVRELAY_* variable that sets a flag of `kvrelay <command>`."""
-    return frozenset(flag_env_names(service_parser(command)).values())
+    return frozenset(_flags()[command])
 
 
-@functools.cache
 def flag_default(command: str, env: str):
-    """The default of the flag that `env` sets (without any KVRELAY_* in this environment)."""
-    parser = service_parser(command)
-    for action in parser._actions:
-        if any(env_name(option) == env for option in action.option_strings):
-            return action.default
-    raise KeyError(env)
+    """The default of the flag that `env` sets (with no KVRELAY_* variable set)."""
+    return _flags()[command][env]
 
 
 @functools.cache
