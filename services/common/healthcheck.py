@@ -1,4 +1,4 @@
-"""A gRPC health probe for container healthchecks: `python -m services.common.healthcheck HOST:PORT`.
+"""A gRPC health probe for containers: `python -m services.common.healthcheck HOST:PORT`.
 
 Exits 0 when the server answers SERVING for the service (default "": the whole server) and 1
 otherwise (NOT_SERVING while a model loads or the service drains, refused, timed out). Docker

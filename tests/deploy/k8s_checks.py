@@ -203,39 +203,45 @@ def check_probes(docs: list[dict]) -> list[str]:
     return problems
 
 
+def _missing(docs: list[dict], namespace: str, kind: str, ref: dict,
+             key: str | None = None) -> str | None:
+    """Why a reference to a ConfigMap/Secret (and key) does not resolve, or None."""
+    if ref.get("optional"):
+        return None
+    found = _find(docs, kind, ref["name"], namespace)
+    if found is None:
+        return f"{kind} {ref['name']} is not defined"
+    if key is not None and key not in _data(found):
+        return f"{kind} {ref['name']} has no key {key}"
+    return None
+
+
 def check_config_refs(docs: list[dict]) -> list[str]:
     """Every ConfigMap/Secret (and key) that env, envFrom or a volume uses is defined."""
     problems = []
     for workload, template in pod_templates(docs):
-        namespace = _ns(workload)
-        where = f"{_name(workload)}"
-
-        def need(kind: str, ref: dict, key: str | None = None) -> None:
-            found = _find(docs, kind, ref["name"], namespace)
-            if ref.get("optional"):
-                return
-            if found is None:
-                problems.append(f"{where}: {kind} {ref['name']} is not defined")
-            elif key is not None and key not in _data(found):
-                problems.append(f"{where}: {kind} {ref['name']} has no key {key}")
-
+        refs = []  # (kind, reference, key or None)
         for container in containers(template):
             for source in container.get("envFrom", []):
                 if "configMapRef" in source:
-                    need("ConfigMap", source["configMapRef"])
+                    refs.append(("ConfigMap", source["configMapRef"], None))
                 if "secretRef" in source:
-                    need("Secret", source["secretRef"])
+                    refs.append(("Secret", source["secretRef"], None))
             for item in container.get("env", []):
                 value_from = item.get("valueFrom", {})
-                if "configMapKeyRef" in value_from:
-                    need("ConfigMap", value_from["configMapKeyRef"], value_from["configMapKeyRef"]["key"])
-                if "secretKeyRef" in value_from:
-                    need("Secret", value_from["secretKeyRef"], value_from["secretKeyRef"]["key"])
+                for kind, field in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
+                    if field in value_from:
+                        refs.append((kind, value_from[field], value_from[field]["key"]))
         for volume in template["spec"].get("volumes", []):
             if "configMap" in volume:
-                need("ConfigMap", volume["configMap"])
+                refs.append(("ConfigMap", volume["configMap"], None))
             if "secret" in volume:
-                need("Secret", {"name": volume["secret"]["secretName"], **volume["secret"]})
+                refs.append(("Secret", {"name": volume["secret"]["secretName"],
+                                        **volume["secret"]}, None))
+        for kind, ref, key in refs:
+            problem = _missing(docs, _ns(workload), kind, ref, key)
+            if problem:
+                problems.append(f"{_name(workload)}: {problem}")
     return problems
 
 

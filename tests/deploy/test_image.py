@@ -191,15 +191,16 @@ def dockerignore() -> list[str]:
 
 def test_context_has_what_the_image_installs_and_nothing_else():
     patterns = dockerignore()
-    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
-    context = {path for path in tracked if not ignored(path, patterns)}
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    context = {path for path in files if not ignored(path, patterns)}
     for needed in ("pyproject.toml", "README.md", "services/cli.py", "services/api/__init__.py",
                    "kernels/csrc/paged_decode.cpp", "services/common/healthcheck.py",
                    "services/engine/model_loader.py", "deploy/docker-entrypoint.sh"):
         assert needed in context, needed
     for path in context:
-        assert not path.startswith(("tests/", "benchmarks/", "k8s/", "deploy/grafana", ".ci/")), path
+        assert not path.startswith(("tests/", "benchmarks/", "k8s/", "deploy/grafana",
+                                    ".ci/")), path
     assert ignored(".venv/lib/python3.11/site.py", patterns)
     assert ignored("services/__pycache__/cli.cpython-311.pyc", patterns)
     # Every COPY source is in the context.

@@ -117,7 +117,7 @@ def test_components(name):
 def test_pods_probe_drain_and_settings(name):
     docs = rendered(name)
     drain_s = cli_facts.flag_default("worker", "KVRELAY_DRAIN_TIMEOUT")
-    for workload, template in pod_templates(docs):
+    for _, template in pod_templates(docs):
         component = template["metadata"]["labels"][COMPONENT]
         spec = template["spec"]
         if component != "tokenizer":  # the others drain in-flight work on SIGTERM
