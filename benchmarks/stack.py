@@ -2,6 +2,9 @@
 
     python benchmarks/stack.py [--topologies pd,colocated] [--dtype auto] [--threads-per-worker 2]
 
+A topology may carry environment variables for its stack's services after `@`, to compare
+variants in one run: `--topologies pd,pd@KVRELAY_SHARED_COMPUTE_STEPS=overlap@OMP_WAIT_POLICY=PASSIVE`.
+
 Each stack is started with `kvrelay up`, warmed up with one untimed pass of chat-64 drawn with
 another seed (the offline engine too), then sent the 64 chat requests at once as
 streaming OpenAI requests (greedy, max_tokens 128, ignore_eos). Reports output tokens/s, TTFT
@@ -50,30 +53,39 @@ class StackResult:
         return self.output_tokens / self.wall_s
 
 
-def start_stack(topology: str, args, workdir: Path, port: int) -> tuple[subprocess.Popen, dict]:
-    state_file = workdir / f"{topology}.json"
+def parse_variant(variant: str) -> tuple[str, dict[str, str]]:
+    """"pd@NAME=value@..." -> ("pd", {NAME: value, ...})."""
+    topology, *assignments = variant.split("@")
+    return topology, dict(assignment.split("=", 1) for assignment in assignments)
+
+
+def start_stack(variant: str, args, workdir: Path, port: int) -> tuple[subprocess.Popen, dict]:
+    topology, env_overrides = parse_variant(variant)
+    name = f"{topology}-{port}"
+    state_file = workdir / f"{name}.json"
     command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
                "--port", str(port), "--grpc-port", str(port + 1), "--base-port", str(port + 2),
-               "--log-dir", str(workdir / topology), "--state-file", str(state_file)]
+               "--log-dir", str(workdir / name), "--state-file", str(state_file)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads_per_worker:
         command += ["--threads-per-worker", str(args.threads_per_worker)]
     if args.kv_transport:
         command += ["--kv-transport", args.kv_transport]
-    stack = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    stack = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                             env={**os.environ, **env_overrides})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if stack.poll() is not None:
-            raise SystemExit(f"kvrelay up ({topology}) exited with {stack.returncode}; "
-                             f"logs in {workdir / topology}")
+            raise SystemExit(f"kvrelay up ({variant}) exited with {stack.returncode}; "
+                             f"logs in {workdir / name}")
         if state_file.exists():
             state = json.loads(state_file.read_text())
             if state["status"] == "ready":
                 return stack, state
         time.sleep(1)
     stack.terminate()
-    raise SystemExit(f"kvrelay up ({topology}) not ready after 600 s")
+    raise SystemExit(f"kvrelay up ({variant}) not ready after 600 s")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -131,7 +143,7 @@ def run_stack(topology: str, args, workdir: Path, port: int, conversations) -> S
     tokens = record["tokens"]
     per_token = {name: round(seconds / tokens * 1e6, 1) for name, seconds in cpu.items()}
     per_token["total"] = round(sum(cpu.values()) / tokens * 1e6, 1)
-    return StackResult(f"kvrelay {topology} stack", tokens, wall, _pct(record["ttft"], 0.5),
+    return StackResult(f"kvrelay {topology.replace('@', ' ')} stack", tokens, wall, _pct(record["ttft"], 0.5),
                        _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
                        _ms(_pct(record["gaps"], 0.9)), per_token)
 
