@@ -1,4 +1,5 @@
-"""The `kvrelay` command: one subcommand per service, plus `up` for the whole local stack.
+"""The `kvrelay` command: one subcommand per service, `up` for the whole local stack, and
+`bench` for the benchmarks.
 
 Each service package has a `main` module with `add_arguments(parser)` and `run(args) -> int`;
 every flag is also read from `KVRELAY_<FLAG>` (see services/common/flags.py).
@@ -16,6 +17,7 @@ COMMANDS = {
     "scheduler": ("services.scheduler.main", "the engine core: queues, KV blocks, PD handoff"),
     "worker": ("services.worker.main", "a model worker: --role prefill|decode|both"),
     "up": ("services.stack.main", "run all five services locally as child processes"),
+    "bench": ("services.bench.main", "benchmarks: serve (any OpenAI server), latency, throughput"),
 }
 
 

@@ -1,0 +1,35 @@
+"""Flags shared by the in-process benchmarks, and the engine they build."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--num-threads", type=int, default=None, help="default: all cores")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="per-step token budget (default: the offline LLM's)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+
+
+def make_llm(args):
+    from services.engine import LLM
+    engine_args = {"num_threads": args.num_threads,
+                   "enable_prefix_caching": args.prefix_caching}
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, name) is not None:
+            engine_args[name] = getattr(args, name)
+    return LLM(model=args.model, dtype=args.dtype, **engine_args)
+
+
+def engine_description(llm) -> dict:
+    import torch
+    engine = llm.engine
+    return {"model_dir": str(engine.model_dir),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "max_num_seqs": engine.config.max_num_seqs,
+            "prefix_caching": engine.config.enable_prefix_caching}
