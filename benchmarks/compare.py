@@ -1,0 +1,217 @@
+"""The side-by-side comparison in one command: kvrelay PD, kvrelay colocated and each peer, one
+after another, on the same workloads, then BENCHMARKS.md's marked section is rewritten.
+
+    .venv/bin/python -m benchmarks.compare                     # everything (~40 min on 2 cores)
+    .venv/bin/python -m benchmarks.compare --systems kvrelay-pd,llama-server --workloads chat-64
+    .venv/bin/python -m benchmarks.compare --max-requests 4 --max-tokens 8 --no-update  # a look
+
+Each server is started on free local ports (`kvrelay up`; llama-server and `transformers serve`
+from their own venvs, installed on first use by benchmarks/peers/), warmed up, measured with
+`kvrelay bench serve` on every workload, and stopped before the next starts, so no two systems
+share the cores. HF static batching has no server: it runs chat-64 in the transformers venv.
+A system that fails to start or to run is recorded with its error, and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import compare_report  # noqa: E402
+from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server  # noqa: E402
+from benchmarks.peers.common import Server, log_tail, stop  # noqa: E402
+
+SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "llama-server", "transformers-serve")
+ALL_SYSTEMS = SERVER_SYSTEMS + ("hf-static",)
+WORKLOADS = ("chat-64", "poisson", "shared-prefix", "long+short")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--rates", default="0.5,1,2,4", help="the poisson sweep, requests/s")
+    parser.add_argument("--long-short-rate", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="kvrelay and HF transformers (llama-server runs the GGUF as is)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-parallel", type=int, default=16)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=64,
+                        help="untimed requests to each server first")
+    parser.add_argument("--max-requests", type=int, default=None, help="per run (a quick look)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="override 128")
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
+    parser.add_argument("--slo-ttft", type=float, default=2.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.1)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--home", default=None, help="where peers are installed "
+                        "(default ~/.cache/kvrelay-peers or KVRELAY_PEERS_HOME)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default bench-results/compare-<date>")
+    parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
+    parser.add_argument("--no-update", action="store_true", help="leave BENCHMARKS.md alone")
+    args = parser.parse_args(argv)
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.systems) - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown system or workload: {', '.join(sorted(unknown))}")
+    args.out = args.out or REPO / "bench-results" / time.strftime("compare-%Y%m%d-%H%M%S")
+    return args
+
+
+def free_port_block(size: int = 40, start: int = 18400) -> int:
+    """The first port of `size` consecutive free ones (kvrelay up needs a block)."""
+    for first in range(start, 60000, size):
+        if all(_is_free(port) for port in range(first, first + size)):
+            return first
+    raise RuntimeError("no block of free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def launch(name: str, args, port: int, log_dir: Path) -> Server:
+    if name in ("kvrelay-pd", "kvrelay-colocated"):
+        return kvrelay_stack.launch(name.removeprefix("kvrelay-"), port, log_dir, args.dtype,
+                                    args.threads, args.startup_timeout)
+    if name == "llama-server":
+        return llama_server.launch(port, log_dir / "server.log", args.home,
+                                   args.llama_parallel, args.threads, args.startup_timeout)
+    return hf_transformers.launch_serve(port, log_dir / "server.log", args.home, args.dtype,
+                                        args.threads, args.startup_timeout)
+
+
+def bench_command(server: Server, workload: str, args, out: Path, warmup: int) -> list[str]:
+    command = [sys.executable, "-m", "services.cli", "bench", "serve",
+               "--base-url", server.base_url, "--backend", server.backend,
+               "--workload", workload, "--seed", str(args.seed), "--label", server.name,
+               "--time-limit", str(args.time_limit), "--slo-ttft", str(args.slo_ttft),
+               "--slo-tpot", str(args.slo_tpot), "--warmup", str(warmup), "--out", str(out)]
+    if workload == "poisson":
+        command += ["--rates", args.rates]
+    if workload == "long+short":
+        command += ["--rate", str(args.long_short_rate)]
+    for flag, value in (("--max-requests", args.max_requests),
+                        ("--max-tokens", args.max_tokens)):
+        if value:
+            command += [flag, str(value)]
+    return command
+
+
+def run_server_system(name: str, args, by_workload: dict, run_errors: list) -> dict:
+    log_dir = args.out / name
+    print(f"\n=== {name} ===", file=sys.stderr, flush=True)
+    try:
+        server = launch(name, args, free_port_block(), log_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure to start is recorded, not fatal
+        print(f"{name} did not start: {exc}", file=sys.stderr)
+        return {"name": name, "error": f"failed to start: {exc}"}
+    try:
+        for index, workload in enumerate(args.workloads):
+            # Warm up once per server (first workload): kernels for every batch shape, with
+            # prompts of another seed so no timed prompt sits in a prefix cache.
+            out = log_dir / workload
+            command = bench_command(server, workload, args, out,
+                                    args.warmup if index == 0 else 0)
+            done = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            result_path = out / "result.json"
+            if done.returncode == 0 and result_path.exists():
+                by_workload[workload].append((server.name, json.loads(result_path.read_text())))
+            else:
+                run_errors.append((server.name, workload,
+                                   f"bench serve exited {done.returncode}"))
+            if server.process.poll() is not None:
+                raise RuntimeError(f"the server died (exit {server.process.returncode})")
+    except Exception as exc:  # noqa: BLE001
+        run_errors.append((server.name, "-", f"{exc} {log_tail(log_dir / 'server.log', 3)}"))
+    finally:
+        stop(server.process, grace_s=60)
+    return {"name": server.name, "info": server.info, "command": server.command}
+
+
+def run_hf_static(args) -> tuple[dict, dict | None]:
+    print("\n=== hf-static ===", file=sys.stderr, flush=True)
+    out = args.out / "hf-static" / "result.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        python = hf_transformers.install(args.home)
+        command = hf_transformers.static_command(python, args.dtype, args.threads,
+                                                 args.hf_batch_size, out, args.max_requests,
+                                                 args.max_tokens or 128)
+        subprocess.run(command, check=True, timeout=args.time_limit * 4,
+                       env={**os.environ, **hf_transformers.offline_env(args.threads)})
+        result = json.loads(out.read_text())
+    except Exception as exc:  # noqa: BLE001
+        return {"name": "HF static batching", "error": f"failed: {exc}"}, None
+    system = {"name": result["system"], "command": command,
+              "info": {"version": result["versions"], "dtype": result["dtype"],
+                       "threads": result["threads"]}}
+    return system, result
+
+
+def _summaries(result: dict) -> list[dict]:
+    # Per-request timings stay in each run's own result.json.
+    return [{k: v for k, v in run.items() if k != "requests"} for run in result["runs"]]
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{os.cpu_count()} cores of {model}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    by_workload = {workload: [] for workload in args.workloads}
+    systems, static, run_errors = [], [], []
+    for name in args.systems:
+        if name == "hf-static":
+            if "chat-64" not in args.workloads:
+                continue
+            system, result = run_hf_static(args)
+            systems.append(system)
+            static += [result] if result else []
+        else:
+            systems.append(run_server_system(name, args, by_workload, run_errors))
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "seed": args.seed,
+            "command": shlex.join([".venv/bin/python", "-m", "benchmarks.compare"]
+                                  + (sys.argv[1:] if argv is None else list(argv))),
+            "warmup": args.warmup, "slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot,
+            "run_errors": run_errors}
+    body = compare_report.section(meta, systems, by_workload, static)
+    (args.out / "comparison.md").write_text(body)
+    (args.out / "comparison.json").write_text(json.dumps(
+        {"meta": meta, "systems": systems, "static": static,
+         "results": {w: [(s, _summaries(r)) for s, r in rs] for w, rs in by_workload.items()}},
+        indent=1, default=str))
+    print(body)
+    if not args.no_update:
+        document = args.benchmarks_md.read_text()
+        args.benchmarks_md.write_text(compare_report.refresh_section(document, body))
+        print(f"updated {args.benchmarks_md}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

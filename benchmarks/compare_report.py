@@ -1,0 +1,107 @@
+"""The side-by-side tables of benchmarks/compare.py, and the marked section of BENCHMARKS.md
+they replace (everything outside the markers stays as written by hand)."""
+from __future__ import annotations
+
+from services.bench.report import HEADER, RULE, summary_row
+
+BEGIN = "<!-- kvrelay-compare:begin (written by `python -m benchmarks.compare`) -->"
+END = "<!-- kvrelay-compare:end -->"
+SECTION_TITLE = "## Side by side with the peers"
+
+
+def refresh_section(document: str, body: str) -> str:
+    """Replace what lies between the markers with body; without markers, append a section."""
+    block = f"{BEGIN}\n{body.strip()}\n{END}"
+    if BEGIN in document and END in document:
+        head, rest = document.split(BEGIN, 1)
+        return head + block + rest.split(END, 1)[1]
+    return document.rstrip() + f"\n\n{SECTION_TITLE}\n\n{block}\n"
+
+
+def systems_table(systems: list[dict]) -> str:
+    lines = ["| system | version | dtype | threads | command | status |",
+             "|---|---|---|---|---|---|"]
+    for system in systems:
+        info = system.get("info", {})
+        command = " ".join(system.get("command", [])).replace("|", "\\|")
+        command = f"`{command}`" if command else "-"
+        status = system.get("error", "ok").splitlines()[0][:120] if system.get("error") else "ok"
+        lines.append(f"| {system['name']} | {info.get('version', '-')} | "
+                     f"{info.get('dtype', '-')} | {info.get('threads', '-')} | "
+                     f"{command} | {status} |")
+    return "\n".join(lines)
+
+
+def workload_table(results: list[tuple[str, dict]]) -> str:
+    """One row per system and run of one workload (per short/long subset where tagged)."""
+    lines = [HEADER, RULE]
+    for system, result in results:
+        for run in result["runs"]:
+            label = run["label"] if run["label"].startswith(system) else f"{system}: {run['label']}"
+            lines.append(summary_row(label, run["summary"]))
+            for tag, summary in sorted(run.get("by_tag", {}).items()):
+                lines.append(summary_row(f"{label}: {tag} requests", summary))
+    return "\n".join(lines)
+
+
+def static_row_table(static: list[dict]) -> str:
+    lines = ["| system | dtype | threads | requests | output tok/s | wall s |",
+             "|---|---|---|---|---|---|"]
+    for item in static:
+        lines.append(f"| {item['system']} | {item['dtype']} | {item['threads']} | "
+                     f"{item['requests']} | {item['output_tokens_per_s']:.1f} | "
+                     f"{item['wall_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def poisson_summary(results: list[tuple[str, dict]]) -> str:
+    lines = ["| system | highest rate with goodput >= 90% |", "|---|---|"]
+    for system, result in results:
+        best = (result.get("sweep") or {}).get("max_rate_goodput_90")
+        lines.append(f"| {system} | {'none' if best is None else f'{best:g} req/s'} |")
+    return "\n".join(lines)
+
+
+def long_short_summary(results: list[tuple[str, dict]]) -> str:
+    lines = ["| system | short ITL p99 without long, ms | with long, ms | ratio |",
+             "|---|---|---|---|"]
+    for system, result in results:
+        p99 = {run["phase"]: run["by_tag"].get("short", {}).get("itl_s", {}).get("p99")
+               for run in result["runs"]}
+        ratio = result.get("long_short_itl_p99_ratio")
+        lines.append(f"| {system} | {_ms(p99.get('without long'))} | "
+                     f"{_ms(p99.get('with long'))} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def section(meta: dict, systems: list[dict], by_workload: dict, static: list[dict]) -> str:
+    """The whole generated section: how it was run, the systems, one table per workload."""
+    parts = [f"Generated {meta['date']} on {meta['machine']} by:", "",
+             f"```bash\n{meta['command']}\n```", "",
+             "Every system ran in this one invocation, one after another, on the same workloads "
+             f"(seed {meta['seed']}; `kvrelay bench serve`, streaming chat completions; each "
+             f"server first got {meta['warmup']} untimed requests). SLOs for goodput: TTFT <= "
+             f"{meta['slo_ttft']} s, TPOT <= {meta['slo_tpot'] * 1e3:.0f} ms.", "",
+             "### Systems", "", systems_table(systems)]
+    for workload, results in by_workload.items():
+        parts += ["", f"### {workload}", ""]
+        if results:
+            parts.append(workload_table(results))
+        if workload == "chat-64" and static:
+            parts += ["", static_row_table(static)]
+        if workload == "poisson" and results:
+            parts += ["", poisson_summary(results)]
+        if workload == "long+short" and results:
+            parts += ["", long_short_summary(results)]
+        if not results and not (workload == "chat-64" and static):
+            parts.append("No system completed this workload.")
+    failures = [f"- {s['name']}: {s['error']}" for s in systems if s.get("error")]
+    failures += [f"- {name} on {w}: {err}" for name, w, err in meta.get("run_errors", [])]
+    if failures:
+        parts += ["", "### Failures", ""] + [line.splitlines()[0] for line in failures]
+    return "\n".join(parts) + "\n"
