@@ -2,7 +2,7 @@
 they replace (everything outside the markers stays as written by hand)."""
 from __future__ import annotations
 
-from services.bench.report import HEADER, RULE, summary_row
+from services.bench.report import HEADER, RULE, summary_row, tagged_subsets
 
 BEGIN = "<!-- kvrelay-compare:begin (written by `python -m benchmarks.compare`) -->"
 END = "<!-- kvrelay-compare:end -->"
@@ -39,7 +39,7 @@ def workload_table(results: list[tuple[str, dict]]) -> str:
         for run in result["runs"]:
             label = run["label"] if run["label"].startswith(system) else f"{system}: {run['label']}"
             lines.append(summary_row(label, run["summary"]))
-            for tag, summary in sorted(run.get("by_tag", {}).items()):
+            for tag, summary in tagged_subsets(run):
                 lines.append(summary_row(f"{label}: {tag} requests", summary))
     return "\n".join(lines)
 

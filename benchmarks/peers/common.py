@@ -44,12 +44,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_serving(process: subprocess.Popen, url: str, timeout_s: float) -> None:
+def wait_until_serving(process: subprocess.Popen, url: str, timeout_s: float,
+                       log_path: Path | None = None) -> None:
     """Poll url until it answers 200; raise if the process exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode} before serving")
+            last = log_tail(log_path, 1) if log_path else ""
+            raise RuntimeError(f"exited with {process.returncode} before serving"
+                               + (f": {last} (log: {log_path})" if log_path else ""))
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:

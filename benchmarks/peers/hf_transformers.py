@@ -13,6 +13,7 @@ with `--backend transformers` (min_new_tokens in its generation_config instead o
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ from benchmarks.peers.common import (Server, ensure_venv, peers_home, run, start
                                      wait_until_serving)
 
 TORCH = "torch==2.13.0"
+# The model types kvrelay serves, and their transformers class.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
 TRANSFORMERS = "5.24.0"  # the version the project's own numbers were measured against
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,6 +48,24 @@ def model_dir() -> Path:
     return resolve_model_dir(None)
 
 
+def serve_model_dir(home: str | Path | None = None) -> Path:
+    """The converted weights as `transformers serve` wants them: its loader picks the class
+    from config.json's "architectures", which a config rebuilt from GGUF metadata lacks. The
+    weights and tokenizer are linked, not copied; only config.json gets the field."""
+    source = model_dir()
+    target = peers_home(home) / "serve-model" / source.name
+    if (target / "config.json").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.name != "config.json" and not (target / path.name).exists():
+            (target / path.name).symlink_to(path)
+    config = json.loads((source / "config.json").read_text())
+    config.setdefault("architectures", [ARCHITECTURES[config["model_type"]]])
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
 def versions(python: Path) -> str:
     out = subprocess.run([str(python), "-c", "import torch, transformers; "
                           "print(f'transformers {transformers.__version__}, torch "
@@ -57,8 +79,8 @@ def offline_env(threads: int) -> dict:
             "OMP_NUM_THREADS": str(threads)}
 
 
-def serve_command(python: Path, port: int, dtype: str) -> list[str]:
-    return [str(python.parent / "transformers"), "serve", str(model_dir()),
+def serve_command(python: Path, port: int, dtype: str, home=None) -> list[str]:
+    return [str(python.parent / "transformers"), "serve", str(serve_model_dir(home)),
             "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--device", "cpu", "--log-level", "warning"]
 
@@ -66,13 +88,13 @@ def serve_command(python: Path, port: int, dtype: str) -> list[str]:
 def launch_serve(port: int, log_path: Path, home=None, dtype: str = "bfloat16",
                  threads: int = 2, timeout_s: float = 600) -> Server:
     python = install(home)
-    command = serve_command(python, port, dtype)
+    command = serve_command(python, port, dtype, home)
     process = start_process(command, log_path, offline_env(threads))
     server = Server("transformers serve --continuous-batching", process,
                     f"http://127.0.0.1:{port}", "transformers", command,
                     {"version": versions(python), "dtype": dtype, "threads": threads})
     # The model loads at start (it is forced); /v1/models answers once the app is up.
-    wait_until_serving(process, f"{server.base_url}/v1/models", timeout_s)
+    wait_until_serving(process, f"{server.base_url}/v1/models", timeout_s, log_path)
     return server
 
 
@@ -97,7 +119,7 @@ def main() -> None:
     if args.action == "install":
         print(python, versions(python))
         return
-    command = serve_command(python, args.port, args.dtype)
+    command = serve_command(python, args.port, args.dtype, args.home)
     sys.exit(subprocess.call(command, env={**os.environ, **offline_env(args.threads)}))
 
 

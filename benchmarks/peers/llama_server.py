@@ -56,10 +56,15 @@ def _unpacked_source(folder: Path, version: str) -> Path:
 
 
 def command(binary: Path, port: int, gguf: Path | None = None, parallel: int = 16,
-            threads: int = 2) -> list[str]:
-    return [str(binary), "-m", str(gguf or default_gguf()), "--host", "127.0.0.1",
+            threads: int = 2, repack: bool = False) -> list[str]:
+    line = [str(binary), "-m", str(gguf or default_gguf()), "--host", "127.0.0.1",
             "--port", str(port), "--parallel", str(parallel), "-t", str(threads),
             "-tb", str(threads), "-c", str(CONTEXT_PER_SLOT * parallel), "--no-webui"]
+    # Without --no-repack a native build on an AMX CPU moves Q4_1 weights into ggml's AMX
+    # buffer, whose kernel dies with SIGILL here (a tile instruction before any tile config on
+    # its thread; AMX itself works on this machine). ggml has no repacked Q4_1 layout other
+    # than AMX's, so --no-repack leaves Q4_1 on the AVX-512 kernels a non-AMX build runs.
+    return line if repack else line + ["--no-repack"]
 
 
 def version_of(binary: Path) -> str:
@@ -70,15 +75,16 @@ def version_of(binary: Path) -> str:
 
 
 def launch(port: int, log_path: Path, home=None, parallel: int = 16, threads: int = 2,
-           timeout_s: float = 600) -> Server:
+           timeout_s: float = 600, repack: bool = False) -> Server:
     binary = install(home)
-    command_line = command(binary, port, parallel=parallel, threads=threads)
+    command_line = command(binary, port, parallel=parallel, threads=threads, repack=repack)
     process = start_process(command_line, log_path)
     server = Server(f"llama.cpp llama-server ({parallel} slots)", process,
                     f"http://127.0.0.1:{port}", "openai", command_line,
                     {"version": version_of(binary), "dtype": "Q4_1 weights (GGUF as shipped)",
                      "threads": threads})
-    wait_until_serving(process, f"{server.base_url}/health", timeout_s)  # 503 while loading
+    # /health answers 503 while the model loads, 200 once it serves.
+    wait_until_serving(process, f"{server.base_url}/health", timeout_s, log_path)
     return server
 
 
@@ -91,13 +97,15 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--repack", action="store_true",
+                        help="allow weight repacking (ggml's AMX path: crashes on this machine)")
     args = parser.parse_args()
     binary = install(args.home, args.jobs)
     if args.action == "install":
         print(binary)
         return
     sys.exit(subprocess.call(command(binary, args.port, args.gguf, args.parallel,
-                                     args.threads)))
+                                     args.threads, args.repack)))
 
 
 if __name__ == "__main__":

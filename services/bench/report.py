@@ -26,12 +26,18 @@ def summary_row(label: str, s: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def tagged_subsets(run: dict) -> list[tuple[str, dict]]:
+    """The per-tag summaries worth a row: only where the run mixes tags (long+short)."""
+    by_tag = run.get("by_tag", {})
+    return sorted(by_tag.items()) if len(by_tag) > 1 else []
+
+
 def table(runs: list[dict]) -> str:
     """runs: dicts with "label", "summary" and optionally "by_tag" {tag: summary}."""
     lines = [HEADER, RULE]
     for run in runs:
         lines.append(summary_row(run["label"], run["summary"]))
-        for tag, summary in sorted(run.get("by_tag", {}).items()):
+        for tag, summary in tagged_subsets(run):
             lines.append(summary_row(f"{run['label']}: {tag} requests", summary))
     return "\n".join(lines)
 
