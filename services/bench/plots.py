@@ -53,12 +53,14 @@ def rate_sweep(points: list[tuple[float, dict]], path: Path) -> Path:
     right.set_title("goodput")
     right.set_xlabel("request rate (req/s)")
     right.set_ylabel("requests/s")
-    right.legend(fontsize=8)
     share = right.twinx()
     share.plot(rates, [(s["goodput_fraction"] or 0) * 100 for _, s in points], "x--",
-               color="gray")
+               color="gray", label="% within SLOs (right axis)")
     share.set_ylabel("% of requests within SLOs", color="gray")
-    share.set_ylim(0, 105)
+    share.set_ylim(0, 110)
+    handles, labels = right.get_legend_handles_labels()
+    more_handles, more_labels = share.get_legend_handles_labels()
+    share.legend(handles + more_handles, labels + more_labels, fontsize=8, loc="lower right")
     for axis in (left, right):
         axis.grid(alpha=0.3)
     return _save(figure, path)

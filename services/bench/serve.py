@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="override the workload's max_tokens (128)")
     parser.add_argument("--max-requests", type=int, default=None,
-                        help="send at most this many requests of the workload per run")
+                        help="send at most the first N requests (in arrival order) per run")
     parser.add_argument("--time-limit", type=float, default=600.0,
                         help="seconds per run; unfinished requests are then cancelled")
     parser.add_argument("--max-concurrency", type=int, default=None)

@@ -123,3 +123,12 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--workload",
                  "poisson", "--out", str(tmp_path)])
     assert code == 2 and "--rate" in capsys.readouterr().err
+
+
+def test_max_concurrency_holds_requests_back(tmp_path):
+    with FakeServer(FakeBehaviour(ttft=0.05, itl=0.01)) as server:
+        result = bench(server, tmp_path, "--max-requests", "3", "--max-tokens", "2",
+                       "--max-concurrency", "1")
+    requests = result["runs"][0]["requests"]
+    for earlier, later in zip(requests, requests[1:]):
+        assert later["sent_s"] >= earlier["sent_s"] + earlier["done_s"]
