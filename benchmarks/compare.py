@@ -1,9 +1,11 @@
 """The side-by-side comparison in one command: kvrelay PD, kvrelay colocated and each peer, one
 after another, on the same workloads, then BENCHMARKS.md's marked section is rewritten.
 
-    .venv/bin/python -m benchmarks.compare                     # everything (~40 min on 2 cores)
+    .venv/bin/python -m benchmarks.compare                     # everything (~50 min on 2 cores)
     .venv/bin/python -m benchmarks.compare --systems kvrelay-pd,llama-server --workloads chat-64
-    .venv/bin/python -m benchmarks.compare --max-requests 4 --max-tokens 8 --no-update  # a look
+    .venv/bin/python -m benchmarks.compare --max-requests 4 --max-tokens 8   # a quick look
+
+A partial run (--max-requests or --max-tokens) never touches BENCHMARKS.md.
 
 Each server is started on free local ports (`kvrelay up`; llama-server and `transformers serve`
 from their own venvs, installed on first use by benchmarks/peers/), warmed up, measured with
@@ -207,7 +209,10 @@ def main(argv=None) -> int:
          "results": {w: [(s, _summaries(r)) for s, r in rs] for w, rs in by_workload.items()}},
         indent=1, default=str))
     print(body)
-    if not args.no_update:
+    if args.max_requests or args.max_tokens:
+        print("a partial run (--max-requests / --max-tokens): BENCHMARKS.md left alone",
+              file=sys.stderr)
+    elif not args.no_update:
         document = args.benchmarks_md.read_text()
         args.benchmarks_md.write_text(compare_report.refresh_section(document, body))
         print(f"updated {args.benchmarks_md}", file=sys.stderr)

@@ -79,6 +79,17 @@ def _ms(seconds) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def _workload_blocks(workload: str, results: list, static: list[dict]) -> list[str]:
+    blocks = [workload_table(results)] if results else []
+    if workload == "chat-64" and static:
+        blocks.append(static_row_table(static))
+    if workload == "poisson" and results:
+        blocks.append(poisson_summary(results))
+    if workload == "long+short" and results:
+        blocks.append(long_short_summary(results))
+    return blocks
+
+
 def section(meta: dict, systems: list[dict], by_workload: dict, static: list[dict]) -> str:
     """The whole generated section: how it was run, the systems, one table per workload."""
     parts = [f"Generated {meta['date']} on {meta['machine']} by:", "",
@@ -90,16 +101,8 @@ def section(meta: dict, systems: list[dict], by_workload: dict, static: list[dic
              "### Systems", "", systems_table(systems)]
     for workload, results in by_workload.items():
         parts += ["", f"### {workload}", ""]
-        if results:
-            parts.append(workload_table(results))
-        if workload == "chat-64" and static:
-            parts += ["", static_row_table(static)]
-        if workload == "poisson" and results:
-            parts += ["", poisson_summary(results)]
-        if workload == "long+short" and results:
-            parts += ["", long_short_summary(results)]
-        if not results and not (workload == "chat-64" and static):
-            parts.append("No system completed this workload.")
+        blocks = _workload_blocks(workload, results, static)
+        parts.append("\n\n".join(blocks) or "No system completed this workload.")
     failures = [f"- {s['name']}: {s['error']}" for s in systems if s.get("error")]
     failures += [f"- {name} on {w}: {err}" for name, w, err in meta.get("run_errors", [])]
     if failures:
