@@ -17,7 +17,8 @@ def test_refresh_appends_a_section_once_then_replaces_only_it():
     edited = first + "\n## A later hand-written section\n"
     second = compare_report.refresh_section(edited, BODY_TWO)
     assert BODY_ONE.strip() not in second and BODY_TWO.strip() in second
-    assert second.count(compare_report.BEGIN) == 1 and second.count(compare_report.SECTION_TITLE) == 1
+    assert second.count(compare_report.BEGIN) == 1
+    assert second.count(compare_report.SECTION_TITLE) == 1
     assert second.endswith("## A later hand-written section\n")
     assert "Hand-written numbers." in second
 
