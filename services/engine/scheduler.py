@@ -87,9 +87,10 @@ class Scheduler:
         return bool(self.running) or bool(self.waiting)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """One step's work; `token_budget` overrides max_num_batched_tokens for this step."""
         output = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = token_budget or self.config.max_num_batched_tokens
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
         budget = self._schedule_running(output, budget)

@@ -37,6 +37,10 @@ class ClusterScheduler:
         self.transfers: dict[str, SampleRecord] = {}  # transfer id -> sample being sent
         self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
         self.kv_transport = "grpc"  # "shm": same-host pairs copy pages through shared memory
+        # Steps of workers in one compute domain run in turn (service.py); while a decode
+        # worker there has sequences running, a prefill step this big at most keeps its
+        # inter-token latency in check (None: no limit beyond the worker's own budget).
+        self.shared_prefill_max_num_batched_tokens: int | None = None
         self.on_work = lambda worker: None  # set by the service: wake that worker's step loop
         self.accepting = True  # False while draining
 
@@ -107,6 +111,19 @@ class ClusterScheduler:
     def retire(self, worker: WorkerRecord) -> None:
         """A drained worker leaves the group; it holds nothing any more."""
         worker.alive = False
+
+    def step_budget(self, worker: WorkerRecord) -> int | None:
+        """This step's token budget when it differs from the worker's own: a prefill worker
+        whose compute domain a decode worker with running sequences shares waits for no one
+        but makes them wait for it, so its steps stay small."""
+        limit = self.shared_prefill_max_num_batched_tokens
+        if not limit or worker.role != PREFILL or not worker.info.compute_domain:
+            return None
+        for other in self.workers.values():
+            if (other.alive and other.role != PREFILL and other.core.running
+                    and other.info.compute_domain == worker.info.compute_domain):
+                return min(limit, worker.core.config.max_num_batched_tokens)
+        return None
 
     def live(self, *roles: int) -> list[WorkerRecord]:
         return [w for w in self.workers.values()

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="workers on the same hardware (same compute domain, e.g. a prefill and a decode "
                   "worker on one machine's CPUs): run their steps one at a time, or let them "
                   "overlap and contend")
+    add_flag(parser, "--shared-prefill-max-num-batched-tokens", type=int, default=0,
+             help="with serialized shared-compute steps: a prefill worker's step budget while a "
+                  "decode worker on the same hardware has sequences running (0: no limit). "
+                  "Trades throughput and TTFT for the decodes' inter-token latency "
+                  "(BENCHMARKS.md)")
     add_flag(parser, "--lease-ms", type=int, default=3000,
              help="a worker silent for this long is declared dead")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
@@ -57,6 +62,9 @@ async def serve(args: argparse.Namespace) -> None:
     cluster = ClusterScheduler(config, args.lease_ms / 1000, DeltaSink())
     cluster.kv_transport = args.kv_transport
     cluster.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or None
+    if args.shared_compute_steps == "serialize":
+        cluster.shared_prefill_max_num_batched_tokens = (
+            args.shared_prefill_max_num_batched_tokens or None)
     service = SchedulerService(cluster, args.lease_ms,
                                args.shared_compute_steps == "serialize")
     server = ServiceServer(args.host, args.port,

@@ -27,12 +27,13 @@ STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
 
 
-def worker_info(worker_id: str, role: int, num_blocks: int,
-                max_model_len: int = 128) -> scheduler_pb2.RegisterWorkerRequest:
+def worker_info(worker_id: str, role: int, num_blocks: int, max_model_len: int = 128,
+                compute_domain: str = "") -> scheduler_pb2.RegisterWorkerRequest:
     return scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=role, address=f"{worker_id}.test:1", num_blocks=num_blocks,
         block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=["grpc"],
-        max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS])
+        max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS],
+        compute_domain=compute_domain)
 
 
 def prompt(length: int, first: int = 10) -> list[int]:

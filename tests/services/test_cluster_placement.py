@@ -53,3 +53,30 @@ def test_decode_reservations_go_to_the_worker_with_the_most_free_blocks():
     assert sorted(decode_workers) == ["d0", "d0", "d1", "d1"]
     driver.run()
     driver.assert_quiescent()
+
+
+def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_decodes():
+    domain = "host-a/cpus:0,1"
+    driver = ClusterDriver([worker_info("p0", PREFILL, 64, 1024, domain),
+                            worker_info("d0", DECODE, 64, 1024, domain),
+                            worker_info("p1", PREFILL, 64, 1024, "host-b/cpus:0,1")],
+                           max_num_batched_tokens=256)
+    driver.cluster.shared_prefill_max_num_batched_tokens = 32
+    p0, p1 = driver.worker("p0"), driver.worker("p1")
+    assert driver.cluster.step_budget(p0) is None  # the decode worker is idle: full steps
+    driver.submit("first", prompt(20), max_tokens=50)
+    assert _placed_on(driver, "first") == "p0"
+    driver.step("p0")
+    driver.deliver_sends()
+    driver.step("d0")
+    assert driver.worker("d0").core.running
+    assert driver.cluster.step_budget(p0) == 32
+    assert driver.cluster.step_budget(p1) is None  # other hardware: its own budget
+    driver.cluster.heartbeat("p1", draining=True)  # so the long prompt lands on p0
+    driver.submit("long", prompt(200, first=40), max_tokens=2)
+    assert _placed_on(driver, "long") == "p0"
+    driver.start_step("p0")
+    assert driver.steps["p0"].plan.output.num_batched_tokens <= 32
+    driver.run()
+    driver.check_deltas(ended=True)
+    driver.assert_quiescent()
