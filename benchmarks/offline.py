@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import chat64  # noqa: E402
+from benchmarks.peers.hf_static import generate_all  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 
 MAX_TOKENS = 128
@@ -115,15 +116,8 @@ def run_hf_static(conversations, model_dir, dtype: torch.dtype, batch_size: int)
     model, tokenizer = _hf_model(model_dir, dtype)
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
              for c in conversations]
-    output_tokens = 0
     start = time.perf_counter()
-    for offset in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[offset:offset + batch_size], return_tensors="pt", padding=True,
-                          add_special_tokens=False)
-        with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        output_tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    output_tokens = generate_all(model, tokenizer, texts, batch_size, MAX_TOKENS)
     wall = time.perf_counter() - start
     return Result(f"HF static batching (batch {batch_size}, left padding)",
                   str(dtype).removeprefix("torch."), torch.get_num_threads(), len(texts),
