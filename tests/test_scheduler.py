@@ -132,3 +132,21 @@ def test_abort_frees_blocks_in_every_state():
     assert not scheduler.has_unfinished
     assert scheduler.kv.num_free_blocks == 16
     assert all(r.finish_reason == "abort" for r in (running, chunking, waiting))
+
+
+
+def test_prefix_cache_stats_count_each_admission_once():
+    # Room for one request at a time: "late" is looked up at every step until "first" is done,
+    # but counted once, when it is admitted; its prompt starts with first's, a 3-block hit.
+    scheduler = _scheduler(num_blocks=6, max_num_batched_tokens=64)
+    prompts = {"first": list(range(10, 30)), "late": list(range(10, 22)) + [99] * 8}
+    for request_id, prompt in prompts.items():
+        scheduler.add_request(Request(request_id, prompt, SamplingParams(temperature=0.0,
+                                                                         max_tokens=3),
+                                      eos_token_ids=frozenset({EOS})))
+    first_step = scheduler.schedule()
+    assert [item.request.request_id for item in first_step.scheduled] == ["first"]
+    scheduler.update_from_output(first_step, {"first": 3})
+    _run(scheduler)
+    assert scheduler.kv.stats.queries == 40
+    assert scheduler.kv.stats.hits == 12

@@ -49,10 +49,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if self.enable_prefix_caching:
-            self.stats.queries += request.num_tokens
-            self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup. Not every lookup: a request that does not fit
+        yet is looked up again at every step until it does."""
+        if self.enable_prefix_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
 
     def num_cached_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Leading full blocks of `token_ids` in the cache, without touching them (placement)."""

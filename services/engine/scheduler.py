@@ -141,6 +141,8 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.pop()
+            if request.num_computed_tokens == 0:
+                self.kv.record_lookup(request.num_tokens, num_cached)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_prompt_tokens = num_cached
             request.num_computed_tokens = num_cached
