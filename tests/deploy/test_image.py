@@ -58,16 +58,20 @@ def index_of(keyword: str, marker: str) -> int:
     return next(i for i, (k, rest) in enumerate(DOCKERFILE) if k == keyword and marker in rest)
 
 
+def stub_path(tmp_path, name: str, script: str) -> str:
+    """A PATH with a shell-script `name` in front of this interpreter and the system's tools."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    stub = folder / name
+    stub.write_text(f"#!/bin/sh\n{script}\n")
+    stub.chmod(0o755)
+    return f"{folder}:{Path(sys.executable).parent}:/usr/bin:/bin"
+
+
 @pytest.fixture
 def stub_bin(tmp_path):
     """A PATH whose `pip` only logs its arguments, in front of this interpreter."""
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    pip = folder / "pip"
-    pip.write_text('#!/bin/sh\necho "$*" >> "$PIP_LOG"\n')
-    pip.chmod(0o755)
-    python_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{folder}:{python_dir}:/usr/bin:/bin",
+    env = {**os.environ, "PATH": stub_path(tmp_path, "pip", 'echo "$*" >> "$PIP_LOG"'),
            "PIP_LOG": str(tmp_path / "pip.log")}
     return env, tmp_path / "pip.log"
 
@@ -213,13 +217,8 @@ def test_context_has_what_the_image_installs_and_nothing_else():
 # ---- entrypoint ---------------------------------------------------------------------------------
 @pytest.fixture
 def fake_kvrelay(tmp_path):
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    fake = folder / "kvrelay"
-    fake.write_text('#!/bin/sh\necho "${KVRELAY_ADVERTISE_ADDRESS:-unset}|$*"\n')
-    fake.chmod(0o755)
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVRELAY_")}
-    env["PATH"] = f"{folder}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    env["PATH"] = stub_path(tmp_path, "kvrelay", 'echo "${KVRELAY_ADVERTISE_ADDRESS:-unset}|$*"')
     return env
 
 
