@@ -9,12 +9,13 @@ Each stack is started with `kvrelay up`, warmed up with one untimed pass of chat
 another seed (the offline engine too), then sent the 64 chat requests at once as
 streaming OpenAI requests (greedy, max_tokens 128, ignore_eos). Reports output tokens/s, TTFT
 and ITL, and the CPU time the gateway, tokenizer and scheduler processes spent per output token
-(from /proc, so the client's own CPU is not counted). The offline engine runs last, alone.
+(from /proc, so the client's own CPU is not counted; it and the workers' are printed
+apart). The client is `kvrelay bench serve`'s (aiohttp on uvloop). The offline engine runs
+last, alone.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -25,12 +26,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.offline import MAX_TOKENS, _pct, run_kvrelay  # noqa: E402
 from benchmarks.workloads import chat64  # noqa: E402
+from services.bench.client import ServerOptions  # noqa: E402
+from services.bench.runner import Limits  # noqa: E402
+from services.bench.runner import run as run_workload  # noqa: E402
+from services.bench.workloads import chat_requests  # noqa: E402
+from services.common.runtime import run_loop  # noqa: E402
 
 FRONT_SERVICES = ("gateway", "tokenizer", "scheduler")
 WARMUP_SEED = 1  # the timed pass uses chat64's default seed 0
@@ -93,56 +97,46 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
 
 
-async def one_request(client: httpx.AsyncClient, url: str, messages, start: float,
-                      record: dict) -> None:
-    body = {"messages": messages, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    arrivals = []
-    async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                record["tokens"] += chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                arrivals.append(time.perf_counter() - start)
-    if arrivals:
-        record["ttft"].append(arrivals[0])
-        record["gaps"].extend(b - a for a, b in zip(arrivals, arrivals[1:]))
-
-
-async def drive(base_url: str, conversations) -> tuple[dict, float]:
-    """Send every conversation at once; the merged record and the wall time."""
-    url = f"{base_url}/v1/chat/completions"
-    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        record = {"tokens": 0, "ttft": [], "gaps": []}
-        start = time.perf_counter()
-        await asyncio.gather(*(one_request(client, url, messages, start, record)
-                               for messages in conversations))
-        return record, time.perf_counter() - start
+def drive(base_url: str, conversations) -> tuple[dict, float]:
+    """Send every conversation at once through `kvrelay bench serve`'s client; the merged
+    record and the wall time."""
+    requests = chat_requests(conversations, MAX_TOKENS)
+    options = ServerOptions(base_url, model=None)
+    outcome = run_loop(run_workload(requests, options, Limits(time_limit_s=600)))
+    failed = [r for r in outcome.records if not r.ok]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+    record = {"tokens": sum(r.output_tokens for r in outcome.records),
+              "ttft": [r.ttft_s for r in outcome.records],
+              "gaps": [gap for r in outcome.records for gap in r.itls_s]}
+    return record, outcome.duration_s
 
 
 def run_stack(topology: str, args, workdir: Path, port: int, conversations) -> StackResult:
     stack, state = start_stack(topology, args, workdir, port)
     try:
-        pids = {name: info["pid"] for name, info in state["services"].items()
-                if info["kind"] in FRONT_SERVICES}
+        pids = {name: info["pid"] for name, info in state["services"].items()}
         # A server runs for long: time the steady state, after one untimed pass of a workload
         # like this one (other prompts, so the prefix cache holds none of the timed ones).
-        asyncio.run(drive(state["rest_url"], chat64(seed=WARMUP_SEED)))
+        drive(state["rest_url"], chat64(seed=WARMUP_SEED))
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        record, wall = asyncio.run(drive(state["rest_url"], conversations))
+        client_before = cpu_seconds(os.getpid())
+        record, wall = drive(state["rest_url"], conversations)
         cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        client_cpu = cpu_seconds(os.getpid()) - client_before
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(timeout=120)
     tokens = record["tokens"]
-    per_token = {name: round(seconds / tokens * 1e6, 1) for name, seconds in cpu.items()}
-    per_token["total"] = round(sum(cpu.values()) / tokens * 1e6, 1)
+    front = {name: seconds for name, seconds in cpu.items()
+             if state["services"][name]["kind"] in FRONT_SERVICES}
+    per_token = {name: round(seconds / tokens * 1e6, 1) for name, seconds in front.items()}
+    per_token["total"] = round(sum(front.values()) / tokens * 1e6, 1)
+    # Not front CPU, but where the rest of the machine went: the workers and this client.
+    others = {name: seconds for name, seconds in cpu.items() if name not in front}
+    others["client"] = client_cpu
+    print("other CPU µs/token: " + ", ".join(f"{name} {seconds / tokens * 1e6:.0f}"
+                                             for name, seconds in others.items()), flush=True)
     return StackResult(f"kvrelay {topology.replace('@', ' ')} stack", tokens, wall, _pct(record["ttft"], 0.5),
                        _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
                        _ms(_pct(record["gaps"], 0.9)), per_token)

@@ -10,7 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from services.bench.client import ServerOptions, send
 from services.bench.progress import Progress
@@ -32,11 +32,12 @@ class RunResult:
     planned: int                  # requests the run meant to send
 
 
-def make_client(connections: int) -> httpx.AsyncClient:
+def make_client(connections: int) -> aiohttp.ClientSession:
     # trust_env=False: no proxy from the environment, so traffic goes only to the given URL.
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
-                             trust_env=False)
+    # No total timeout: a long generation is bounded by the run's time limit instead.
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0), trust_env=False)
 
 
 async def run(requests: list[BenchRequest], options: ServerOptions, limits: Limits,

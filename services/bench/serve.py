@@ -12,7 +12,6 @@ and shows a progress line on stderr. Only --base-url is ever contacted.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from services.bench.metrics import Slo, max_rate_meeting, summarize
 from services.bench.progress import Progress
 from services.bench.runner import Limits, RunResult, make_client
 from services.bench.runner import run as run_workload
+from services.common.runtime import run_loop
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"kvrelay bench serve: {exc}", file=sys.stderr)
         return 2
-    result, records = asyncio.run(_benchmark(args, plans))
+    result, records = run_loop(_benchmark(args, plans))
     write_outputs(result, records, args.out)
     print(report.markdown(result))
     failed = all(run["summary"]["requests_ok"] == 0 for run in result["runs"])

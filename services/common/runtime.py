@@ -13,15 +13,19 @@ from services.common.log import setup_logging
 def run_service(name: str, main: Coroutine, log_level: str = "info") -> None:
     setup_logging(name, log_level)
     freeze_heap()
+    run_loop(main)
+
+
+def run_loop(main: Coroutine):
+    """Run `main` to completion on uvloop where it is installed; returns its result."""
     if os.environ.get("KVRELAY_EVENT_LOOP", "uvloop") == "uvloop":
         try:
             import uvloop
         except ImportError:  # uvloop is Linux/macOS only; asyncio's loop works everywhere
             pass
         else:
-            uvloop.run(main)
-            return
-    asyncio.run(main)
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def freeze_heap() -> None:
