@@ -57,47 +57,56 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def run_kvrelay(conversations, dtype: str, warmup_conversations=None,
                 **engine_args) -> Result:
-    llm = LLM(dtype=dtype, **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    token_ids = [llm.apply_chat_template(c) for c in conversations]
-    # Warm-up: first-call allocations (and, given a warm-up workload of other prompts, every
-    # batch shape's oneDNN kernels, without leaving the timed prompts in the prefix cache)
-    # stay out of the timing.
-    if warmup_conversations:
-        llm.generate([{"prompt_token_ids": llm.apply_chat_template(c)}
-                      for c in warmup_conversations], params, use_tqdm=False)
-    else:
-        llm.generate({"prompt_token_ids": token_ids[0]}, SamplingParams(max_tokens=4),
-                     use_tqdm=False)
-    engine = llm.engine
-    requests = [req for i, ids in enumerate(token_ids)
-                for req in llm._make_requests(f"bench-{i}", ids, params, 0)]
-    start = time.perf_counter()
-    for request in requests:
-        engine.add_request(request)
-    first, last, gaps = {}, {}, []
-    num_steps = 0
-    while engine.has_unfinished:
-        updates = engine.step()
-        num_steps += 1
-        now = time.perf_counter()
-        for update in updates:
-            rid = update.request.request_id
-            if update.new_token_ids:
-                if rid in last:
-                    gaps.append(now - last[rid])
-                first.setdefault(rid, now - start)
-                last[rid] = now
-    wall = time.perf_counter() - start
-    output_tokens = sum(r.num_output_tokens for r in requests)
-    ttfts = list(first.values())
-    return Result("kvrelay LLM.generate", str(engine.dtype).removeprefix("torch."),
-                  torch.get_num_threads(), len(requests), output_tokens, wall,
-                  _pct(ttfts, 0.5), _pct(ttfts, 0.9),
-                  _ms(_pct(gaps, 0.5)), _ms(_pct(gaps, 0.9)),
-                  notes=f"{num_steps} steps, max_num_batched_tokens="
-                        f"{engine.config.max_num_batched_tokens}",
-                  extra={"load_s": round(engine.load_info.seconds, 2)})
+    return OfflineEngine(dtype, warmup_conversations, **engine_args).run(conversations)
+
+
+class OfflineEngine:
+    """One `LLM`, loaded and warmed up once, timed on as many workloads as asked."""
+
+    def __init__(self, dtype: str, warmup_conversations=None, **engine_args) -> None:
+        self.llm = LLM(dtype=dtype, **engine_args)
+        self.params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        # Warm-up: first-call allocations (and, given a warm-up workload of other prompts, every
+        # batch shape's oneDNN kernels, without leaving the timed prompts in the prefix cache)
+        # stay out of the timing.
+        if warmup_conversations:
+            self.llm.generate([{"prompt_token_ids": self.llm.apply_chat_template(c)}
+                               for c in warmup_conversations], self.params, use_tqdm=False)
+        else:
+            self.llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
+                              use_tqdm=False)
+
+    def run(self, conversations) -> Result:
+        llm, engine = self.llm, self.llm.engine
+        token_ids = [llm.apply_chat_template(c) for c in conversations]
+        requests = [req for i, ids in enumerate(token_ids)
+                    for req in llm._make_requests(f"bench-{i}", ids, self.params, 0)]
+        start = time.perf_counter()
+        for request in requests:
+            engine.add_request(request)
+        first, last, gaps = {}, {}, []
+        num_steps = 0
+        while engine.has_unfinished:
+            updates = engine.step()
+            num_steps += 1
+            now = time.perf_counter()
+            for update in updates:
+                rid = update.request.request_id
+                if update.new_token_ids:
+                    if rid in last:
+                        gaps.append(now - last[rid])
+                    first.setdefault(rid, now - start)
+                    last[rid] = now
+        wall = time.perf_counter() - start
+        output_tokens = sum(r.num_output_tokens for r in requests)
+        ttfts = list(first.values())
+        return Result("kvrelay LLM.generate", str(engine.dtype).removeprefix("torch."),
+                      torch.get_num_threads(), len(requests), output_tokens, wall,
+                      _pct(ttfts, 0.5), _pct(ttfts, 0.9),
+                      _ms(_pct(gaps, 0.5)), _ms(_pct(gaps, 0.9)),
+                      notes=f"{num_steps} steps, max_num_batched_tokens="
+                            f"{engine.config.max_num_batched_tokens}",
+                      extra={"load_s": round(engine.load_info.seconds, 2)})
 
 
 def _ms(seconds: float | None) -> float | None:

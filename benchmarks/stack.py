@@ -5,13 +5,15 @@
 A topology may carry environment variables for its stack's services after `@`, to compare
 variants in one run: `--topologies pd,pd@KVRELAY_SHARED_COMPUTE_STEPS=overlap@OMP_WAIT_POLICY=PASSIVE`.
 
-Each stack is started with `kvrelay up`, warmed up with one untimed pass of chat-64 drawn with
-another seed (the offline engine too), then sent the 64 chat requests at once as
-streaming OpenAI requests (greedy, max_tokens 128, ignore_eos). Reports output tokens/s, TTFT
-and ITL, and the CPU time the gateway, tokenizer and scheduler processes spent per output token
-(from /proc, so the client's own CPU is not counted; it and the workers' are printed
-apart). The client is `kvrelay bench serve`'s (aiohttp on uvloop). The offline engine runs
-last, alone.
+Each stack is started with `kvrelay up` and warmed up with one untimed pass of chat-64 drawn
+with another seed, and so is the offline engine (in this process). Then come `--rounds` rounds:
+in each, every system in turn gets the same 64 chat requests at once (streaming OpenAI requests
+through `kvrelay bench serve`'s client: greedy, max_tokens 128, ignore_eos), the first system
+rotating from round to round. Each round draws fresh prompts, so no prefix cache holds them.
+The machine's speed drifts during a run, so "vs offline" is the median of per-round ratios.
+
+Reports output tokens/s, TTFT and ITL, and the CPU time (from /proc) the gateway, tokenizer and
+scheduler spent per output token; the workers' and the client's CPU is shown apart.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.offline import MAX_TOKENS, _pct, run_kvrelay  # noqa: E402
+from benchmarks.offline import MAX_TOKENS, OfflineEngine, _pct  # noqa: E402
 from benchmarks.workloads import chat64  # noqa: E402
 from services.bench.client import ServerOptions  # noqa: E402
 from services.bench.runner import Limits  # noqa: E402
@@ -51,6 +54,7 @@ class StackResult:
     itl_p50_ms: float | None
     itl_p90_ms: float | None
     cpu_us_per_token: dict = field(default_factory=dict)
+    other_cpu_us_per_token: dict = field(default_factory=dict)  # workers and the client
 
     @property
     def tokens_per_s(self) -> float:
@@ -112,54 +116,91 @@ def drive(base_url: str, conversations) -> tuple[dict, float]:
     return record, outcome.duration_s
 
 
-def run_stack(topology: str, args, workdir: Path, port: int, conversations) -> StackResult:
-    stack, state = start_stack(topology, args, workdir, port)
-    try:
-        pids = {name: info["pid"] for name, info in state["services"].items()}
+class StackSystem:
+    """One stack started by `kvrelay up` and warmed up, timed on as many passes as asked."""
+
+    def __init__(self, variant: str, args, workdir: Path, port: int) -> None:
+        self.name = f"kvrelay {variant.replace('@', ' ')} stack"
+        self.process, self.state = start_stack(variant, args, workdir, port)
+        self.pids = {name: info["pid"] for name, info in self.state["services"].items()}
         # A server runs for long: time the steady state, after one untimed pass of a workload
         # like this one (other prompts, so the prefix cache holds none of the timed ones).
-        drive(state["rest_url"], chat64(seed=WARMUP_SEED))
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        drive(self.state["rest_url"], chat64(seed=WARMUP_SEED))
+
+    def run(self, conversations) -> StackResult:
+        before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
         client_before = cpu_seconds(os.getpid())
-        record, wall = drive(state["rest_url"], conversations)
-        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        record, wall = drive(self.state["rest_url"], conversations)
+        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in self.pids.items()}
         client_cpu = cpu_seconds(os.getpid()) - client_before
-    finally:
-        stack.send_signal(signal.SIGTERM)
-        stack.wait(timeout=120)
-    tokens = record["tokens"]
-    front = {name: seconds for name, seconds in cpu.items()
-             if state["services"][name]["kind"] in FRONT_SERVICES}
-    per_token = {name: round(seconds / tokens * 1e6, 1) for name, seconds in front.items()}
-    per_token["total"] = round(sum(front.values()) / tokens * 1e6, 1)
-    # Not front CPU, but where the rest of the machine went: the workers and this client.
-    others = {name: seconds for name, seconds in cpu.items() if name not in front}
-    others["client"] = client_cpu
-    print("other CPU µs/token: " + ", ".join(f"{name} {seconds / tokens * 1e6:.0f}"
-                                             for name, seconds in others.items()), flush=True)
-    return StackResult(f"kvrelay {topology.replace('@', ' ')} stack", tokens, wall, _pct(record["ttft"], 0.5),
-                       _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
-                       _ms(_pct(record["gaps"], 0.9)), per_token)
+        tokens = record["tokens"]
+        services = self.state["services"]
+        front = {name: sec for name, sec in cpu.items() if services[name]["kind"] in FRONT_SERVICES}
+        per_token = {name: round(sec / tokens * 1e6, 1) for name, sec in front.items()}
+        per_token["total"] = round(sum(front.values()) / tokens * 1e6, 1)
+        # Not front CPU, but where the rest of the machine went: the workers and this client.
+        others = {name: sec for name, sec in cpu.items() if name not in front}
+        others["client"] = client_cpu
+        return StackResult(self.name, tokens, wall, _pct(record["ttft"], 0.5),
+                           _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
+                           _ms(_pct(record["gaps"], 0.9)), per_token,
+                           {name: round(sec / tokens * 1e6) for name, sec in others.items()})
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=120)
+
+
+class OfflineSystem:
+    def __init__(self, dtype: str) -> None:
+        self.engine = OfflineEngine(dtype, chat64(seed=WARMUP_SEED))
+        self.name = None
+
+    def run(self, conversations) -> StackResult:
+        result = self.engine.run(conversations)
+        self.name = f"kvrelay offline LLM ({result.dtype}, {result.threads} threads)"
+        return StackResult(self.name, result.output_tokens, result.wall_s, result.ttft_p50_s,
+                           result.ttft_p90_s, result.itl_p50_ms, result.itl_p90_ms)
+
+    def stop(self) -> None:
+        pass
 
 
 def _ms(seconds):
     return None if seconds is None else seconds * 1e3
 
 
-def markdown(results: list[StackResult], offline_tps: float) -> str:
-    lines = ["| system | output tok/s | vs offline | wall s | TTFT p50 s | TTFT p90 s | "
-             "ITL p50 ms | ITL p90 ms | front CPU µs/token (gateway, tokenizer, scheduler) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        cpu = ", ".join(f"{k} {v}" for k, v in r.cpu_us_per_token.items()) or "-"
-        lines.append(f"| {r.system} | {r.tokens_per_s:.1f} | {r.tokens_per_s / offline_tps:.2f}x "
-                     f"| {r.wall_s:.1f} | {_f(r.ttft_p50_s)} | {_f(r.ttft_p90_s)} | "
-                     f"{_f(r.itl_p50_ms)} | {_f(r.itl_p90_ms)} | {cpu} |")
+def markdown(rounds: list[list[StackResult]]) -> str:
+    """Each system's median over the rounds; "vs offline" is the median of the per-round
+    ratios (each round ran every system back to back, so a ratio shares the machine's phase)."""
+    names = [result.system for result in rounds[0]]
+    offline = next((name for name in names if name.startswith("kvrelay offline")), names[0])
+    lines = ["| system | output tok/s (median; each round) | vs offline | TTFT p50 s | "
+             "ITL p50 ms | ITL p90 ms | front CPU µs/token (gateway, tokenizer, scheduler) | "
+             "workers and client CPU µs/token |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        runs = [next(r for r in results if r.system == name) for results in rounds]
+        bases = [next(r for r in results if r.system == offline) for results in rounds]
+        ratios = [r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, bases)]
+        middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+        each = ", ".join(f"{r.tokens_per_s:.0f}" for r in runs)
+        cpu = ", ".join(f"{k} {v}" for k, v in middle.cpu_us_per_token.items()) or "-"
+        other = ", ".join(f"{k} {v}" for k, v in middle.other_cpu_us_per_token.items()) or "-"
+        lines.append(f"| {name} | {middle.tokens_per_s:.1f} ({each}) | "
+                     f"{statistics.median(ratios):.2f}x | {_f(middle.ttft_p50_s)} | "
+                     f"{_f(middle.itl_p50_ms)} | {_f(middle.itl_p90_ms)} | {cpu} | {other} |")
     return "\n".join(lines)
 
 
 def _f(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def round_seed(index: int) -> int:
+    """Round 0 is the standard chat-64 (seed 0); later rounds draw fresh prompts, so no stack
+    finds an earlier round's prompts in its prefix cache."""
+    return 0 if index == 0 else 100 + index
 
 
 def main() -> None:
@@ -169,29 +210,36 @@ def main() -> None:
     parser.add_argument("--threads-per-worker", type=int, default=None)
     parser.add_argument("--kv-transport", default=None, choices=["grpc", "shm"])
     parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed passes per system, the systems taking turns")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    conversations = chat64()
-    results = []
+    variants = [t for t in args.topologies.split(",") if t]
+    systems = []
+    rounds: list[list[StackResult]] = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
-        for offset, topology in enumerate(t for t in args.topologies.split(",") if t):
-            result = run_stack(topology, args, Path(tmp), args.port + 20 * offset, conversations)
-            print(f"{result.system}: {result.tokens_per_s:.1f} tok/s", flush=True)
-            results.append(result)
-    offline_tps = 0.0
-    if not args.no_offline:
-        offline = run_kvrelay(conversations, args.dtype or "auto",
-                              warmup_conversations=chat64(seed=WARMUP_SEED))
-        offline_tps = offline.tokens_per_s
-        results.append(StackResult(
-            f"kvrelay offline LLM ({offline.dtype}, {offline.threads} threads)",
-            offline.output_tokens, offline.wall_s, offline.ttft_p50_s, offline.ttft_p90_s,
-            offline.itl_p50_ms, offline.itl_p90_ms))
-    print(markdown(results, offline_tps or results[0].tokens_per_s))
+        try:
+            for offset, variant in enumerate(variants):
+                systems.append(StackSystem(variant, args, Path(tmp), args.port + 20 * offset))
+            if not args.no_offline:
+                systems.append(OfflineSystem(args.dtype or "auto"))
+            for index in range(args.rounds):
+                conversations = chat64(seed=round_seed(index))
+                # Rotate who goes first, so no system always meets the same phase of a run.
+                turn = systems[index % len(systems):] + systems[:index % len(systems)]
+                results = {id(system): system.run(conversations) for system in turn}
+                rounds.append([results[id(system)] for system in systems])
+                print(f"round {index + 1}: " + ", ".join(
+                    f"{r.system} {r.tokens_per_s:.1f} tok/s" for r in rounds[-1]), flush=True)
+        finally:
+            for system in systems:
+                system.stop()
+    print(markdown(rounds))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) | {"tokens_per_s": r.tokens_per_s}
-                                         for r in results], indent=2))
+        args.json.write_text(json.dumps(
+            [[asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results]
+             for results in rounds], indent=2))
 
 
 if __name__ == "__main__":
