@@ -55,6 +55,49 @@ def test_long_prefill_threshold_lets_decodes_through():
         {"short": 1, "long": 4}
 
 
+def _sizes(output) -> dict[str, int]:
+    return {item.request.request_id: item.num_new_tokens for item in output.scheduled}
+
+
+def test_a_long_prompt_takes_the_whole_budget_while_nothing_decodes():
+    scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    scheduler.add_request(_request("long", 40, max_tokens=2))
+    assert _sizes(scheduler.schedule()) == {"long": 40}
+
+
+def test_one_long_prompt_advances_per_step_while_sequences_decode():
+    scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    scheduler.add_request(_request("short", 3, max_tokens=20))
+    scheduler.update_from_output(scheduler.schedule(), {"short": 3})
+    for index, name in enumerate(("long-a", "long-b", "tiny")):
+        scheduler.add_request(_request(name, 5 if name == "tiny" else 40, max_tokens=1,
+                                       arrival=float(index + 1)))
+    output = scheduler.schedule()
+    # long-b may not start while long-a holds the one long slot, and tiny queues behind it.
+    assert _sizes(output) == {"short": 1, "long-a": 8}
+    scheduler.update_from_output(output, {"short": 3})
+    assert _sizes(scheduler.schedule()) == {"short": 1, "long-a": 8}
+
+
+def test_decodes_on_shared_hardware_chunk_long_prompts_too():
+    scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    scheduler.add_request(_request("long", 40, max_tokens=1))
+    scheduler.add_request(_request("short", 6, max_tokens=1))
+    sizes = _sizes(scheduler.schedule(decodes_elsewhere=True))
+    assert sizes["long"] == 8 and "short" in sizes  # a short prompt still goes whole
+
+
+def test_long_prompts_chunked_while_decoding_all_finish():
+    scheduler = _scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8,
+                           max_long_partial_prefills=2)
+    for index in range(6):
+        scheduler.add_request(_request(f"r{index}", 5 + 9 * index, max_tokens=4,
+                                       arrival=float(index)))
+    finished = _run(scheduler)
+    assert sorted(r.request_id for r in finished) == [f"r{i}" for i in range(6)]
+    assert scheduler.kv.num_free_blocks == 64
+
+
 def test_preemption_by_recompute_when_blocks_run_out():
     scheduler = _scheduler(num_blocks=8, max_num_batched_tokens=64)
     for index in range(3):

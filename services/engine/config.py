@@ -18,7 +18,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
-    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole budget in one step
+    # While sequences decode, a prompt with more tokens left than this is prefilled in chunks
+    # of this size, and at most max_long_partial_prefills of them advance per step, so a long
+    # prompt cannot stretch every decoding sequence's step. 0: a prompt may take the whole budget.
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -32,7 +36,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 1 <= self.block_size <= 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
-        for name in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
+                     "max_long_partial_prefills"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

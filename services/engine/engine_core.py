@@ -12,6 +12,7 @@ from services.engine.config import EngineConfig
 from services.engine.hardware import resolve_device, resolve_dtype
 from services.engine.model_loader import check_architecture, resolve_model_dir
 from services.engine.model_runner import ModelRunner
+from services.engine.prefill_chunks import attention_crossover
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -48,7 +49,8 @@ class EngineCore:
         self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
                                   config.block_size, config.num_kv_blocks, config.kv_cache_memory)
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
+                                   attention_crossover(self.hf_config))
         self.sampler = Sampler()
         self.load_info = LoadInfo(str(self.model_dir), time.perf_counter() - started)
         # torch and transformers leave ~200k objects that every full collection rescans

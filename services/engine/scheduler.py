@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.prefill_chunks import long_prefill_chunk
 from services.engine.request import Request, RequestStatus
 from services.engine.stop_checker import check_stop
 from services.engine.waiting_queue import WaitingQueue
@@ -48,15 +49,23 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 attention_crossover: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # The model's context length at which attention costs as much as the weight matmuls
+        # (prefill_chunks.py); 0: long-prompt chunks keep one size.
+        self.attention_crossover = attention_crossover
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.reserved: set[str] = set()  # decode-side requests waiting for their KV pages
+        # This step's long-prompt chunking (see EngineConfig.long_prefill_token_threshold):
+        # the chunk size (0: off) and how many long prompts may still advance.
+        self._long_chunk = 0
+        self._long_slots = 0
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,12 +96,18 @@ class Scheduler:
         return bool(self.running) or bool(self.waiting)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
-        """One step's work; `token_budget` overrides max_num_batched_tokens for this step."""
+    def schedule(self, token_budget: int | None = None,
+                 decodes_elsewhere: bool = False) -> SchedulerOutput:
+        """One step's work; `token_budget` overrides max_num_batched_tokens for this step.
+        `decodes_elsewhere`: sequences on other workers wait for this step (shared hardware),
+        so long prompts are chunked as if they decoded here."""
         output = SchedulerOutput()
         budget = token_budget or self.config.max_num_batched_tokens
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
+        chunking = decodes_elsewhere or any(req.num_output_tokens for req in self.running)
+        self._long_chunk = self.config.long_prefill_token_threshold if chunking else 0
+        self._long_slots = self.config.max_long_partial_prefills
         budget = self._schedule_running(output, budget)
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -100,11 +115,21 @@ class Scheduler:
         return output
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
-        if threshold:
-            num_new = min(num_new, threshold)
-        return min(num_new, budget)
+        num_computed = request.num_computed_tokens
+        return min(self._chunk_long(request.num_tokens - num_computed, num_computed), budget)
+
+    def _chunk_long(self, num_new: int, num_computed: int) -> int:
+        """A long prompt's share of this step: one chunk while a long-prompt slot is left,
+        else nothing (it waits for the next step)."""
+        if not self._long_chunk:
+            return num_new
+        chunk = long_prefill_chunk(self._long_chunk, num_computed, self.attention_crossover)
+        if num_new <= chunk:
+            return num_new
+        if self._long_slots <= 0:
+            return 0
+        self._long_slots -= 1
+        return chunk
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -134,10 +159,9 @@ class Scheduler:
             computed_blocks, num_cached = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            threshold = self.config.long_prefill_token_threshold
-            if threshold:
-                num_new = min(num_new, threshold)
+            num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached), budget)
+            if num_new <= 0:
+                break  # a long prompt, and this step's long-prompt slots are taken: keep order
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.pop()

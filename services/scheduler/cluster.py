@@ -59,7 +59,7 @@ class ClusterScheduler:
             # A prefill-only worker has no decodes whose inter-token latency a long step would
             # hurt: bigger steps prefill the same prompts in fewer, more efficient passes.
             config = replace(config, max_num_batched_tokens=self.prefill_max_num_batched_tokens)
-        core = Scheduler(config, info.num_blocks, info.max_model_len)
+        core = Scheduler(config, info.num_blocks, info.max_model_len, info.attention_crossover)
         self.workers[info.worker_id] = WorkerRecord(info, core,
                                                     time.monotonic() + self.lease_s)
         handoff.retry_awaiting(self)  # a new decode worker may be what they wait for
@@ -112,17 +112,21 @@ class ClusterScheduler:
         """A drained worker leaves the group; it holds nothing any more."""
         worker.alive = False
 
+    def shares_compute_with_decodes(self, worker: WorkerRecord) -> bool:
+        """A prefill worker whose compute domain a decode worker with running sequences
+        shares: its steps make those sequences wait (or slow them, with overlapping steps)."""
+        if worker.role != PREFILL or not worker.info.compute_domain:
+            return False
+        return any(other.alive and other.role != PREFILL and other.core.running
+                   and other.info.compute_domain == worker.info.compute_domain
+                   for other in self.workers.values())
+
     def step_budget(self, worker: WorkerRecord) -> int | None:
-        """This step's token budget when it differs from the worker's own: a prefill worker
-        whose compute domain a decode worker with running sequences shares waits for no one
-        but makes them wait for it, so its steps stay small."""
+        """This step's token budget when it differs from the worker's own: the opt-in cap on
+        a prefill worker's steps while it shares compute with running decodes."""
         limit = self.shared_prefill_max_num_batched_tokens
-        if not limit or worker.role != PREFILL or not worker.info.compute_domain:
-            return None
-        for other in self.workers.values():
-            if (other.alive and other.role != PREFILL and other.core.running
-                    and other.info.compute_domain == worker.info.compute_domain):
-                return min(limit, worker.core.config.max_num_batched_tokens)
+        if limit and self.shares_compute_with_decodes(worker):
+            return min(limit, worker.core.config.max_num_batched_tokens)
         return None
 
     def live(self, *roles: int) -> list[WorkerRecord]:

@@ -23,7 +23,8 @@ class StepPlan:
 
 
 def plan_step(cluster, worker: WorkerRecord) -> StepPlan | None:
-    output = worker.core.schedule(cluster.step_budget(worker))
+    output = worker.core.schedule(cluster.step_budget(worker),
+                                  decodes_elsewhere=cluster.shares_compute_with_decodes(worker))
     for request in output.preempted:  # recomputed later: the worker gets it anew then
         cluster.forget_on(worker, request.request_id)
     message = worker_pb2.StepRequest(step_id=next(_step_ids), finished_seq_ids=worker.forget)

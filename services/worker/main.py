@@ -87,7 +87,8 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=str(runner.dtype).removeprefix("torch."), kv_transports=transports,
         host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,
         vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
-        compute_domain=_compute_domain(runner.device)))
+        compute_domain=_compute_domain(runner.device),
+        attention_crossover=loaded.attention_crossover))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,

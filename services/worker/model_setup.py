@@ -11,6 +11,7 @@ from services.engine.hardware import resolve_device, resolve_dtype
 from services.engine.llm import eos_token_ids
 from services.engine.model_loader import check_architecture, resolve_model_dir
 from services.engine.model_runner import ModelRunner
+from services.engine.prefill_chunks import attention_crossover
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class LoadedModel:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    attention_crossover: int
 
 
 def load_worker_model(args, shm_path: str | None) -> LoadedModel:
@@ -35,7 +37,8 @@ def load_worker_model(args, shm_path: str | None) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(runner, _model_name(args.model, model_dir),
                        max_model_len_for(hf_config, args.max_model_len), hf_config.vocab_size,
-                       eos_token_ids(hf_config, model_dir, tokenizer))
+                       eos_token_ids(hf_config, model_dir, tokenizer),
+                       attention_crossover(hf_config))
 
 
 def _model_name(requested: str | None, model_dir) -> str:

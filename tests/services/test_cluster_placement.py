@@ -80,3 +80,26 @@ def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_dec
     driver.run()
     driver.check_deltas(ended=True)
     driver.assert_quiescent()
+
+
+def test_long_prompts_are_chunked_on_a_prefill_worker_sharing_hardware_with_decodes():
+    domain = "host-a/cpus:0,1"
+    driver = ClusterDriver([worker_info("p0", PREFILL, 64, 1024, domain),
+                            worker_info("d0", DECODE, 64, 1024, domain),
+                            worker_info("p1", PREFILL, 64, 1024, "host-b/cpus:0,1")],
+                           max_num_batched_tokens=256, long_prefill_token_threshold=16)
+    p0, p1 = driver.worker("p0"), driver.worker("p1")
+    assert not driver.cluster.shares_compute_with_decodes(p0)  # the decode worker is idle
+    driver.submit("first", prompt(20), max_tokens=50)
+    driver.step("p0")
+    driver.deliver_sends()
+    driver.step("d0")
+    assert driver.cluster.shares_compute_with_decodes(p0)
+    assert not driver.cluster.shares_compute_with_decodes(p1)
+    driver.cluster.heartbeat("p1", draining=True)
+    driver.submit("long", prompt(100, first=40), max_tokens=2)
+    driver.start_step("p0")
+    assert driver.steps["p0"].plan.output.num_batched_tokens == 16
+    driver.run()
+    driver.check_deltas(ended=True)
+    driver.assert_quiescent()
