@@ -31,7 +31,9 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device,
+    """`model_dir` None: random weights (benchmarks with a model's config but no checkpoint)."""
+
+    def __init__(self, hf_config, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
                  block_size: int, num_blocks: int | None, kv_cache_memory: int,
                  kv_cache_path: str | None = None) -> None:
         self.device = device
@@ -57,12 +59,18 @@ class ModelRunner:
         return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
                 * element_size)
 
-    def _load_model(self, hf_config, model_dir: Path) -> LlamaForCausalLM:
+    def _load_model(self, hf_config, model_dir: Path | None) -> LlamaForCausalLM:
         with torch.device("meta"):
             model = LlamaForCausalLM(hf_config)
-        model = model.to_empty(device="cpu")
+        if model_dir is None:
+            # Random weights, made where they run (an 8B model's float32 copy on the host
+            # would be 32 GB): for kernel and speed measurements with a real config.
+            model = model.to_empty(device=self.device).to(self.dtype)
+            randomize_weights_(model)
+        else:
+            model = model.to_empty(device="cpu")
+            load_weights(model, model_dir)
         model.rotary.reset_tables()  # buffers built on the meta device hold nothing
-        load_weights(model, model_dir)
         rotary = model.rotary
         cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
         model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -152,3 +160,15 @@ def map_kv_cache_file(path: str, dtype: torch.dtype,
     num_blocks = numel // (layers * 2 * block_size * kv_heads * head_dim)
     tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     return tensor.view(layers, 2, num_blocks, block_size, kv_heads, head_dim)
+
+
+@torch.no_grad()
+def randomize_weights_(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Norm weights 1, biases 0, every other weight N(0, std): activations stay in range."""
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std)

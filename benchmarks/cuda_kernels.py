@@ -1,0 +1,171 @@
+"""The Triton kernels on a device: correctness against the torch references on fresh random
+inputs, the device's copy bandwidth, and the paged decode attention's achieved bandwidth.
+Used by benchmarks/cuda_check.py; every function also runs on CPU tensors under
+TRITON_INTERPRET=1 (its smoke mode), where the timings mean nothing."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels import build_attention_metadata, paged_attention_reference, store_kv_reference
+
+
+@dataclass(slots=True)
+class HeadShape:
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+LLAMA3_8B_HEADS = HeadShape("Llama-3-8B", 32, 8, 128)
+SMOLLM2_HEADS = HeadShape("SmolLM2-135M", 9, 3, 64)
+
+
+def device_timer(device: torch.device, fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of `fn()` (CUDA events on a GPU, wall time on a CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def paged_batch(query_lens: list[int], context_lens: list[int], heads: HeadShape,
+                block_size: int, dtype: torch.dtype, device: torch.device, seed: int):
+    """(query, k_cache, v_cache, metadata) over shuffled blocks; unwritten slots hold NaN so a
+    kernel that reads one shows it."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    pool = torch.randperm(num_blocks, generator=generator)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    slots, used = [], 0
+    for seq, (count, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
+        tables[seq, :count] = pool[used:used + count]
+        used += count
+        positions = torch.arange(seq_len)
+        slots.append(tables[seq].long()[positions // block_size] * block_size
+                     + positions % block_size)
+    shape = (num_blocks, block_size, heads.num_kv_heads, heads.head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    total = sum(seq_lens)
+    keys = torch.randn(total, heads.num_kv_heads, heads.head_dim, generator=generator)
+    values = torch.randn(total, heads.num_kv_heads, heads.head_dim, generator=generator)
+    store_kv_reference(keys.to(device, dtype), values.to(device, dtype), k_cache, v_cache,
+                       torch.cat(slots).to(device))
+    query = torch.randn(sum(query_lens), heads.num_q_heads, heads.head_dim,
+                        generator=generator).to(device, dtype)
+    cu_seqlens = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.tensor(query_lens).cumsum(0)
+    meta = build_attention_metadata(cu_seqlens.to(device),
+                                    torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                    tables.to(device), block_size, max(query_lens),
+                                    max(seq_lens))
+    return query, k_cache, v_cache, meta
+
+
+def attention_cases(smoke: bool) -> list[tuple[str, list[int], list[int]]]:
+    """(name, query lengths, context lengths): decode, whole prompts, chunked prefill, mixed."""
+    if smoke:
+        return [("decode", [1, 1, 1], [5, 17, 33]), ("prefill", [7, 20], [0, 0]),
+                ("mixed", [1, 9, 1], [40, 13, 3])]
+    generator = torch.Generator().manual_seed(0)
+    draw = lambda low, high, n: torch.randint(low, high, (n,), generator=generator).tolist()  # noqa: E731
+    return [("decode", [1] * 16, draw(1, 4096, 16)), ("prefill", draw(1, 700, 6), [0] * 6),
+            ("chunked prefill", draw(64, 512, 6), draw(1, 3000, 6)),
+            ("mixed", [1] * 8 + draw(16, 300, 3), draw(1, 2000, 8) + draw(0, 500, 3))]
+
+
+def check_attention(device: torch.device, smoke: bool) -> list[dict]:
+    from kernels import paged_attention_triton
+    rows = []
+    heads_list = [HeadShape("tiny", 4, 2, 32)] if smoke else [LLAMA3_8B_HEADS, SMOLLM2_HEADS]
+    for heads in heads_list:
+        for dtype, tolerance in ((torch.bfloat16, 3e-2), (torch.float16, 5e-3),
+                                 (torch.float32, 2e-3)):
+            for seed, (name, query_lens, context_lens) in enumerate(attention_cases(smoke)):
+                query, k_cache, v_cache, meta = paged_batch(query_lens, context_lens, heads, 16,
+                                                            dtype, device, seed)
+                scale = heads.head_dim ** -0.5
+                got = paged_attention_triton(query, k_cache, v_cache, meta, scale).float()
+                want = paged_attention_reference(query.float(), k_cache.float(),
+                                                 v_cache.float(), meta, scale)
+                error = (got - want).abs().max().item()
+                rows.append({"kernel": "paged attention", "heads": heads.name,
+                             "dtype": str(dtype).removeprefix("torch."), "case": name,
+                             "max_abs_error": error, "ok": error <= tolerance})
+    return rows
+
+
+def check_store_kv(device: torch.device, smoke: bool) -> list[dict]:
+    from kernels import store_kv_triton
+    rows = []
+    num_tokens, heads = (9, HeadShape("tiny", 4, 2, 32)) if smoke else (4096, LLAMA3_8B_HEADS)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        shape = (num_tokens // 4 + 8, 16, heads.num_kv_heads, heads.head_dim)
+        key = torch.randn(num_tokens, heads.num_kv_heads, heads.head_dim).to(device, dtype)
+        value = torch.randn_like(key)
+        slots = torch.randperm(shape[0] * 16)[:num_tokens].to(device)
+        slots[::7] = -1  # padding tokens: not stored
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(4)]
+        store_kv_triton(key, value, caches[0], caches[1], slots)
+        store_kv_reference(key, value, caches[2], caches[3], slots)
+        same = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        rows.append({"kernel": "store kv", "heads": heads.name,
+                     "dtype": str(dtype).removeprefix("torch."), "case": f"{num_tokens} tokens",
+                     "max_abs_error": 0.0 if same else float("inf"), "ok": same})
+    return rows
+
+
+def copy_bandwidth(device: torch.device, smoke: bool) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    num_bytes = (16 << 20) if smoke else (2 << 30)
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    seconds = device_timer(device, lambda: target.copy_(source), repeats=3 if smoke else 20)
+    return 2 * num_bytes / seconds
+
+
+def attention_bandwidth(device: torch.device, smoke: bool, copy_bytes_per_s: float,
+                        max_kv_bytes: float) -> list[dict]:
+    """Decode attention (one query token per sequence) for batch x context: bytes read over
+    the kernel's time, against the copy bandwidth."""
+    from kernels import paged_attention_triton
+    heads = HeadShape("tiny", 4, 2, 32) if smoke else LLAMA3_8B_HEADS
+    batches, contexts = ((1, 4), (64, 256)) if smoke else ((1, 8, 32, 128),
+                                                           (1024, 4096, 16384, 32768))
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            kv_bytes = batch * context * heads.num_kv_heads * heads.head_dim * 2 * 2  # K+V bf16
+            if kv_bytes > max_kv_bytes:
+                continue
+            query, k_cache, v_cache, meta = paged_batch([1] * batch, [context - 1] * batch,
+                                                        heads, 16, torch.bfloat16, device, 0)
+            out = torch.empty_like(query)
+            scale = heads.head_dim ** -0.5
+            seconds = device_timer(device, lambda: paged_attention_triton(
+                query, k_cache, v_cache, meta, scale, out), repeats=3 if smoke else 20)
+            moved = kv_bytes + 2 * query.numel() * query.element_size()
+            rows.append({"batch": batch, "context": context, "seconds": seconds,
+                         "bytes_per_s": moved / seconds,
+                         "of_copy_bandwidth": moved / seconds / copy_bytes_per_s})
+            del k_cache, v_cache
+    return rows
