@@ -193,3 +193,23 @@ def test_prefix_cache_stats_count_each_admission_once():
     _run(scheduler)
     assert scheduler.kv.stats.queries == 40
     assert scheduler.kv.stats.hits == 12
+
+
+def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
+    scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                           long_prefill_chunk_size=8)
+    scheduler.add_request(_request("decoding", 3, max_tokens=20))
+    scheduler.update_from_output(scheduler.schedule(), {"decoding": 3})
+    scheduler.add_request(_request("long", 40, max_tokens=1, arrival=1.0))
+    scheduler.add_request(_request("short", 13, max_tokens=1, arrival=2.0))
+    sizes = []
+    for _ in range(5):
+        output = scheduler.schedule()
+        sizes.append({i.request.request_id: i.num_new_tokens for i in output.scheduled
+                      if i.request.request_id != "decoding"})
+        scheduler.update_from_output(output, {i.request.request_id: 3
+                                              for i in output.scheduled if i.samples})
+    # The short prompt (13 <= 16) goes whole; the long one in chunks of 8 to its end, even
+    # once fewer than the threshold are left.
+    assert sizes[0]["long"] == 8 and sizes[0]["short"] <= 13
+    assert [s.get("long") for s in sizes] == [8, 8, 8, 8, 8]

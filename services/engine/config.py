@@ -19,9 +19,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     # While sequences decode, a prompt with more tokens left than this is prefilled in chunks
-    # of this size, and at most max_long_partial_prefills of them advance per step, so a long
-    # prompt cannot stretch every decoding sequence's step. 0: a prompt may take the whole budget.
+    # of long_prefill_chunk_size tokens (0: the threshold), fewer further into the prompt, and
+    # at most max_long_partial_prefills of them advance per step, so a long prompt cannot
+    # stretch every decoding sequence's step. 0: a prompt may take the whole budget.
     long_prefill_token_threshold: int = 0
+    long_prefill_chunk_size: int = 0
     max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -42,8 +44,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0")
+        for name in ("long_prefill_token_threshold", "long_prefill_chunk_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -63,8 +63,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.reserved: set[str] = set()  # decode-side requests waiting for their KV pages
         # This step's long-prompt chunking (see EngineConfig.long_prefill_token_threshold):
-        # the chunk size (0: off) and how many long prompts may still advance.
-        self._long_chunk = 0
+        # the threshold (0: off) and how many long prompts may still advance.
+        self._long_threshold = 0
         self._long_slots = 0
 
     # ---- admission and removal -------------------------------------------------------------
@@ -106,7 +106,7 @@ class Scheduler:
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
         chunking = decodes_elsewhere or any(req.num_output_tokens for req in self.running)
-        self._long_chunk = self.config.long_prefill_token_threshold if chunking else 0
+        self._long_threshold = self.config.long_prefill_token_threshold if chunking else 0
         self._long_slots = self.config.max_long_partial_prefills
         budget = self._schedule_running(output, budget)
         if not output.preempted:
@@ -116,14 +116,17 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_computed = request.num_computed_tokens
-        return min(self._chunk_long(request.num_tokens - num_computed, num_computed), budget)
+        num_new = request.num_tokens - num_computed
+        return min(self._chunk_long(num_new, num_computed, continuing=True), budget)
 
-    def _chunk_long(self, num_new: int, num_computed: int) -> int:
-        """A long prompt's share of this step: one chunk while a long-prompt slot is left,
-        else nothing (it waits for the next step)."""
-        if not self._long_chunk:
+    def _chunk_long(self, num_new: int, num_computed: int, continuing: bool) -> int:
+        """A prompt's share of this step. A new prompt within the threshold goes whole; a long
+        one, or one already being chunked, gets a chunk while a long-prompt slot is left, else
+        nothing (it waits for the next step)."""
+        if not self._long_threshold or (not continuing and num_new <= self._long_threshold):
             return num_new
-        chunk = long_prefill_chunk(self._long_chunk, num_computed, self.attention_crossover)
+        size = self.config.long_prefill_chunk_size or self._long_threshold
+        chunk = long_prefill_chunk(size, num_computed, self.attention_crossover)
         if num_new <= chunk:
             return num_new
         if self._long_slots <= 0:
@@ -159,7 +162,8 @@ class Scheduler:
             computed_blocks, num_cached = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached), budget)
+            num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached,
+                                           continuing=False), budget)
             if num_new <= 0:
                 break  # a long prompt, and this step's long-prompt slots are taken: keep order
             if not self.kv.allocate_slots(request, num_new, computed_blocks):

@@ -29,9 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-num-seqs", type=int, default=128, help="running sequences per worker")
     add_flag(parser, "--long-prefill-token-threshold", type=int, default=384,
              help="while sequences decode (on the worker, or on a decode worker sharing its "
-                  "hardware), a prompt with more tokens left than this is prefilled in chunks "
-                  "of this size at its start, smaller ones further in as attention over the "
-                  "context grows (0: a prompt may take a whole step's budget)")
+                  "hardware), a prompt with more tokens left than this is prefilled in chunks, "
+                  "smaller ones further in as attention over the context grows (0: a prompt "
+                  "may take a whole step's budget)")
+    add_flag(parser, "--long-prefill-chunk-size", type=int, default=192,
+             help="a long prompt's chunk at its start (0: the threshold)")
     add_flag(parser, "--max-long-partial-prefills", type=int, default=1,
              help="how many such long prompts may advance in one step")
     add_flag(parser, "--no-prefix-caching", action="store_true")
@@ -63,6 +65,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
+                          long_prefill_chunk_size=args.long_prefill_chunk_size,
                           max_long_partial_prefills=args.max_long_partial_prefills,
                           enable_prefix_caching=not args.no_prefix_caching,
                           scheduling_policy=args.scheduling_policy)
