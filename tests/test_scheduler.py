@@ -73,10 +73,12 @@ def test_one_long_prompt_advances_per_step_while_sequences_decode():
         scheduler.add_request(_request(name, 5 if name == "tiny" else 40, max_tokens=1,
                                        arrival=float(index + 1)))
     output = scheduler.schedule()
-    # long-b may not start while long-a holds the one long slot, and tiny queues behind it.
-    assert _sizes(output) == {"short": 1, "long-a": 8}
-    scheduler.update_from_output(output, {"short": 3})
+    # long-b may not start while long-a holds the one long slot; tiny, behind it, goes now.
+    assert set(_sizes(output)) == {"short", "long-a", "tiny"}
+    assert _sizes(output)["long-a"] == 8 and _sizes(output)["short"] == 1
+    scheduler.update_from_output(output, {"short": 3, "tiny": 3})
     assert _sizes(scheduler.schedule()) == {"short": 1, "long-a": 8}
+    assert [request.request_id for request in [scheduler.waiting.peek()]] == ["long-b"]
 
 
 def test_decodes_on_shared_hardware_chunk_long_prompts_too():
@@ -213,3 +215,22 @@ def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
     # once fewer than the threshold are left.
     assert sizes[0]["long"] == 8 and sizes[0]["short"] <= 13
     assert [s.get("long") for s in sizes] == [8, 8, 8, 8, 8]
+
+
+def test_a_new_short_prompt_goes_first_and_the_long_chunk_shrinks_by_it():
+    scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
+                           long_prefill_chunk_size=12)
+    scheduler.add_request(_request("decoding", 3, max_tokens=20))
+    scheduler.update_from_output(scheduler.schedule(), {"decoding": 3})
+    long_request = Request("long", list(range(100, 140)), SamplingParams(max_tokens=1),
+                           eos_token_ids=frozenset({EOS}), arrival_time=1.0)
+    scheduler.add_request(long_request)
+    output = scheduler.schedule()
+    assert _sizes(output)["long"] == 12
+    scheduler.update_from_output(output, {"decoding": 3})
+    short = Request("short", list(range(200, 210)), SamplingParams(max_tokens=1),
+                    eos_token_ids=frozenset({EOS}), arrival_time=2.0)
+    scheduler.add_request(short)
+    sizes = _sizes(scheduler.schedule())
+    # 10 prompt tokens of the short one leave 2 of the 12; a chunk is at least one block (4).
+    assert sizes == {"decoding": 1, "short": 10, "long": 4}

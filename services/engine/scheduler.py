@@ -66,6 +66,8 @@ class Scheduler:
         # the threshold (0: off) and how many long prompts may still advance.
         self._long_threshold = 0
         self._long_slots = 0
+        self._step_prefill = 0  # prompt tokens scheduled in this step so far
+        self._deferred: list[Request] = []  # prompts part way through their chunks
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -108,37 +110,45 @@ class Scheduler:
         chunking = decodes_elsewhere or any(req.num_output_tokens for req in self.running)
         self._long_threshold = self.config.long_prefill_token_threshold if chunking else 0
         self._long_slots = self.config.max_long_partial_prefills
+        self._step_prefill = 0
+        self._deferred = []
         budget = self._schedule_running(output, budget)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
+            budget = self._schedule_waiting(output, budget)
+            self._schedule_deferred(output, budget)
         self.stats.num_steps += 1
         return output
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_computed = request.num_computed_tokens
-        num_new = request.num_tokens - num_computed
-        return min(self._chunk_long(num_new, num_computed, continuing=True), budget)
-
-    def _chunk_long(self, num_new: int, num_computed: int, continuing: bool) -> int:
-        """A prompt's share of this step. A new prompt within the threshold goes whole; a long
-        one, or one already being chunked, gets a chunk while a long-prompt slot is left, else
-        nothing (it waits for the next step)."""
-        if not self._long_threshold or (not continuing and num_new <= self._long_threshold):
-            return num_new
-        size = self.config.long_prefill_chunk_size or self._long_threshold
-        chunk = long_prefill_chunk(size, num_computed, self.attention_crossover)
-        if num_new <= chunk:
+    def _chunk_long(self, num_new: int, num_computed: int) -> int:
+        """A new prompt's share of this step: whole within the threshold; a long one gets a
+        chunk while a long-prompt slot is left, else nothing (it waits for the next step)."""
+        if not self._long_threshold or num_new <= self._long_threshold:
             return num_new
         if self._long_slots <= 0:
             return 0
         self._long_slots -= 1
-        return chunk
+        return min(num_new, self._long_chunk(num_computed))
+
+    def _long_chunk(self, num_computed: int) -> int:
+        """The chunk after `num_computed` tokens, less the prompt tokens this step already
+        carries: a short prompt and a long chunk together would make the longest steps."""
+        size = self.config.long_prefill_chunk_size or self._long_threshold
+        chunk = long_prefill_chunk(size, num_computed, self.attention_crossover)
+        return max(self.config.block_size, chunk - self._step_prefill)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._long_threshold and num_new > 1:
+                # A prompt part way through its chunks: it keeps its long-prompt slot, and its
+                # chunk is sized after this step's new prompts (_schedule_deferred).
+                if self._long_slots > 0:
+                    self._long_slots -= 1
+                    self._deferred.append(request)
+                index += 1
+                continue
             if num_new <= 0:
                 index += 1
                 continue
@@ -156,16 +166,19 @@ class Scheduler:
             break  # the request preempted itself: nothing behind it is left to schedule
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        skipped = []  # long prompts waiting for a long-prompt slot
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_cached = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached,
-                                           continuing=False), budget)
+            num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached), budget)
             if num_new <= 0:
-                break  # a long prompt, and this step's long-prompt slots are taken: keep order
+                # A long prompt, and this step's long-prompt slots are taken: the shorter ones
+                # behind it go now (it keeps its place in the queue for the next free slot).
+                skipped.append(self.waiting.pop())
+                continue
             if not self.kv.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.pop()
@@ -178,6 +191,23 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            self._step_prefill += num_new
+        for request in skipped:
+            self.waiting.push(request)
+        return budget
+
+    def _schedule_deferred(self, output: SchedulerOutput, budget: int) -> None:
+        """The chunks of prompts part way through, after this step's new prompts."""
+        for request in self._deferred:
+            if budget <= 0:
+                return
+            num_new = min(request.num_tokens - request.num_computed_tokens,
+                          self._long_chunk(request.num_computed_tokens), budget)
+            if not self.kv.allocate_slots(request, num_new):
+                continue  # no room now: it waits rather than preempt anything
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            self._step_prefill += num_new
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id))
