@@ -64,13 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default bench-results/compare-<date>")
     parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-update", action="store_true", help="leave BENCHMARKS.md alone")
+    parser.add_argument("--report-from", type=Path, default=None,
+                        help="no new runs: report what the run that wrote this --out folder "
+                             "left there (also a run stopped part way)")
     args = parser.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.systems) - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown system or workload: {', '.join(sorted(unknown))}")
-    args.out = args.out or REPO / "bench-results" / time.strftime("compare-%Y%m%d-%H%M%S")
+    args.out = (args.report_from or args.out
+                or REPO / "bench-results" / time.strftime("compare-%Y%m%d-%H%M%S"))
     return args
 
 
@@ -183,25 +187,56 @@ def machine() -> str:
     return f"{os.cpu_count()} cores of {model}"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+def run_all(args, meta: dict) -> tuple[list, dict, list]:
+    """Every system on every workload; what finished is also kept in args.out as it comes
+    (meta.json, systems.json, each run's result.json), so a stopped run can be reported."""
     by_workload = {workload: [] for workload in args.workloads}
-    systems, static, run_errors = [], [], []
+    systems, static = [], []
     for name in args.systems:
         if name == "hf-static":
             if "chat-64" not in args.workloads:
                 continue
             system, result = run_hf_static(args)
-            systems.append(system)
+            systems.append(system | {"dir": "hf-static"})
             static += [result] if result else []
         else:
-            systems.append(run_server_system(name, args, by_workload, run_errors))
+            system = run_server_system(name, args, by_workload, meta["run_errors"])
+            systems.append(system | {"dir": name})
+        (args.out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        (args.out / "systems.json").write_text(json.dumps(systems, indent=1, default=str))
+    return systems, by_workload, static
+
+
+def load_run(out: Path, workloads: list[str]) -> tuple[dict, list, dict, list]:
+    """What a (possibly stopped) run left in `out`: its meta, its systems and their results."""
+    meta = json.loads((out / "meta.json").read_text())
+    systems = json.loads((out / "systems.json").read_text())
+    by_workload = {workload: [] for workload in workloads}
+    static = []
+    for system in systems:
+        if system["dir"] == "hf-static":
+            path = out / "hf-static" / "result.json"
+            static += [json.loads(path.read_text())] if path.exists() else []
+            continue
+        for workload in workloads:
+            path = out / system["dir"] / workload / "result.json"
+            if path.exists():
+                by_workload[workload].append((system["name"], json.loads(path.read_text())))
+    return meta, systems, by_workload, static
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "seed": args.seed,
             "command": shlex.join([".venv/bin/python", "-m", "benchmarks.compare"]
                                   + (sys.argv[1:] if argv is None else list(argv))),
             "warmup": args.warmup, "slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot,
-            "run_errors": run_errors}
+            "run_errors": []}
+    if args.report_from:
+        meta, systems, by_workload, static = load_run(args.report_from, args.workloads)
+    else:
+        systems, by_workload, static = run_all(args, meta)
     body = compare_report.section(meta, systems, by_workload, static)
     (args.out / "comparison.md").write_text(body)
     (args.out / "comparison.json").write_text(json.dumps(

@@ -71,3 +71,22 @@ def test_compare_arguments_and_bench_command(tmp_path):
     assert long_short[long_short.index("--rate") + 1] == "4.0"
     first = compare.free_port_block(size=5)
     assert all(compare._is_free(port) for port in range(first, first + 5))
+
+
+def test_a_stopped_run_is_reported_from_what_it_left_in_its_folder(tmp_path):
+    import json
+    meta = {"date": "2026-11-29", "machine": "2 cores", "command": "python -m benchmarks.compare",
+            "seed": 0, "warmup": 64, "slo_ttft": 2.0, "slo_tpot": 0.1, "run_errors": []}
+    systems = [{"name": "kvrelay pd", "dir": "kvrelay-pd", "command": ["kvrelay", "up"],
+                "info": {"version": "kvrelay abc", "dtype": "bfloat16", "threads": 2}}]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "systems.json").write_text(json.dumps(systems))
+    run_dir = tmp_path / "kvrelay-pd" / "chat-64"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps({"runs": [_result("kvrelay pd: chat-64")]}))
+    # the run was stopped before poisson, and before the next system: no files for them
+    assert compare.main(["--report-from", str(tmp_path), "--no-update",
+                         "--workloads", "chat-64,poisson"]) == 0
+    text = (tmp_path / "comparison.md").read_text()
+    assert "| kvrelay pd: chat-64 | 4 / 4 |" in text
+    assert "No system completed this workload." in text
