@@ -55,12 +55,17 @@ def test_decode_reservations_go_to_the_worker_with_the_most_free_blocks():
     driver.assert_quiescent()
 
 
-def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_decodes():
+def _shared_hardware(**config) -> ClusterDriver:
+    """p0 and d0 on one machine's CPUs, p1 on another machine."""
     domain = "host-a/cpus:0,1"
-    driver = ClusterDriver([worker_info("p0", PREFILL, 64, 1024, domain),
-                            worker_info("d0", DECODE, 64, 1024, domain),
-                            worker_info("p1", PREFILL, 64, 1024, "host-b/cpus:0,1")],
-                           max_num_batched_tokens=256)
+    return ClusterDriver([worker_info("p0", PREFILL, 64, 1024, domain),
+                          worker_info("d0", DECODE, 64, 1024, domain),
+                          worker_info("p1", PREFILL, 64, 1024, "host-b/cpus:0,1")],
+                         max_num_batched_tokens=256, **config)
+
+
+def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_decodes():
+    driver = _shared_hardware()
     driver.cluster.shared_prefill_max_num_batched_tokens = 32
     p0, p1 = driver.worker("p0"), driver.worker("p1")
     assert driver.cluster.step_budget(p0) is None  # the decode worker is idle: full steps
@@ -83,11 +88,7 @@ def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_dec
 
 
 def test_long_prompts_are_chunked_on_a_prefill_worker_sharing_hardware_with_decodes():
-    domain = "host-a/cpus:0,1"
-    driver = ClusterDriver([worker_info("p0", PREFILL, 64, 1024, domain),
-                            worker_info("d0", DECODE, 64, 1024, domain),
-                            worker_info("p1", PREFILL, 64, 1024, "host-b/cpus:0,1")],
-                           max_num_batched_tokens=256, long_prefill_token_threshold=16)
+    driver = _shared_hardware(long_prefill_token_threshold=16)
     p0, p1 = driver.worker("p0"), driver.worker("p1")
     assert not driver.cluster.shares_compute_with_decodes(p0)  # the decode worker is idle
     driver.submit("first", prompt(20), max_tokens=50)
