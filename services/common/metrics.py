@@ -5,8 +5,11 @@ Every service exposes its registry over HTTP (`--metrics-port`); the gateway als
 """
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
-                               start_http_server)
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.common.metrics_http import start_metrics_server
 
 REGISTRY = CollectorRegistry()
 
@@ -28,10 +31,11 @@ def histogram(name: str, doc: str, labels: tuple[str, ...] = (),
     return Histogram(f"kvrelay:{name}", doc, labels, registry=REGISTRY, buckets=buckets)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> None:
-    """Expose REGISTRY on http://host:port/metrics (0: do not expose)."""
-    if port:
-        start_http_server(port, addr=host, registry=REGISTRY)
+async def serve_metrics(port: int, host: str = "0.0.0.0") -> asyncio.Server | None:
+    """Expose REGISTRY on http://host:port/metrics (0: do not expose) from the running loop."""
+    if not port:
+        return None
+    return await start_metrics_server(host, port, render_metrics)
 
 
 def render_metrics() -> bytes:

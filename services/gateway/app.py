@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from services.common.log import bind_request_id, get_logger
 from services.common.metrics import render_metrics
+from services.common.metrics_http import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from services.gateway.errors import KINDS, GatewayError, invalid
 from services.gateway.openai_chat import create_chat_completion
 from services.gateway.openai_completions import create_completion
@@ -84,7 +85,7 @@ def _add_probe_routes(app: FastAPI, core) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def version():

@@ -23,8 +23,11 @@ from services.gateway.scheduler_group import SchedulerGroup, least_loaded
 from services.gateway.upstream import Upstream
 
 log = get_logger(__name__)
-# Stats also steer placement between scheduler groups, so they are polled often (a cheap call).
-HEALTH_POLL_S = 0.5
+# Stats steer placement between scheduler groups, so with several groups they are polled often.
+# With one they only tell readiness (a lost Outputs stream is noticed at once anyway), and each
+# poll wakes three idle processes, which costs the model's threads CPU on a small machine.
+STATS_POLL_S = 0.5
+SINGLE_GROUP_STATS_POLL_S = 2.0
 RECONNECT_DELAY_S = 0.5
 # How long an Outputs stream must stay open, without initial metadata, to count as registered.
 REGISTER_GRACE_S = 1.0
@@ -45,11 +48,15 @@ class GatewayCore:
         self.abort_wakeup = asyncio.Event()
         self.tokenizer_serving = False
         self.on_health_change = []  # callbacks(ready: bool)
+        self.was_ready: bool | None = None
+        self.health_lock = asyncio.Lock()  # callbacks see the changes in order
+        self.health_tasks: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        coros = [self.pipeline.run(), self._send_aborts(), self._poll_health(),
+        coros = [self.pipeline.run(), self._send_aborts(), self._poll_stats(),
+                 self.upstream.watch_tokenizer(self._on_tokenizer_health),
                  *(self._consume_outputs(group) for group in self.upstream.groups)]
         self._tasks = [asyncio.create_task(coro) for coro in coros]
 
@@ -85,19 +92,28 @@ class GatewayCore:
         """The smallest of the ready groups': a request must fit wherever it is placed."""
         return min((group.stats.max_model_len for group in self.ready_groups), default=0)
 
-    async def _poll_health(self) -> None:
-        was_ready = None
+    def _on_tokenizer_health(self, serving: bool) -> None:
+        self.tokenizer_serving = serving
+        task = asyncio.create_task(self._follow_health())
+        self.health_tasks.add(task)
+        task.add_done_callback(self.health_tasks.discard)
+
+    async def _poll_stats(self) -> None:
         while True:
-            self.tokenizer_serving, *_ = await asyncio.gather(
-                self.upstream.tokenizer_serving(),
-                *(group.refresh_stats() for group in self.upstream.groups))
-            if self.ready != was_ready:
-                was_ready = self.ready
-                log.info("gateway health", ready=was_ready, tokenizer=self.tokenizer_serving,
-                         groups={group.address: group.ready for group in self.upstream.groups})
-                for callback in self.on_health_change:
-                    await callback(was_ready)
-            await asyncio.sleep(HEALTH_POLL_S)
+            await asyncio.gather(*(group.refresh_stats() for group in self.upstream.groups))
+            await self._follow_health()
+            steady = self.ready and len(self.upstream.groups) == 1
+            await asyncio.sleep(SINGLE_GROUP_STATS_POLL_S if steady else STATS_POLL_S)
+
+    async def _follow_health(self) -> None:
+        async with self.health_lock:
+            if self.ready == self.was_ready:
+                return
+            self.was_ready = self.ready
+            log.info("gateway health", ready=self.was_ready, tokenizer=self.tokenizer_serving,
+                     groups={group.address: group.ready for group in self.upstream.groups})
+            for callback in self.on_health_change:
+                await callback(self.was_ready)
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,

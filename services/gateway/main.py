@@ -75,7 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("gateway started", rest_port=args.port, grpc_port=server.port,
              gateway_id=gateway_id)
     await server.serve_until_stopped(drain)
-    http.should_exit = True
+    http.request_exit()
     with contextlib.suppress(BaseException):
         await http_task
     await core.stop()

@@ -2,6 +2,9 @@
 request id sent along as metadata) and the scheduler groups (scheduler_group.py)."""
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -9,7 +12,9 @@ from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grp
 from services.common.grpc_server import channel
 from services.common.log import request_metadata
 from services.gateway.errors import from_rpc_error
-from services.gateway.scheduler_group import CALL_TIMEOUT_S, PROBE_TIMEOUT_S, SchedulerGroup
+from services.gateway.scheduler_group import CALL_TIMEOUT_S, SchedulerGroup
+
+WATCH_RETRY_S = 0.5
 
 
 class Upstream:
@@ -55,10 +60,17 @@ class Upstream:
             raise from_rpc_error(exc, "tokenizer") from None
         return reply.text
 
-    async def tokenizer_serving(self) -> bool:
-        try:
-            reply = await self.tokenizer_health.Check(health_pb2.HealthCheckRequest(service=""),
-                                                      timeout=PROBE_TIMEOUT_S)
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    async def watch_tokenizer(self, on_change: Callable[[bool], None]) -> None:
+        """Report the tokenizer's health whenever it changes (grpc.health.v1 Watch): no traffic
+        while nothing changes. A broken stream counts as not serving until it is back."""
+        while True:
+            call = self.tokenizer_health.Watch(health_pb2.HealthCheckRequest(service=""))
+            try:
+                async for reply in call:
+                    on_change(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError:
+                pass
+            finally:
+                call.cancel()
+            on_change(False)
+            await asyncio.sleep(WATCH_RETRY_S)

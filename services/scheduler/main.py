@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="how many such long prompts may advance in one step")
     add_flag(parser, "--no-prefix-caching", action="store_true")
     add_flag(parser, "--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    add_flag(parser, "--kv-transport", choices=["grpc", "shm"], default="grpc",
-             help="how prefill workers push KV pages; shm applies to same-host pairs only")
+    add_flag(parser, "--kv-transport", choices=["grpc", "shm"], default="shm",
+             help="how prefill workers push KV pages: shm copies straight into the decode "
+                  "worker's cache where both run on one host, and falls back to grpc per pair")
     add_flag(parser, "--shared-compute-steps", choices=["serialize", "overlap"],
              default="serialize",
              help="workers on the same hardware (same compute domain, e.g. a prefill and a decode "
@@ -82,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
     server.install_signal_handlers()
     await server.start()
-    metrics.serve_metrics(args.metrics_port, args.host)
+    metrics_server = await metrics.serve_metrics(args.metrics_port, args.host)
     reaper = asyncio.create_task(service.reap_leases())
     # The scheduler itself is ready at once; `Stats.ready` tells whether workers are there.
     await server.set_serving(True)
@@ -91,3 +92,5 @@ async def serve(args: argparse.Namespace) -> None:
         await server.serve_until_stopped(service.drain, args.drain_timeout)
     finally:
         reaper.cancel()
+        if metrics_server is not None:
+            metrics_server.close()

@@ -45,10 +45,12 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
     server.install_signal_handlers()
     await server.start()
-    serve_metrics(args.metrics_port, args.host)
+    metrics_server = await serve_metrics(args.metrics_port, args.host)
     log.info("tokenizer loading", port=server.port, model=args.model or "default")
     # Loading may convert a GGUF (many seconds): off the loop, so health answers meanwhile.
     servicer.load(await asyncio.to_thread(load_tokenizer, args.model))
     await server.set_serving(True)
     log.info("tokenizer serving", port=server.port, vocab_size=servicer.vocab_size)
     await server.serve_until_stopped()
+    if metrics_server is not None:
+        metrics_server.close()

@@ -16,6 +16,7 @@ from services.common.flags import add_flag
 from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import freeze_heap, run_service
+from services.engine.omp_threads import run_torch_ops_inline
 from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           ShmKvTransport)
 from services.worker.model_setup import load_worker_model
@@ -73,8 +74,12 @@ async def serve(args: argparse.Namespace) -> None:
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server.server)
     server.install_signal_handlers()
     await server.start()  # health answers NOT_SERVING while the model loads
-    metrics.serve_metrics(args.metrics_port, args.host)
-    loaded = await asyncio.to_thread(load_worker_model, args, shm_path)
+    metrics_server = await metrics.serve_metrics(args.metrics_port, args.host)
+    # Only the compute thread runs torch's OpenMP work: it loads the model and runs every step,
+    # and this loop thread's KV page copies run inline (omp_threads.py says why).
+    run_torch_ops_inline()
+    loaded = await asyncio.get_running_loop().run_in_executor(service.compute, load_worker_model,
+                                                              args, shm_path)
     freeze_heap()  # the model's modules and tensors, too
     runner = loaded.runner
     service.attach(StepExecutor(runner),
@@ -97,6 +102,8 @@ async def serve(args: argparse.Namespace) -> None:
         await server.serve_until_stopped(_drain(registration, service), args.drain_timeout)
     finally:
         keep_alive.cancel()
+        if metrics_server is not None:
+            metrics_server.close()
         await registration.close()
         if shm_path:
             os.unlink(shm_path)
