@@ -32,7 +32,9 @@ def grouped_stack(tmp_path_factory):
     stack = start_stack("pd", tmp_path_factory.mktemp("grouped-stack"),
                         "--groups", str(GROUPS), "--gateways", str(GATEWAYS),
                         "--prefill-workers", str(PREFILL), "--decode-workers", str(DECODE),
-                        "--threads-per-worker", "1", num_internal_ports=num_internal,
+                        "--threads-per-worker", "1",
+                        # The default (shm between same-host workers) serves the other stacks.
+                        "--kv-transport", "grpc", num_internal_ports=num_internal,
                         num_gateways=GATEWAYS, num_kv_blocks=NUM_KV_BLOCKS)
     yield stack
     stop_and_check(stack)
