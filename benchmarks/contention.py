@@ -81,14 +81,20 @@ def main() -> None:
         for duty in duties:
             tag = f"r{round_index}-{duty}"
             results[duty].append(with_hog(duty, lambda: decode_step_ms(llm, rng, tag)))
-    print("| helper's share of one core | decode step (64 sequences) ms, median; each round | "
-          "vs none |")
-    print("|---|---|---|")
-    base = statistics.median(results[duties[0]])
-    for duty, times in results.items():
+    print(step_table("helper's share of one core", "none",
+                     {f"{duty:.0%}": times for duty, times in results.items()}))
+
+
+def step_table(case_header: str, first_case: str, results: dict[str, list[float]]) -> str:
+    """Markdown: each case's median decode step (and each round's), relative to the first."""
+    lines = [f"| {case_header} | decode step (64 sequences) ms, median; each round | "
+             f"vs {first_case} |", "|---|---|---|"]
+    base = statistics.median(next(iter(results.values())))
+    for case, times in results.items():
         each = ", ".join(f"{t:.1f}" for t in times)
-        print(f"| {duty:.0%} | {statistics.median(times):.1f} ({each}) | "
-              f"{statistics.median(times) / base:.2f}x |")
+        lines.append(f"| {case} | {statistics.median(times):.1f} ({each}) | "
+                     f"{statistics.median(times) / base:.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

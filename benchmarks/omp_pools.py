@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.contention import step_table  # noqa: E402
 
 CASES = ("one thread", "second thread parallel", "second thread inline")
 
@@ -66,14 +67,7 @@ def main() -> None:
                                     capture_output=True, text=True).stdout
             results[case].append(json.loads(output.strip().splitlines()[-1]))
             print(f"round {round_index + 1}: {case} {results[case][-1]:.1f} ms", flush=True)
-    print("| torch ops outside the compute thread | decode step (64 sequences) ms, median; "
-          "each round | vs one thread |")
-    print("|---|---|---|")
-    base = statistics.median(results[CASES[0]])
-    for case, times in results.items():
-        each = ", ".join(f"{t:.1f}" for t in times)
-        print(f"| {case} | {statistics.median(times):.1f} ({each}) | "
-              f"{statistics.median(times) / base:.2f}x |")
+    print(step_table("torch ops outside the compute thread", CASES[0], results))
 
 
 if __name__ == "__main__":
