@@ -26,6 +26,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_cached: dict[str, int] = {}  # leading blocks already registered in the cache
+        # PD decode side: hash value -> a reserved block whose pushed pages have not landed yet
+        self.landing: dict[int, KVBlock] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -76,8 +78,9 @@ class KVCacheManager:
             self.pool.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] = ()) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens; False if they do not fit."""
+                       computed_blocks: list[KVBlock] = (), register: bool = True) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens; False if they do not fit.
+        register=False: the full blocks join the cache later (register_landed)."""
         if not self.can_fit(request, num_new_tokens, computed_blocks):
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -88,10 +91,58 @@ class KVCacheManager:
         num_missing = -(-num_tokens // self.block_size) - len(blocks)
         if num_missing > 0:
             blocks.extend(self.pool.allocate(num_missing))
-        self._cache_full_blocks(request, num_tokens)
+        if register:
+            self._cache_full_blocks(request, num_tokens)
         return True
 
+    # ---- PD decode side: prompts whose KV another worker pushes --------------------------------
+    def allocate_for_transfer(self, request: Request) -> int | None:
+        """Blocks for a prompt whose pages a prefill worker will push. Leading blocks this cache
+        already holds are shared and need no push; full blocks that another reservation waits
+        for are shared too but pushed again (the same pages), so no request depends on another's
+        transfer. Returns how many leading blocks need no push (at least one block always does),
+        or None if the blocks do not fit."""
+        hashes = self._hashes(request)
+        num_full = request.num_prompt_tokens // self.block_size
+        landed = self._leading(hashes[:(request.num_prompt_tokens - 1) // self.block_size],
+                               self.pool.lookup)
+        in_flight = self._leading(hashes[len(landed):num_full],
+                                  lambda block_hash: self.landing.get(block_hash.value))
+        shared = landed + in_flight
+        num_new_tokens = request.num_prompt_tokens - len(shared) * self.block_size
+        if not self.allocate_slots(request, num_new_tokens, shared, register=False):
+            return None
+        blocks = self.req_blocks[request.request_id]
+        for index in range(len(shared), num_full):
+            self.landing.setdefault(hashes[index].value, blocks[index])
+        self.req_num_cached[request.request_id] = len(landed)
+        return len(landed)
+
+    def register_landed(self, request: Request) -> None:
+        """The pushed pages are in: the prompt's full blocks now serve prefix hits."""
+        self._drop_landing(request.request_id)
+        self._cache_full_blocks(request, request.num_prompt_tokens)
+
+    @staticmethod
+    def _leading(hashes: list[BlockHash], find) -> list[KVBlock]:
+        blocks = []
+        for block_hash in hashes:
+            block = find(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _drop_landing(self, request_id: str) -> None:
+        if not self.landing:
+            return
+        for block, block_hash in zip(self.req_blocks.get(request_id, ()),
+                                     self.req_hashes.get(request_id, ())):
+            if self.landing.get(block_hash.value) is block:
+                del self.landing[block_hash.value]
+
     def free(self, request: Request) -> None:
+        self._drop_landing(request.request_id)
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(reversed(blocks))
         self.req_num_cached.pop(request.request_id, None)

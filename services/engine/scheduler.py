@@ -237,20 +237,23 @@ class Scheduler:
         self.kv.forget(request)
         self.requests.pop(request.request_id, None)
 
-    def reserve_for_transfer(self, request: Request) -> bool:
-        """Blocks for the prompt's KV on this (decode) worker; False when they do not fit."""
+    def reserve_for_transfer(self, request: Request) -> int | None:
+        """Blocks for the prompt's KV on this (decode) worker: how many leading blocks it holds
+        already (their pages need no push), or None when they do not fit."""
         if len(self.running) + self.num_reserved >= self.config.max_num_seqs:
-            return False
-        if not self.kv.allocate_slots(request, request.num_prompt_tokens):
-            return False
+            return None
+        num_held = self.kv.allocate_for_transfer(request)
+        if num_held is None:
+            return None
         request.status = RequestStatus.TRANSFERRING
         self.requests[request.request_id] = request
         self.reserved.add(request.request_id)
-        return True
+        return num_held
 
     def activate_transferred(self, request: Request) -> None:
         """The pages arrived: decode from the token sampled on the prefill worker."""
         self.reserved.discard(request.request_id)
+        self.kv.register_landed(request)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -12,11 +12,11 @@ import itertools
 
 from services.api.kvrelay.v1 import common_pb2, worker_pb2
 from services.engine.request import Request
+from services.scheduler import scheduler_metrics
 from services.scheduler.deltas import finish_delta
 from services.scheduler.records import DECODE, Phase, SampleRecord, WorkerRecord
 
 _transfer_ids = itertools.count()
-_reservation_ids = itertools.count()
 
 
 def reserve(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSendOrder | None:
@@ -24,14 +24,15 @@ def reserve(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSe
     decode worker has room now."""
     request = sample.request
     for decode in sorted(cluster.live(DECODE), key=_decode_preference):
+        # The prefill side's salt: prompts that share a prefix share its blocks on the decode
+        # worker too, and blocks it already holds are not pushed again (kv_cache_manager.py).
         clone = Request(sample.seq_id, request.prompt_token_ids, request.params,
                         request.eos_token_ids, request.priority, request.arrival_time,
-                        # A salt of its own: these blocks are hashed before their pages land, and
-                        # after a failed transfer they hold garbage no one else may ever match.
-                        cache_salt=f"pd:{sample.seq_id}:{next(_reservation_ids)}")
-        if decode.core.reserve_for_transfer(clone):
+                        request.cache_salt)
+        num_held = decode.core.reserve_for_transfer(clone)
+        if num_held is not None:
             sample.decode_request, sample.decode_worker = clone, decode
-            return _order(cluster, sample, during_step)
+            return _order(cluster, sample, during_step, num_held)
     return None
 
 
@@ -39,18 +40,22 @@ def _decode_preference(worker: WorkerRecord) -> tuple:
     return (-worker.core.kv.num_free_blocks, len(worker.core.running))
 
 
-def _order(cluster, sample: SampleRecord, during_step: bool) -> worker_pb2.KvSendOrder:
+def _order(cluster, sample: SampleRecord, during_step: bool,
+           num_held: int) -> worker_pb2.KvSendOrder:
+    """The push of the prompt's pages, but for the `num_held` leading blocks the decode worker
+    has already."""
     prefill, decode = sample.worker, sample.decode_worker
     num_blocks = -(-sample.request.num_prompt_tokens // prefill.info.block_size)
     transfer_id = f"{sample.seq_id}#{next(_transfer_ids)}"
     sample.transfer_id = transfer_id
     cluster.transfers[transfer_id] = sample
     transport = _transport(cluster.kv_transport, prefill, decode)
+    scheduler_metrics.transfer_ordered(num_held * prefill.info.block_size)
     return worker_pb2.KvSendOrder(
         transfer_id=transfer_id, seq_id=sample.seq_id,
-        src_block_ids=prefill.core.kv.block_ids(sample.seq_id)[:num_blocks],
+        src_block_ids=prefill.core.kv.block_ids(sample.seq_id)[num_held:num_blocks],
         dst_address=decode.info.address,
-        dst_block_ids=decode.core.kv.block_ids(sample.seq_id), transport=transport,
+        dst_block_ids=decode.core.kv.block_ids(sample.seq_id)[num_held:], transport=transport,
         dst_shm_path=decode.info.shm_path if transport == "shm" else "",
         during_step=during_step)
 

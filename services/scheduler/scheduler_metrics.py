@@ -23,6 +23,9 @@ STEP_TOKENS = metrics.histogram("iteration_tokens_total", "Tokens per engine ste
 # The transfer bytes / seconds / failures are the prefill workers' metrics (kv_connector).
 TRANSFERS_DONE = metrics.counter("kv_transfers_completed", "KV transfers reported done",
                                  ("ok",))
+TRANSFER_HELD_TOKENS = metrics.counter(
+    "kv_transfer_prefix_hit_tokens", "Prompt tokens whose KV pages a decode worker already held "
+    "(a shared prefix), so no transfer pushed them")
 STEPS = metrics.counter("worker_steps", "Steps run per worker", ("worker",))
 # The engine cores keep running totals; the counters advance by the change since last time.
 _last_totals: dict[tuple[str, str], int] = {}
@@ -63,3 +66,7 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
 
 def transfer_result(send) -> None:
     TRANSFERS_DONE.labels(str(send.ok).lower()).inc()
+
+
+def transfer_ordered(num_held_tokens: int) -> None:
+    TRANSFER_HELD_TOKENS.inc(num_held_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.stack.ports import busy_ports
@@ -134,3 +136,12 @@ def process_running(pid: int) -> bool:
             return handle.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def metric_values(url: str, name: str) -> dict[str, float]:
+    """{label text: value} of one metric on a Prometheus endpoint."""
+    text = httpx.get(url, timeout=10, trust_env=False).text
+    values = {}
+    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
+        values[match.group(1) or ""] = float(match.group(2))
+    return values

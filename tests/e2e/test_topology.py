@@ -12,11 +12,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
-from tests.e2e.stack import free_port_block, process_running, start_stack, stop_and_check
+from tests.e2e.stack import (free_port_block, metric_values, process_running, start_stack,
+                             stop_and_check)
 
 GROUPS, PREFILL, DECODE, GATEWAYS = 2, 2, 2, 2
 NUM_KV_BLOCKS = 128  # eleven workers' caches in memory at once; plenty for short requests
@@ -38,15 +38,6 @@ def grouped_stack(tmp_path_factory):
                         num_gateways=GATEWAYS, num_kv_blocks=NUM_KV_BLOCKS)
     yield stack
     stop_and_check(stack)
-
-
-def metric_values(url: str, name: str) -> dict[str, float]:
-    """{label text: value} of one metric on a Prometheus endpoint."""
-    text = httpx.get(url, timeout=10, trust_env=False).text
-    values = {}
-    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
-        values[match.group(1) or ""] = float(match.group(2))
-    return values
 
 
 def worker_steps(stack, scheduler: str) -> dict[str, float]:

@@ -75,6 +75,9 @@ class ClusterDriver:
         self.sampled: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens sampled for it
         self.script: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens to sample next
         self.requests: dict[str, Submitted] = {}
+        # (decode worker id, block id) -> the prompt prefix whose KV pages the block holds, as
+        # the transfers wrote them; checked whenever a decode step reads a sequence's blocks.
+        self.pages: dict[tuple[str, int], tuple] = {}
 
     # ---- what the gateway does ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], **params) -> None:
@@ -110,6 +113,9 @@ class ClusterDriver:
             self._check_order(order, worker)
             sample = self.cluster.transfers[order.transfer_id]
             self.sends[order.transfer_id] = InFlightSend(order, worker, sample.decode_worker)
+        if worker.role == DECODE:
+            for item in plan.output.scheduled:
+                self._read_pages(worker, item)
         sampling = [item for item in plan.output.scheduled if item.samples]
         self.steps[worker_id] = InFlightStep(plan, sampling)
         return True
@@ -136,6 +142,7 @@ class ClusterDriver:
 
     def send_result(self, transfer_id: str, ok: bool = True) -> None:
         send = self.sends.pop(transfer_id)
+        self._write_pages(send, ok)
         error = "" if ok else "connection refused"
         handoff.on_send_result(self.cluster, worker_pb2.KvSendResult(
             transfer_id=transfer_id, ok=ok, error=error))
@@ -162,19 +169,55 @@ class ClusterDriver:
         # A real worker never samples a stop token before min_tokens (stop_checker bans them).
         return FILLER if token_id in banned_token_ids(request) else token_id
 
+    def _write_pages(self, send: InFlightSend, ok: bool) -> None:
+        """What the push wrote: the prompt's pages, whole, or torn when it failed part way."""
+        prompt_ids = self.requests[send.order.seq_id.rsplit("/", 1)[0]].prompt
+        dst_block_ids = list(send.order.dst_block_ids)
+        first = _num_blocks(len(prompt_ids)) - len(dst_block_ids)
+        for index, block_id in enumerate(dst_block_ids, start=first):
+            pages = _prompt_pages(prompt_ids, index)
+            key = (send.decode.worker_id, block_id)
+            if ok or self.pages.get(key) == pages:  # a torn write of the same pages is harmless
+                self.pages[key] = pages
+            else:
+                self.pages[key] = ("torn",)
+
+    def _read_pages(self, worker: WorkerRecord, item: ScheduledRequest) -> None:
+        """A decode step reads the prompt blocks it does not compute (a sequence preempted on
+        the decode worker computes its prompt again there): each must hold that prompt's KV."""
+        request = item.request
+        start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
+        block_ids = worker.core.kv.block_ids(request.request_id)
+        for index in range(min(_num_blocks(request.num_prompt_tokens), _num_blocks(end))):
+            key, pages = (worker.worker_id, block_ids[index]), \
+                _prompt_pages(request.prompt_token_ids, index)
+            if (index + 1) * BLOCK_SIZE <= start or start >= request.num_prompt_tokens:
+                assert self.pages.get(key) == pages, \
+                    f"{request.request_id} block {index} on {worker.worker_id} holds other pages"
+            elif index * BLOCK_SIZE < end:
+                self.pages[key] = pages
+
     def _check_order(self, order: worker_pb2.KvSendOrder, prefill: WorkerRecord) -> None:
-        """A send may only write into blocks reserved for its sequence on a live decode worker."""
+        """A send may only write into blocks reserved for its sequence on a live decode worker;
+        the leading blocks it skips hold that prefix already (a decode-side prefix hit)."""
         sample = self.cluster.transfers.get(order.transfer_id)
         assert sample is not None and sample.seq_id == order.seq_id, order
         assert sample.phase is not Phase.DONE, f"send for ended sample {order.seq_id}"
         decode = sample.decode_worker
         assert decode.alive and decode.role == DECODE
-        assert list(order.dst_block_ids) == decode.core.kv.block_ids(order.seq_id)
+        decode_blocks = decode.core.kv.block_ids(order.seq_id)
+        num_held = len(decode_blocks) - len(order.dst_block_ids)
+        assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
+        assert list(order.dst_block_ids) == decode_blocks[num_held:]
         assert decode.core.requests[order.seq_id] is sample.decode_request
         assert sample.decode_request.status is RequestStatus.TRANSFERRING
-        num_blocks = -(-sample.request.num_prompt_tokens // BLOCK_SIZE)
-        assert list(order.src_block_ids) == prefill.core.kv.block_ids(order.seq_id)[:num_blocks]
-        assert len(order.src_block_ids) == len(order.dst_block_ids)
+        num_blocks = _num_blocks(sample.request.num_prompt_tokens)
+        assert len(decode_blocks) == num_blocks
+        assert list(order.src_block_ids) == \
+            prefill.core.kv.block_ids(order.seq_id)[num_held:num_blocks]
+        for index, block_id in enumerate(decode_blocks[:num_held]):
+            assert self.pages.get((decode.worker_id, block_id)) == \
+                _prompt_pages(sample.request.prompt_token_ids, index), "skipped unlanded pages"
 
     # ---- driving to the end ------------------------------------------------------------------------
     def run(self, sends: str = "after", max_rounds: int = 1000) -> None:
@@ -305,8 +348,19 @@ class ClusterDriver:
                 assert not worker.pending_sends and not worker.known_blocks, self.describe()
 
 
+def _num_blocks(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+def _prompt_pages(prompt_ids: list[int], index: int) -> tuple[int, ...]:
+    """The KV of block `index` of a prompt depends on every token up to the block's end."""
+    return tuple(prompt_ids[:(index + 1) * BLOCK_SIZE])
+
+
 def _check_pool(worker: WorkerRecord) -> None:
     kv = worker.core.kv
+    for block in kv.landing.values():  # reserved, pages not in yet: never a prefix hit
+        assert block.block_hash is None and block.ref_cnt > 0, (worker.worker_id, block)
     holders: dict[int, int] = defaultdict(int)
     for blocks in kv.req_blocks.values():
         for block in blocks:

@@ -455,3 +455,67 @@ def test_pd_samples_of_one_prefill_step_join_the_decode_batch_together():
     assert [s.phase for s in samples] == [Phase.DECODE, Phase.DECODE]
     assert len(driver.worker("d0").core.running) == 2
     _finish(driver)
+
+
+# ---- decode-side prefix sharing -----------------------------------------------------------------
+def _shared_prompt(tail_first: int) -> list[int]:
+    """Two full blocks every such prompt shares, then a tail of its own."""
+    return prompt(32) + prompt(8, first=tail_first)
+
+
+def _order_for(driver, seq_id: str):
+    [send] = [s for s in driver.sends.values() if s.order.seq_id == seq_id]
+    return send.order
+
+
+def test_pd_decode_worker_holding_a_prefix_gets_only_the_rest_pushed():
+    driver = pd_driver()
+    driver.submit("a", _shared_prompt(50), max_tokens=2)
+    _finish(driver)  # a's blocks are free again on the decode worker, and still cached
+    driver.submit("b", _shared_prompt(60), max_tokens=2)
+    driver.start_step("p0")
+    order = _order_for(driver, "b/0")
+    decode_blocks = driver.worker("d0").core.kv.block_ids("b/0")
+    assert list(order.dst_block_ids) == decode_blocks[2:]  # the shared two blocks stay home
+    assert len(order.src_block_ids) == 1
+    _finish(driver)  # the driver checks every block b's decode steps read holds b's prefix
+
+
+def test_pd_whole_prompt_held_still_pushes_its_last_block():
+    driver = pd_driver()
+    driver.submit("a", prompt(32), max_tokens=2)
+    _finish(driver)
+    driver.submit("b", prompt(32), max_tokens=2)
+    driver.start_step("p0")
+    assert len(_order_for(driver, "b/0").dst_block_ids) == 1
+    _finish(driver)
+
+
+def test_pd_prefix_in_flight_is_shared_and_pushed_by_each_transfer():
+    driver = pd_driver(decode_blocks=5)  # two unshared 40-token prompts would need six blocks
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.start_step("p0")
+    a_blocks, b_blocks = (driver.worker("d0").core.kv.block_ids(s) for s in ("a/0", "b/0"))
+    assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
+    # b does not depend on a's transfer: it pushes the shared pages too
+    assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    driver.send_result(_order_for(driver, "b/0").transfer_id)
+    assert driver.final("a").finish_reason == ERROR
+    _finish(driver)
+    assert len(driver.tokens("b")) == 3
+
+
+def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
+    driver = pd_driver()
+    driver.submit("a", _shared_prompt(50), max_tokens=2)
+    driver.start_step("p0")
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    driver.submit("b", _shared_prompt(60), max_tokens=2)
+    driver.start_step("p0")
+    order = _order_for(driver, "b/0")
+    assert len(order.dst_block_ids) == len(driver.worker("d0").core.kv.block_ids("b/0")) == 3
+    _finish(driver)
