@@ -123,6 +123,17 @@ class KVCacheManager:
         self._drop_landing(request.request_id)
         self._cache_full_blocks(request, request.num_prompt_tokens)
 
+    def set_aside(self, request: Request) -> list[KVBlock]:
+        """Take a reservation's blocks out of its table, still referenced: a lost sender may
+        still write into them (see release)."""
+        self._drop_landing(request.request_id)
+        self.req_hashes.pop(request.request_id, None)
+        self.req_num_cached.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, [])
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        self.pool.free(reversed(blocks))
+
     @staticmethod
     def _leading(hashes: list[BlockHash], find) -> list[KVBlock]:
         blocks = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
+from services.engine.block_pool import KVBlock
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.prefill_chunks import long_prefill_chunk
 from services.engine.request import Request, RequestStatus
@@ -257,6 +258,14 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def set_aside(self, request: Request) -> list[KVBlock]:
+        """A reservation whose sender was lost: it leaves this worker's books, and its blocks,
+        still referenced, go to the caller to free once no late page can land in them."""
+        self.reserved.discard(request.request_id)
+        self.requests.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return self.kv.set_aside(request)
 
     # ---- results -------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,

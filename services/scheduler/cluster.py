@@ -15,10 +15,10 @@ from services.engine.config import EngineConfig
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.scheduler import handoff
+from services.scheduler import handoff, scheduler_metrics
 from services.scheduler.deltas import DeltaSink, finish_delta
 from services.scheduler.records import (BOTH, DECODE, PREFILL, Phase, RequestRecord,
-                                        SampleRecord, WorkerRecord)
+                                        SampleRecord, SetAside, WorkerRecord)
 
 
 class Unavailable(Exception):
@@ -36,6 +36,8 @@ class ClusterScheduler:
         self.samples: dict[str, SampleRecord] = {}
         self.transfers: dict[str, SampleRecord] = {}  # transfer id -> sample being sent
         self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
+        self.set_aside: list[SetAside] = []  # decode blocks a lost sender may still write
+        self.transfer_timeout_s = 30.0  # an order's pages are written within this, or never
         self.kv_transport = "grpc"  # "shm": same-host pairs copy pages through shared memory
         # Steps of workers in one compute domain run in turn (service.py); while a decode
         # worker there has sequences running, a prefill step this big at most keeps its
@@ -302,12 +304,40 @@ class ClusterScheduler:
             if sample.send_in_flight:  # no result may come, or it comes too late to matter
                 self.transfers.pop(sample.transfer_id, None)
                 sample.send_in_flight = False
+                if sample.worker is worker:  # the sender may still run, cut off from us
+                    self._set_aside_decode_side(sample)
             if sample.phase is Phase.DONE:  # ended earlier; only its send held the blocks
                 self.release_ended(sample)
             else:
                 self.end_sample(sample, finish_delta(sample, common_pb2.FINISH_REASON_ERROR,
                                                      error))
         handoff.activate_waiting_groups(self)  # their last send may have been a dead one
+        handoff.retry_awaiting(self)
+
+    def _set_aside_decode_side(self, sample: SampleRecord) -> None:
+        """A prefill worker declared dead may be alive and still pushing (a partition, a stall):
+        its pages could land in the decode blocks after they went to another request. The
+        blocks stay held, by no request, until the order's deadline has passed."""
+        decode = sample.decode_worker
+        if decode is None:
+            return
+        blocks = decode.core.set_aside(sample.decode_request)
+        # The lease as a margin: the sender checks the deadline on its own clock.
+        self.set_aside.append(SetAside(decode, blocks, sample.send_deadline + self.lease_s))
+        self.forget_on(decode, sample.seq_id)
+        sample.decode_worker, sample.decode_request = None, None
+        scheduler_metrics.blocks_set_aside(self)
+
+    def release_set_aside(self, now: float) -> None:
+        """Free the set-aside blocks whose deadline has passed."""
+        due = [entry for entry in self.set_aside if entry.until <= now]
+        if not due:
+            return
+        self.set_aside = [entry for entry in self.set_aside if entry.until > now]
+        for entry in due:
+            entry.worker.core.kv.release(entry.blocks)
+            self.on_work(entry.worker)
+        scheduler_metrics.blocks_set_aside(self)
         handoff.retry_awaiting(self)
 
     def expire_leases(self) -> list[WorkerRecord]:

@@ -3,12 +3,14 @@ prompt's pages into them, and move the sample to the decode worker once they hav
 
 States (records.Phase): PREFILL -> TRANSFER -> DECODE. A send that reached the prefill worker
 holds the decode worker's blocks until its result comes back, whatever happens to the request
-meanwhile, so a late write can never land in a block that was given to someone else. The prefill
-side's pages are copied out during the step that carries the order.
+meanwhile, or, if its worker is lost, until the order's deadline (cluster.py), so a late write
+can never land in a block that was given to someone else. The prefill side's pages are copied
+out during the step that carries the order.
 """
 from __future__ import annotations
 
 import itertools
+import time
 
 from services.api.kvrelay.v1 import common_pb2, worker_pb2
 from services.engine.request import Request
@@ -51,13 +53,15 @@ def _order(cluster, sample: SampleRecord, during_step: bool,
     cluster.transfers[transfer_id] = sample
     transport = _transport(cluster.kv_transport, prefill, decode)
     scheduler_metrics.transfer_ordered(num_held * prefill.info.block_size)
+    sample.send_deadline = time.monotonic() + cluster.transfer_timeout_s
     return worker_pb2.KvSendOrder(
         transfer_id=transfer_id, seq_id=sample.seq_id,
         src_block_ids=prefill.core.kv.block_ids(sample.seq_id)[num_held:num_blocks],
         dst_address=decode.info.address,
         dst_block_ids=decode.core.kv.block_ids(sample.seq_id)[num_held:], transport=transport,
         dst_shm_path=decode.info.shm_path if transport == "shm" else "",
-        during_step=during_step)
+        during_step=during_step,
+        deadline_unix_ms=int((time.time() + cluster.transfer_timeout_s) * 1000))
 
 
 def _transport(preferred: str, prefill: WorkerRecord, decode: WorkerRecord) -> str:

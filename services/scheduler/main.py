@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "decode worker on the same hardware has sequences running (0: no limit). "
                   "Trades throughput and TTFT for the decodes' inter-token latency "
                   "(BENCHMARKS.md)")
+    add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0,
+             help="seconds a prefill worker has to push a sample's KV pages; the decode "
+                  "blocks of a lost worker's sends are held this long (plus a lease)")
     add_flag(parser, "--lease-ms", type=int, default=3000,
              help="a worker silent for this long is declared dead")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
@@ -72,6 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
                           scheduling_policy=args.scheduling_policy)
     cluster = ClusterScheduler(config, args.lease_ms / 1000, DeltaSink())
     cluster.kv_transport = args.kv_transport
+    cluster.transfer_timeout_s = args.kv_transfer_timeout
     cluster.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or None
     if args.shared_compute_steps == "serialize":
         cluster.shared_prefill_max_num_batched_tokens = (

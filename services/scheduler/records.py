@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
+from services.engine.block_pool import KVBlock
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 
@@ -64,7 +65,16 @@ class SampleRecord:
     send_in_flight: bool = False  # an order reached the prefill worker; wait for its result
     pages_delivered: bool = False  # a layer-by-layer send can finish before its step's result
     send_step: int = 0  # the prefill step whose message carried the send order
-    num_sent_tokens: int = 0
+    send_deadline: float = 0.0  # monotonic: no page of the order is written after it
+
+
+@dataclass(slots=True)
+class SetAside:
+    """Decode blocks a lost prefill worker's send may still write into: held, owned by no
+    request, until the send's deadline has passed."""
+    worker: WorkerRecord
+    blocks: list[KVBlock]
+    until: float  # monotonic
 
 
 @dataclass(slots=True)

@@ -26,6 +26,9 @@ TRANSFERS_DONE = metrics.counter("kv_transfers_completed", "KV transfers reporte
 TRANSFER_HELD_TOKENS = metrics.counter(
     "kv_transfer_prefix_hit_tokens", "Prompt tokens whose KV pages a decode worker already held "
     "(a shared prefix), so no transfer pushed them")
+SET_ASIDE_BLOCKS = metrics.gauge(
+    "kv_blocks_set_aside", "Decode blocks held until a lost prefill worker's sends expire",
+    ("worker",))
 STEPS = metrics.counter("worker_steps", "Steps run per worker", ("worker",))
 # The engine cores keep running totals; the counters advance by the change since last time.
 _last_totals: dict[tuple[str, str], int] = {}
@@ -70,3 +73,11 @@ def transfer_result(send) -> None:
 
 def transfer_ordered(num_held_tokens: int) -> None:
     TRANSFER_HELD_TOKENS.inc(num_held_tokens)
+
+
+def blocks_set_aside(cluster) -> None:
+    held: dict[str, int] = {worker_id: 0 for worker_id in cluster.workers}
+    for entry in cluster.set_aside:
+        held[entry.worker.worker_id] = held.get(entry.worker.worker_id, 0) + len(entry.blocks)
+    for worker_id, num_blocks in held.items():
+        SET_ASIDE_BLOCKS.labels(worker_id).set(num_blocks)

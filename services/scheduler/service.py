@@ -3,6 +3,7 @@ registry and stats, over one ClusterScheduler."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -126,6 +127,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 link = self.links.pop(worker.worker_id, None)
                 if link is not None and link.task is not None:
                     link.task.cancel()
+            self.cluster.release_set_aside(time.monotonic())
             self.cluster.sink.flush()
 
     async def drain(self) -> None:

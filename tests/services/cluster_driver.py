@@ -3,6 +3,7 @@ model: plan a worker's step, answer it with the tokens a worker would sample, ap
 and deliver KV send results whenever a test says so. Checks the scheduler's accounting."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from services.engine.stop_checker import banned_token_ids
 from services.scheduler import handoff
 from services.scheduler.cluster import ClusterScheduler
 from services.scheduler.deltas import DeltaSink
-from services.scheduler.records import BOTH, DECODE, PREFILL, Phase, WorkerRecord
+from services.scheduler.records import BOTH, DECODE, PREFILL, Phase, SetAside, WorkerRecord
 from services.scheduler.step_plan import StepPlan, apply_result, plan_step
 
 BLOCK_SIZE = 16
@@ -78,6 +79,7 @@ class ClusterDriver:
         # (decode worker id, block id) -> the prompt prefix whose KV pages the block holds, as
         # the transfers wrote them; checked whenever a decode step reads a sequence's blocks.
         self.pages: dict[tuple[str, int], tuple] = {}
+        self.zombie_sends: list[InFlightSend] = []  # sends of workers declared dead, still running
 
     # ---- what the gateway does ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], **params) -> None:
@@ -148,8 +150,9 @@ class ClusterDriver:
             transfer_id=transfer_id, ok=ok, error=error))
         self.flush()
 
-    def kill(self, worker_id: str) -> None:
-        """The worker's stream breaks: its step and its own sends never answer."""
+    def kill(self, worker_id: str, zombie: bool = False) -> None:
+        """The worker's stream breaks: its step and its own sends never answer. A zombie is
+        only cut off: its sends may still write their pages (land_zombie_pages)."""
         worker = self.worker(worker_id)
         self.cluster.worker_died(worker, "step stream broke")
         self.flush()
@@ -157,6 +160,14 @@ class ClusterDriver:
         for transfer_id, send in list(self.sends.items()):
             if send.prefill is worker:
                 del self.sends[transfer_id]
+                if zombie:
+                    self.zombie_sends.append(send)
+
+    def land_zombie_pages(self) -> None:
+        """The cut-off sends write their pages now, before their deadline."""
+        for send in self.zombie_sends:
+            self._write_pages(send, ok=True)
+        self.zombie_sends.clear()
 
     def register(self, info: scheduler_pb2.RegisterWorkerRequest) -> None:
         """A (fresh) worker process registers, maybe under a dead one's id."""
@@ -226,6 +237,7 @@ class ClusterDriver:
         it, or "late" (after the worker's next step has been planned)."""
         for _ in range(max_rounds):
             if not self.cluster.requests and not self.steps and not self.sends:
+                self.cluster.release_set_aside(math.inf)  # all that is left is to wait
                 return
             progressed = bool(self.steps or self.sends)
             carried = list(self.sends)
@@ -308,7 +320,7 @@ class ClusterDriver:
         """What must hold between any two events, on every worker, dead ones included."""
         cluster = self.cluster
         for worker in self.all_workers:
-            _check_pool(worker)
+            _check_pool(worker, [entry for entry in cluster.set_aside if entry.worker is worker])
             for seq_id, request in worker.core.requests.items():
                 sample = cluster.samples.get(seq_id)
                 assert sample is not None, f"{worker.worker_id} holds orphan {seq_id}"
@@ -357,12 +369,12 @@ def _prompt_pages(prompt_ids: list[int], index: int) -> tuple[int, ...]:
     return tuple(prompt_ids[:(index + 1) * BLOCK_SIZE])
 
 
-def _check_pool(worker: WorkerRecord) -> None:
+def _check_pool(worker: WorkerRecord, set_aside: list[SetAside]) -> None:
     kv = worker.core.kv
     for block in kv.landing.values():  # reserved, pages not in yet: never a prefix hit
         assert block.block_hash is None and block.ref_cnt > 0, (worker.worker_id, block)
     holders: dict[int, int] = defaultdict(int)
-    for blocks in kv.req_blocks.values():
+    for blocks in [*kv.req_blocks.values(), *(entry.blocks for entry in set_aside)]:
         for block in blocks:
             holders[block.block_id] += 1
     for block in kv.pool.blocks:

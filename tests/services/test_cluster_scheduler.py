@@ -3,6 +3,8 @@ cores, driven in-process: PD handoff and colocated runs, stops, n > 1, and every
 can end (finish, abort in each phase, failed transfer, worker death) leaving every block free."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -282,7 +284,8 @@ def test_pd_worker_death_in_each_phase_frees_everything(phase, dead):
 
 
 def test_pd_worker_death_of_the_prefill_worker_with_an_aborted_sample_in_flight():
-    """The send's result can never come from a dead worker: its blocks must not wait for it."""
+    """The send's result can never come from a dead worker: its reservation ends, and its
+    blocks are held only until the send's deadline."""
     driver = pd_driver()
     driver.submit("r", prompt(40), max_tokens=6)
     driver.start_step("p0")
@@ -290,8 +293,33 @@ def test_pd_worker_death_of_the_prefill_worker_with_an_aborted_sample_in_flight(
     driver.abort("r")
     driver.kill("p0")
     driver.check_accounting()
-    assert driver.worker("d0").core.num_reserved == 0
+    decode = driver.worker("d0").core
+    assert decode.num_reserved == 0 and not decode.requests
+    assert decode.kv.num_free_blocks == 16 - 3
+    driver.run()  # the deadline passes
     driver.assert_quiescent()
+
+
+def test_pd_lost_prefill_workers_late_pages_land_in_no_one_elses_blocks():
+    """A prefill worker declared dead may still be running and pushing (a partition, a
+    stall). Its destination blocks go to no one until its orders' deadline has passed."""
+    driver = pd_driver(decode_blocks=3)  # one 40-token prompt fills the decode worker
+    driver.submit("a", prompt(40), max_tokens=3)
+    driver.start_step("p0")  # a's send is on its way
+    driver.kill("p0", zombie=True)
+    assert driver.final("a").finish_reason == ERROR
+    driver.register(worker_info("p1", PREFILL, 16))
+    driver.submit("b", prompt(40, first=50), max_tokens=3)
+    driver.step("p1")
+    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]  # nothing free
+    driver.land_zombie_pages()  # late pages, into the blocks set aside
+    driver.cluster.release_set_aside(time.monotonic())  # the deadline has not passed yet
+    assert driver.cluster.awaiting_decode
+    [entry] = driver.cluster.set_aside
+    driver.cluster.release_set_aside(entry.until)
+    assert not driver.cluster.awaiting_decode  # b got the blocks, and pushes its own pages
+    _finish(driver)  # every block b's decode steps read holds b's prompt
+    assert driver.tokens("b") == [FILLER] * 3
 
 
 def test_pd_replacement_decode_worker_takes_samples_that_waited_for_one():

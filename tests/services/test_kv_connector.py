@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from services.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2
+from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
 from services.engine.model_runner import allocate_kv_cache, map_kv_cache_file
 from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender, LayerFeed,
                                           ShmKvTransport, TransferFailed)
@@ -277,3 +277,84 @@ def test_shm_push_that_cannot_land_fails(tmp_path, problem):
 
     result = asyncio.run(scenario())
     assert not result.ok and result.error
+
+
+# ---- deadlines --------------------------------------------------------------------------------------
+def _deadline_in(seconds: float) -> int:
+    return int((time.time() + seconds) * 1000)
+
+
+@pytest.mark.parametrize("transport_name", ["grpc", "shm"])
+def test_a_send_past_its_deadline_writes_nothing(tmp_path, transport_name):
+    """The scheduler may have given the destination blocks to another request by then."""
+    path = str(tmp_path / "decode.kv")
+    destination = allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
+    destination.copy_(_cache(SMALL, torch.float32, 2))
+    before = destination.clone()
+    source = _cache(SMALL, torch.float32, 1)
+    layers, _, _, block_size, kv_heads, head_dim = SMALL
+
+    async def scenario():
+        server, address = await _serve(KvReceiver(destination))
+        transports = {"grpc": GrpcKvTransport(),
+                      "shm": ShmKvTransport((layers, block_size, kv_heads, head_dim),
+                                            torch.float32)}
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed.fill_now()
+        order = _order([0, 1], [2, 3], address, transport_name, path)
+        order.deadline_unix_ms = _deadline_in(-0.001)
+        try:
+            return await KvSender(transports, timeout_s=5.0).send(order, feed)
+        finally:
+            await transports["grpc"].close()
+            await server.stop(None)
+
+    result = asyncio.run(scenario())
+    assert not result.ok and "deadline" in result.error
+    assert torch.equal(_bits(destination), _bits(before))
+
+
+def test_shm_send_stops_writing_at_its_deadline(tmp_path):
+    """Layers that come after the deadline are not written, even by a sender no one heard
+    from since (the scheduler frees the blocks soon after)."""
+    path = str(tmp_path / "decode.kv")
+    destination = allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
+    destination.copy_(_cache(SMALL, torch.float32, 2))
+    before = destination.clone()
+    source = _cache(SMALL, torch.float32, 1)
+    layers, _, _, block_size, kv_heads, head_dim = SMALL
+
+    async def scenario():
+        transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), torch.float32)
+        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        order = _order([0, 1], [2, 3], transport="shm", shm_path=path)
+        order.deadline_unix_ms = _deadline_in(0.3)
+        feed.on_layer_done(0)
+        push = asyncio.create_task(transport.push(order, feed))
+        await asyncio.sleep(0.5)  # the compute thread is slow: the deadline passes
+        for layer in range(1, layers):
+            feed.on_layer_done(layer)
+        with pytest.raises(TransferFailed, match="deadline"):
+            await push
+
+    asyncio.run(scenario())
+    assert torch.equal(_bits(destination[0][:, [2, 3]]), _bits(source[0][:, [0, 1]]))
+    assert torch.equal(_bits(destination[1:]), _bits(before[1:]))
+
+
+def test_receiver_refuses_chunks_after_their_deadline():
+    destination = _cache(SMALL, torch.float32, 2)
+    before = destination.clone()
+    receiver = KvReceiver(destination)
+    _, _, _, block_size, kv_heads, head_dim = SMALL
+    pages = torch.zeros((1, block_size, kv_heads, head_dim))
+
+    async def chunks():
+        yield kv_transfer_pb2.KvChunk(
+            transfer_id="t1", layer=0, dst_block_ids=[2], keys=pages.numpy().tobytes(),
+            values=pages.numpy().tobytes(), dtype="float32", last=True,
+            deadline_unix_ms=_deadline_in(-0.001))
+
+    ack = asyncio.run(receiver.Push(chunks(), None))
+    assert not ack.ok and "deadline" in ack.error
+    assert torch.equal(_bits(destination), _bits(before))

@@ -6,6 +6,7 @@ device memory directly (RDMA / NCCL on GPUs): they would read the same feed of t
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 from services.api.kvrelay.v1 import worker_pb2
@@ -14,6 +15,20 @@ from services.worker.kv_connector.feed import LayerFeed
 
 class TransferFailed(Exception):
     pass
+
+
+def seconds_left(order: worker_pb2.KvSendOrder) -> float:
+    """Until the order's deadline (inf without one)."""
+    if not order.deadline_unix_ms:
+        return float("inf")
+    return order.deadline_unix_ms / 1000 - time.time()
+
+
+def check_deadline(order: worker_pb2.KvSendOrder) -> None:
+    """Before each write: past its deadline the scheduler may have lost track of this sender
+    and given the destination blocks to another request."""
+    if seconds_left(order) <= 0:
+        raise TransferFailed("the order's deadline passed")
 
 
 class KvTransport(ABC):

@@ -11,7 +11,7 @@ import grpc
 
 from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
 from services.common.grpc_server import channel
-from services.worker.kv_connector.base import KvTransport, TransferFailed
+from services.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
 from services.worker.kv_connector.feed import LayerFeed
 
 MAX_CHUNK_BYTES = 3 << 20  # K and V together, leaving room for the message's other fields
@@ -55,10 +55,12 @@ class GrpcKvTransport(KvTransport):
             per_chunk = max(1, MAX_CHUNK_BYTES // block_bytes)
             for start in range(0, len(dst), per_chunk):
                 part = pages[:, start:start + per_chunk]
+                check_deadline(order)
                 yield kv_transfer_pb2.KvChunk(
                     transfer_id=order.transfer_id, layer=layer,
                     dst_block_ids=dst[start:start + per_chunk],
                     keys=_raw_bytes(part[0]), values=_raw_bytes(part[1]), dtype=dtype,
+                    deadline_unix_ms=order.deadline_unix_ms,
                     last=layer == feed.num_layers - 1 and start + per_chunk >= len(dst))
 
     async def close(self) -> None:

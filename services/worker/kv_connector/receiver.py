@@ -46,6 +46,9 @@ class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
         return kv_transfer_pb2.KvPushAck(transfer_id=transfer_id, ok=True, num_bytes=num_bytes)
 
     def _write(self, chunk: kv_transfer_pb2.KvChunk) -> int:
+        if chunk.deadline_unix_ms and time.time() * 1000 >= chunk.deadline_unix_ms:
+            # The scheduler holds these blocks only until the deadline (plus a margin).
+            raise ValueError("chunk arrived after its transfer's deadline")
         dtype = DTYPES.get(chunk.dtype)
         if dtype != self.kv_cache.dtype:
             raise ValueError(f"dtype {chunk.dtype!r} does not match the cache's "

@@ -8,7 +8,7 @@ import time
 from services.api.kvrelay.v1 import worker_pb2
 from services.common import metrics
 from services.common.log import get_logger
-from services.worker.kv_connector.base import KvTransport, TransferFailed
+from services.worker.kv_connector.base import KvTransport, TransferFailed, seconds_left
 from services.worker.kv_connector.feed import LayerFeed
 
 log = get_logger(__name__)
@@ -33,12 +33,15 @@ class KvSender:
         try:
             if transport is None:
                 raise TransferFailed(f"transport {order.transport!r} is not enabled here")
-            num_bytes = await asyncio.wait_for(transport.push(order, feed), self.timeout_s)
+            timeout_s = min(self.timeout_s, seconds_left(order))
+            if timeout_s <= 0:
+                raise TransferFailed("the order's deadline passed before the send started")
+            num_bytes = await asyncio.wait_for(transport.push(order, feed), timeout_s)
         except Exception as exc:  # noqa: BLE001
             # Every failure must reach the scheduler, or the blocks on both sides stay held.
             error = str(exc) or type(exc).__name__
             if isinstance(exc, asyncio.TimeoutError):
-                error = f"timed out after {self.timeout_s} s"
+                error = f"timed out after {timeout_s:.1f} s"
             TRANSFER_FAILURES.labels(order.transport or "grpc").inc()
             log.warning("kv transfer failed", transfer_id=order.transfer_id, error=error)
             return worker_pb2.KvSendResult(transfer_id=order.transfer_id, ok=False, error=error)

@@ -7,7 +7,7 @@ import torch
 
 from services.api.kvrelay.v1 import worker_pb2
 from services.engine.model_runner import map_kv_cache_file
-from services.worker.kv_connector.base import KvTransport, TransferFailed
+from services.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
 from services.worker.kv_connector.feed import LayerFeed
 
 
@@ -36,6 +36,7 @@ class ShmKvTransport(KvTransport):
             raise TransferFailed(f"destination block {int(dst_index.max())} out of range")
         num_bytes = 0
         async for layer, pages in feed.layers():  # pages [2, n, bs, kv_heads, head_dim]
+            check_deadline(order)
             destination[layer].index_copy_(1, dst_index, pages)
             num_bytes += pages.numel() * pages.element_size()
         return num_bytes
