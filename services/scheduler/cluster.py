@@ -15,7 +15,7 @@ from services.engine.config import EngineConfig
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.scheduler import handoff, scheduler_metrics
+from services.scheduler import handoff
 from services.scheduler.deltas import DeltaSink, finish_delta
 from services.scheduler.records import (BOTH, DECODE, PREFILL, Phase, RequestRecord,
                                         SampleRecord, SetAside, WorkerRecord)
@@ -38,6 +38,7 @@ class ClusterScheduler:
         self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
         self.set_aside: list[SetAside] = []  # decode blocks a lost sender may still write
         self.transfer_timeout_s = 30.0  # an order's pages are written within this, or never
+        self.num_transfer_prefix_hit_tokens = 0  # prompt tokens a decode worker held already
         self.kv_transport = "grpc"  # "shm": same-host pairs copy pages through shared memory
         # Steps of workers in one compute domain run in turn (service.py); while a decode
         # worker there has sequences running, a prefill step this big at most keeps its
@@ -326,7 +327,6 @@ class ClusterScheduler:
         self.set_aside.append(SetAside(decode, blocks, sample.send_deadline + self.lease_s))
         self.forget_on(decode, sample.seq_id)
         sample.decode_worker, sample.decode_request = None, None
-        scheduler_metrics.blocks_set_aside(self)
 
     def release_set_aside(self, now: float) -> None:
         """Free the set-aside blocks whose deadline has passed."""
@@ -337,7 +337,6 @@ class ClusterScheduler:
         for entry in due:
             entry.worker.core.kv.release(entry.blocks)
             self.on_work(entry.worker)
-        scheduler_metrics.blocks_set_aside(self)
         handoff.retry_awaiting(self)
 
     def expire_leases(self) -> list[WorkerRecord]:

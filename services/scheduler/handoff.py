@@ -14,7 +14,6 @@ import time
 
 from services.api.kvrelay.v1 import common_pb2, worker_pb2
 from services.engine.request import Request
-from services.scheduler import scheduler_metrics
 from services.scheduler.deltas import finish_delta
 from services.scheduler.records import DECODE, Phase, SampleRecord, WorkerRecord
 
@@ -52,7 +51,7 @@ def _order(cluster, sample: SampleRecord, during_step: bool,
     sample.transfer_id = transfer_id
     cluster.transfers[transfer_id] = sample
     transport = _transport(cluster.kv_transport, prefill, decode)
-    scheduler_metrics.transfer_ordered(num_held * prefill.info.block_size)
+    cluster.num_transfer_prefix_hit_tokens += num_held * prefill.info.block_size
     sample.send_deadline = time.monotonic() + cluster.transfer_timeout_s
     return worker_pb2.KvSendOrder(
         transfer_id=transfer_id, seq_id=sample.seq_id,

@@ -41,6 +41,13 @@ def _advance(counter, worker: str, name: str, total: int) -> None:
     _last_totals[(worker, name)] = total
 
 
+def _advance_total(counter, name: str, total: int) -> None:
+    previous = _last_totals.get(("", name), 0)
+    if total > previous:
+        counter.inc(total - previous)
+    _last_totals[("", name)] = total
+
+
 def after_step(cluster, worker, plan, num_sampled: int) -> None:
     name = worker.worker_id
     core = worker.core
@@ -52,6 +59,9 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
     STEPS.labels(name).inc()
     TRANSFERRING.set(len(cluster.transfers))
+    _advance_total(TRANSFER_HELD_TOKENS, "transfer_prefix_hits",
+                   cluster.num_transfer_prefix_hit_tokens)
+    blocks_set_aside(cluster)
     now = time.monotonic()
     num_prompt = 0
     for item in plan.output.scheduled:
@@ -69,10 +79,6 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
 
 def transfer_result(send) -> None:
     TRANSFERS_DONE.labels(str(send.ok).lower()).inc()
-
-
-def transfer_ordered(num_held_tokens: int) -> None:
-    TRANSFER_HELD_TOKENS.inc(num_held_tokens)
 
 
 def blocks_set_aside(cluster) -> None:

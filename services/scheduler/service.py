@@ -11,6 +11,7 @@ from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.log import bind_request_id, get_logger, request_id_from
 from services.common.wire import params_from_proto
 from services.scheduler.cluster import ClusterScheduler, Unavailable
+from services.scheduler import scheduler_metrics
 from services.scheduler.worker_link import WorkerLink
 
 log = get_logger(__name__)
@@ -128,6 +129,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if link is not None and link.task is not None:
                     link.task.cancel()
             self.cluster.release_set_aside(time.monotonic())
+            scheduler_metrics.blocks_set_aside(self.cluster)
             self.cluster.sink.flush()
 
     async def drain(self) -> None:
