@@ -1,13 +1,19 @@
 """shared-prefix with prefix caching on and off, through the PD and colocated stacks, one run.
 
-    python benchmarks/prefix_cache.py [--topologies pd,colocated]
+    python benchmarks/prefix_cache.py [--topologies pd,colocated] [--rounds 1]
+    python benchmarks/prefix_cache.py --topologies pd --no-off --rounds 2 --checkouts .,/tmp/old
 
 Each stack is started by `kvrelay up` (with `--no-prefix-caching` for "off") and sent the
 shared-prefix workload by `kvrelay bench serve` (64 requests at once, no warm-up: the first
 requests must compute the shared system prompt). Reports TTFT and throughput from the bench
 result and, from the scheduler's metrics, the prompt tokens the prefix cache served: as a share
 of all prompt tokens looked up, and of the shared prompt tokens (the system prompt's full
-blocks, once per request).
+blocks, once per request). For PD also the KV bytes the prefill workers pushed and the prompt
+tokens the decode worker already held (not pushed).
+
+`--checkouts` runs the stacks from other source trees too (e.g. a `git worktree` of an older
+commit), the variants taking turns in each of `--rounds` rounds: a before/after on one machine
+state.
 """
 from __future__ import annotations
 
@@ -51,38 +57,54 @@ def shared_prompt_tokens(rest_url: str, model: str) -> int:
     return common // BLOCK_SIZE * BLOCK_SIZE
 
 
-def run_one(topology: str, caching: bool, workdir: Path, port: int, count: int) -> dict:
-    log_dir = workdir / f"{topology}-{'on' if caching else 'off'}"
+def run_one(topology: str, caching: bool, checkout: Path, workdir: Path, port: int,
+            count: int) -> dict:
+    name = f"{topology}-{'on' if caching else 'off'}-{port}"
+    log_dir = workdir / name
     log_dir.mkdir(parents=True)
     command = up_command(topology, port, log_dir, "bfloat16", None)
     if not caching:
         command.append("--no-prefix-caching")
-    stack = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    # `python -m services.cli` from the checkout runs that tree's code.
+    stack = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                             cwd=checkout)
     try:
         state = _wait_ready(stack, log_dir / "state.json")
         rest_url = state["rest_url"]
         model = httpx.get(f"{rest_url}/v1/models", trust_env=False).json()["data"][0]["id"]
-        scheduler = state["services"]["scheduler"]["metrics_url"]
-        before = {name: counter_total(scheduler, f"kvrelay:prefix_cache_{name}_total")
-                  for name in ("queries", "hits")}
+        before, after = _counters(state), None
         out = log_dir / "bench"
         subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve",
                         "--base-url", rest_url, "--workload", "shared-prefix", "--warmup", "0",
                         "--max-requests", str(count), "--out", str(out), "--quiet"],
-                       check=True)
-        after = {name: counter_total(scheduler, f"kvrelay:prefix_cache_{name}_total")
-                 for name in ("queries", "hits")}
+                       check=True, cwd=REPO)
+        after = _counters(state)
         shared = shared_prompt_tokens(rest_url, model)
     finally:
         stack.send_signal(signal.SIGTERM)
         stack.wait(120)
     summary = json.loads((out / "result.json").read_text())["runs"][0]["summary"]
-    hits = after["hits"] - before["hits"]
-    queries = after["queries"] - before["queries"]
-    return {"topology": topology, "caching": caching, "ttft_p50_s": summary["ttft_s"]["p50"],
-            "output_tok_s": summary["output_tokens_per_s"], "hits": hits, "queries": queries,
+    delta = {name: after[name] - before[name] for name in after}
+    return {"topology": topology, "caching": caching, "checkout": str(checkout),
+            "ttft_p50_s": summary["ttft_s"]["p50"], "e2e_p90_s": summary["e2e_s"]["p90"],
+            "output_tok_s": summary["output_tokens_per_s"], **delta,
             "shared_tokens": shared * count,
-            "hit_share_of_shared": hits / (shared * count) if shared else None}
+            "hit_share_of_shared": delta["hits"] / (shared * count) if shared else None}
+
+
+def _counters(state: dict) -> dict[str, float]:
+    """The scheduler's prefix-cache counters and the decode side's held tokens; the KV bytes
+    the prefill workers pushed."""
+    services = state["services"]
+    scheduler = services["scheduler"]["metrics_url"]
+    counters = {name: counter_total(scheduler, f"kvrelay:prefix_cache_{name}_total")
+                for name in ("queries", "hits")}
+    counters["decode_held"] = counter_total(
+        scheduler, "kvrelay:kv_transfer_prefix_hit_tokens_total")
+    counters["pushed_bytes"] = sum(
+        counter_total(service["metrics_url"], "kvrelay:kv_transfer_bytes_total")
+        for service in services.values() if service["role"] == "prefill")
+    return counters
 
 
 def _wait_ready(stack: subprocess.Popen, state_file: Path, timeout_s: float = 600) -> dict:
@@ -100,29 +122,40 @@ def _wait_ready(stack: subprocess.Popen, state_file: Path, timeout_s: float = 60
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| stack | prefix caching | TTFT p50 s | output tok/s | cache hits / prompt tokens "
-             "looked up | hits / shared prompt tokens |", "|---|---|---|---|---|---|"]
+    lines = ["| stack | code | prefix caching | TTFT p50 s | e2e p90 s | output tok/s | cache hits "
+             "/ prompt tokens looked up | hits / shared prompt tokens | KV pushed GB | held on "
+             "decode, tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         share = row["hit_share_of_shared"]
-        lines.append(f"| {row['topology']} | {'on' if row['caching'] else 'off'} | "
-                     f"{row['ttft_p50_s']:.2f} | {row['output_tok_s']:.1f} | "
+        lines.append(f"| {row['topology']} | {row['checkout']} | "
+                     f"{'on' if row['caching'] else 'off'} | {row['ttft_p50_s']:.2f} | "
+                     f"{row['e2e_p90_s']:.2f} | {row['output_tok_s']:.1f} | "
                      f"{row['hits']:.0f} / {row['queries']:.0f} | "
-                     f"{'-' if share is None else f'{share:.1%}'} |")
+                     f"{'-' if share is None else f'{share:.1%}'} | "
+                     f"{row['pushed_bytes'] / 1e9:.2f} | {row['decode_held']:.0f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", default="pd,colocated")
+    parser.add_argument("--checkouts", default=str(REPO),
+                        help="comma-separated source trees to run the stacks from")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--no-off", action="store_true", help="prefix caching on only")
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--port", type=int, default=28600)
     args = parser.parse_args()
+    variants = [(topology, caching, Path(checkout).resolve())
+                for topology in args.topologies.split(",")
+                for caching in ((True,) if args.no_off else (True, False))
+                for checkout in args.checkouts.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvrelay-prefix-") as tmp:
-        for index, topology in enumerate(args.topologies.split(",")):
-            for offset, caching in enumerate((True, False)):
-                port = args.port + 40 * (2 * index + offset)
-                rows.append(run_one(topology, caching, Path(tmp), port, args.count))
+        for round_index in range(args.rounds):
+            for index, (topology, caching, checkout) in enumerate(variants):
+                port = args.port + 40 * (index + len(variants) * round_index)
+                rows.append(run_one(topology, caching, checkout, Path(tmp), port, args.count))
                 print(rows[-1], file=sys.stderr, flush=True)
     print(markdown(rows))
 
