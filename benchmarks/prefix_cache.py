@@ -8,8 +8,9 @@ shared-prefix workload by `kvrelay bench serve` (64 requests at once, no warm-up
 requests must compute the shared system prompt). Reports TTFT and throughput from the bench
 result and, from the scheduler's metrics, the prompt tokens the prefix cache served: as a share
 of all prompt tokens looked up, and of the shared prompt tokens (the system prompt's full
-blocks, once per request). For PD also the KV bytes the prefill workers pushed and the prompt
-tokens the decode worker already held (not pushed).
+blocks, once per request). For PD also the KV bytes the prefill workers pushed and the shared
+prompt tokens no transfer had to push (the decode worker held them, or another send of the same
+step pushed them).
 
 `--checkouts` runs the stacks from other source trees too (e.g. a `git worktree` of an older
 commit), the variants taking turns in each of `--rounds` rounds: a before/after on one machine
@@ -99,8 +100,8 @@ def _counters(state: dict) -> dict[str, float]:
     scheduler = services["scheduler"]["metrics_url"]
     counters = {name: counter_total(scheduler, f"kvrelay:prefix_cache_{name}_total")
                 for name in ("queries", "hits")}
-    counters["decode_held"] = counter_total(
-        scheduler, "kvrelay:kv_transfer_prefix_hit_tokens_total")
+    counters["not_pushed"] = counter_total(
+        scheduler, "kvrelay:kv_transfer_shared_prefix_tokens_total")
     counters["pushed_bytes"] = sum(
         counter_total(service["metrics_url"], "kvrelay:kv_transfer_bytes_total")
         for service in services.values() if service["role"] == "prefill")
@@ -123,8 +124,8 @@ def _wait_ready(stack: subprocess.Popen, state_file: Path, timeout_s: float = 60
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| stack | code | prefix caching | TTFT p50 s | e2e p90 s | output tok/s | cache hits "
-             "/ prompt tokens looked up | hits / shared prompt tokens | KV pushed GB | held on "
-             "decode, tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "/ prompt tokens looked up | hits / shared prompt tokens | KV pushed GB | shared "
+             "prefix tokens not pushed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         share = row["hit_share_of_shared"]
         lines.append(f"| {row['topology']} | {row['checkout']} | "
@@ -132,7 +133,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{row['e2e_p90_s']:.2f} | {row['output_tok_s']:.1f} | "
                      f"{row['hits']:.0f} / {row['queries']:.0f} | "
                      f"{'-' if share is None else f'{share:.1%}'} | "
-                     f"{row['pushed_bytes'] / 1e9:.2f} | {row['decode_held']:.0f} |")
+                     f"{row['pushed_bytes'] / 1e9:.2f} | {row['not_pushed']:.0f} |")
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ class ClusterScheduler:
         self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
         self.set_aside: list[SetAside] = []  # decode blocks a lost sender may still write
         self.transfer_timeout_s = 30.0  # an order's pages are written within this, or never
-        self.num_transfer_prefix_hit_tokens = 0  # prompt tokens a decode worker held already
+        self.num_transfer_shared_prefix_tokens = 0  # prompt tokens no transfer had to push
         self.kv_transport = "grpc"  # "shm": same-host pairs copy pages through shared memory
         # Steps of workers in one compute domain run in turn (service.py); while a decode
         # worker there has sequences running, a prefill step this big at most keeps its

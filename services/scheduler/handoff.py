@@ -51,7 +51,7 @@ def _order(cluster, sample: SampleRecord, during_step: bool,
     sample.transfer_id = transfer_id
     cluster.transfers[transfer_id] = sample
     transport = _transport(cluster.kv_transport, prefill, decode)
-    cluster.num_transfer_prefix_hit_tokens += num_held * prefill.info.block_size
+    cluster.num_transfer_shared_prefix_tokens += num_held * prefill.info.block_size
     sample.send_deadline = time.monotonic() + cluster.transfer_timeout_s
     return worker_pb2.KvSendOrder(
         transfer_id=transfer_id, seq_id=sample.seq_id,
@@ -61,6 +61,29 @@ def _order(cluster, sample: SampleRecord, during_step: bool,
         dst_shm_path=decode.info.shm_path if transport == "shm" else "",
         during_step=during_step,
         deadline_unix_ms=int((time.time() + cluster.transfer_timeout_s) * 1000))
+
+
+def share_pushes(cluster, orders: list[worker_pb2.KvSendOrder]) -> None:
+    """Orders of one step whose prompts share leading blocks on their decode worker (shared
+    while in flight, see kv_cache_manager.allocate_for_transfer): the first order pushes them,
+    the others only the rest of their blocks. A step's samples join the decode batch together
+    once every send of the step is back (_activate_step_group), so none decodes before the
+    shared pages are in; if the push they rely on fails, they fail with it (on_send_result)."""
+    pushed: dict[tuple[str, int], str] = {}  # (decode worker, block id) -> transfer pushing it
+    for order in orders:
+        dst = order.dst_block_ids
+        num_shared = 0
+        while num_shared < len(dst) - 1 and (order.dst_address, dst[num_shared]) in pushed:
+            num_shared += 1  # the last block is always this order's own to push
+        if num_shared:
+            sample = cluster.transfers[order.transfer_id]
+            sample.relies_on = frozenset(
+                pushed[(order.dst_address, block_id)] for block_id in dst[:num_shared])
+            cluster.num_transfer_shared_prefix_tokens += num_shared * sample.worker.info.block_size
+            del order.dst_block_ids[:num_shared]
+            del order.src_block_ids[:num_shared]
+        for block_id in order.dst_block_ids:
+            pushed.setdefault((order.dst_address, block_id), order.transfer_id)
 
 
 def _transport(preferred: str, prefill: WorkerRecord, decode: WorkerRecord) -> str:
@@ -111,8 +134,19 @@ def on_send_result(cluster, result: worker_pb2.KvSendResult) -> None:
                                                 f"KV transfer failed: {result.error}"))
     else:  # before its step's result is applied (layer by layer), or after
         sample.pages_delivered = True
+    if not result.ok:
+        _fail_relying(cluster, result.transfer_id, result.error)
     _activate_step_group(cluster, sample.send_step)  # this result may have been the last
     retry_awaiting(cluster)
+
+
+def _fail_relying(cluster, transfer_id: str, error: str) -> None:
+    """The samples whose shared leading blocks that failed transfer was to fill."""
+    for sample in list(cluster.samples.values()):
+        if transfer_id in sample.relies_on and sample.phase is Phase.TRANSFER:
+            cluster.end_sample(sample, finish_delta(
+                sample, common_pb2.FINISH_REASON_ERROR,
+                f"KV transfer of a shared prefix failed: {error}"))
 
 
 def _activate_step_group(cluster, send_step: int) -> None:

@@ -66,6 +66,8 @@ class SampleRecord:
     pages_delivered: bool = False  # a layer-by-layer send can finish before its step's result
     send_step: int = 0  # the prefill step whose message carried the send order
     send_deadline: float = 0.0  # monotonic: no page of the order is written after it
+    # transfers of the same step that push leading blocks this sample shares (handoff.py)
+    relies_on: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)

@@ -23,8 +23,9 @@ STEP_TOKENS = metrics.histogram("iteration_tokens_total", "Tokens per engine ste
 # The transfer bytes / seconds / failures are the prefill workers' metrics (kv_connector).
 TRANSFERS_DONE = metrics.counter("kv_transfers_completed", "KV transfers reported done",
                                  ("ok",))
-TRANSFER_HELD_TOKENS = metrics.counter(
-    "kv_transfer_prefix_hit_tokens", "Prompt tokens whose KV pages a decode worker already held "
+TRANSFER_SHARED_TOKENS = metrics.counter(
+    "kv_transfer_shared_prefix_tokens", "Prompt tokens of a shared prefix that a transfer did not "
+    "push: the decode worker held their pages, or another transfer of the same step pushed them"
     "(a shared prefix), so no transfer pushed them")
 SET_ASIDE_BLOCKS = metrics.gauge(
     "kv_blocks_set_aside", "Decode blocks held until a lost prefill worker's sends expire",
@@ -59,8 +60,8 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
     STEPS.labels(name).inc()
     TRANSFERRING.set(len(cluster.transfers))
-    _advance_total(TRANSFER_HELD_TOKENS, "transfer_prefix_hits",
-                   cluster.num_transfer_prefix_hit_tokens)
+    _advance_total(TRANSFER_SHARED_TOKENS, "transfer_shared_prefix",
+                   cluster.num_transfer_shared_prefix_tokens)
     blocks_set_aside(cluster)
     now = time.monotonic()
     num_prompt = 0

@@ -33,6 +33,7 @@ def plan_step(cluster, worker: WorkerRecord) -> StepPlan | None:
         _add_item(cluster, worker, message, item)
     message.kv_sends.extend(worker.pending_sends)
     worker.pending_sends = []
+    handoff.share_pushes(cluster, message.kv_sends)
     for order in message.kv_sends:
         sample = cluster.transfers[order.transfer_id]
         sample.send_in_flight, sample.send_step = True, message.step_id

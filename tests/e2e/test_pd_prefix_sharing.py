@@ -14,7 +14,7 @@ from tests.e2e.stack import metric_values
 
 MAX_TOKENS = 12
 BLOCK_SIZE = 16  # the stack's default
-HELD_TOKENS = "kvrelay:kv_transfer_prefix_hit_tokens_total"
+SHARED_TOKENS = "kvrelay:kv_transfer_shared_prefix_tokens_total"
 SYSTEM = ("You are the reference desk of a small maritime museum. Answer in one short sentence, "
           "name the exhibit room when it helps, and never invent opening hours. ")
 QUESTIONS = ("Where is the lighthouse lens?", "Who built the oldest rowing boat here?",
@@ -41,7 +41,7 @@ def _greedy(stack, prompt_ids: list[int]) -> list[int]:
 
 
 def _held_tokens(stack) -> float:
-    return sum(metric_values(stack.service("scheduler")["metrics_url"], HELD_TOKENS).values())
+    return sum(metric_values(stack.service("scheduler")["metrics_url"], SHARED_TOKENS).values())
 
 
 def test_shared_prefix_on_the_decode_worker_keeps_greedy_output(pd_stack, cases):

@@ -111,8 +111,10 @@ class ClusterDriver:
         if plan is None:
             self.flush()
             return False
+        pushed_now = {(order.dst_address, block_id) for order in plan.message.kv_sends
+                      for block_id in order.dst_block_ids}
         for order in plan.message.kv_sends:
-            self._check_order(order, worker)
+            self._check_order(order, worker, pushed_now)
             sample = self.cluster.transfers[order.transfer_id]
             self.sends[order.transfer_id] = InFlightSend(order, worker, sample.decode_worker)
         if worker.role == DECODE:
@@ -208,9 +210,11 @@ class ClusterDriver:
             elif index * BLOCK_SIZE < end:
                 self.pages[key] = pages
 
-    def _check_order(self, order: worker_pb2.KvSendOrder, prefill: WorkerRecord) -> None:
+    def _check_order(self, order: worker_pb2.KvSendOrder, prefill: WorkerRecord,
+                     pushed_now: set[tuple[str, int]]) -> None:
         """A send may only write into blocks reserved for its sequence on a live decode worker;
-        the leading blocks it skips hold that prefix already (a decode-side prefix hit)."""
+        each leading block it skips holds that prefix already (a decode-side prefix hit) or
+        another send of the same step pushes it."""
         sample = self.cluster.transfers.get(order.transfer_id)
         assert sample is not None and sample.seq_id == order.seq_id, order
         assert sample.phase is not Phase.DONE, f"send for ended sample {order.seq_id}"
@@ -227,7 +231,8 @@ class ClusterDriver:
         assert list(order.src_block_ids) == \
             prefill.core.kv.block_ids(order.seq_id)[num_held:num_blocks]
         for index, block_id in enumerate(decode_blocks[:num_held]):
-            assert self.pages.get((decode.worker_id, block_id)) == \
+            assert (order.dst_address, block_id) in pushed_now or \
+                self.pages.get((decode.worker_id, block_id)) == \
                 _prompt_pages(sample.request.prompt_token_ids, index), "skipped unlanded pages"
 
     # ---- driving to the end ------------------------------------------------------------------------

@@ -519,21 +519,47 @@ def test_pd_whole_prompt_held_still_pushes_its_last_block():
     _finish(driver)
 
 
-def test_pd_prefix_in_flight_is_shared_and_pushed_by_each_transfer():
+def test_pd_prefix_in_flight_is_shared_and_pushed_once_per_step():
     driver = pd_driver(decode_blocks=5)  # two unshared 40-token prompts would need six blocks
     driver.submit("a", _shared_prompt(50), max_tokens=3)
     driver.submit("b", _shared_prompt(60), max_tokens=3)
-    driver.start_step("p0")
+    driver.start_step("p0")  # one step prefills both and orders both sends
     a_blocks, b_blocks = (driver.worker("d0").core.kv.block_ids(s) for s in ("a/0", "b/0"))
     assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
-    # b does not depend on a's transfer: it pushes the shared pages too
+    assert list(_order_for(driver, "a/0").dst_block_ids) == a_blocks
+    assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks[2:]  # a pushes the rest
+    _finish(driver)  # b's decode steps read the shared blocks a filled
+    assert len(driver.tokens("b")) == 3
+
+
+def test_pd_a_failed_push_of_a_shared_prefix_fails_who_relies_on_it():
+    driver = pd_driver(decode_blocks=5)
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.start_step("p0")
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "b/0").transfer_id)
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    assert driver.final("a").finish_reason == ERROR
+    assert driver.final("b").finish_reason == ERROR and "shared prefix" in driver.final("b").error
+    _finish(driver)
+
+
+def test_pd_prefix_shared_with_an_earlier_steps_transfer_is_pushed_again():
+    """Only sends of one step land together; across steps each transfer pushes its blocks."""
+    driver = pd_driver(decode_blocks=5, max_num_batched_tokens=40)  # one prompt per step
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.step("p0")  # a, its send still in flight
+    driver.start_step("p0")  # b
+    b_blocks = driver.worker("d0").core.kv.block_ids("b/0")
+    assert b_blocks[:2] == driver.worker("d0").core.kv.block_ids("a/0")[:2]
     assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks
     driver.finish_step("p0")
     driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
     driver.send_result(_order_for(driver, "b/0").transfer_id)
-    assert driver.final("a").finish_reason == ERROR
     _finish(driver)
-    assert len(driver.tokens("b")) == 3
+    assert driver.final("a").finish_reason == ERROR and len(driver.tokens("b")) == 3
 
 
 def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
