@@ -13,13 +13,16 @@ rotating from round to round. Each round draws fresh prompts, so no prefix cache
 The machine's speed drifts during a run, so "vs offline" is the median of per-round ratios.
 
 Reports output tokens/s, TTFT and ITL, and the CPU time (from /proc) the gateway, tokenizer and
-scheduler spent per output token; the workers' and the client's CPU is shown apart.
+scheduler spent per output token; the workers' and the client's CPU is shown apart, and so are
+the workers' steps and the seconds spent in them (`kvrelay:worker_step_seconds`): what is left
+of the wall time went between steps.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -28,6 +31,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -55,6 +60,8 @@ class StackResult:
     itl_p90_ms: float | None
     cpu_us_per_token: dict = field(default_factory=dict)
     other_cpu_us_per_token: dict = field(default_factory=dict)  # workers and the client
+    # worker -> (steps, seconds in steps): the rest of the wall time is between steps
+    worker_steps: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,6 +108,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
 
 
+def step_totals(metrics_url: str) -> tuple[float, float]:
+    """A worker's (steps run, seconds spent in them) so far, from its Prometheus endpoint."""
+    text = httpx.get(metrics_url, timeout=10, trust_env=False).text
+    totals = []
+    for name in ("kvrelay:worker_step_seconds_count", "kvrelay:worker_step_seconds_sum"):
+        match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+        totals.append(float(match.group(1)) if match else 0.0)
+    return totals[0], totals[1]
+
+
 def drive(base_url: str, conversations) -> tuple[dict, float]:
     """Send every conversation at once through `kvrelay bench serve`'s client; the merged
     record and the wall time."""
@@ -128,11 +145,17 @@ class StackSystem:
         drive(self.state["rest_url"], chat64(seed=WARMUP_SEED))
 
     def run(self, conversations) -> StackResult:
+        workers = {name: info["metrics_url"] for name, info in self.state["services"].items()
+                   if info["kind"] == "worker"}
+        steps_before = {name: step_totals(url) for name, url in workers.items()}
         before = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
         client_before = cpu_seconds(os.getpid())
         record, wall = drive(self.state["rest_url"], conversations)
         cpu = {name: cpu_seconds(pid) - before[name] for name, pid in self.pids.items()}
         client_cpu = cpu_seconds(os.getpid()) - client_before
+        steps = {name: tuple(round(after - first, 2) for after, first in
+                             zip(step_totals(url), steps_before[name]))
+                 for name, url in workers.items()}
         tokens = record["tokens"]
         services = self.state["services"]
         front = {name: sec for name, sec in cpu.items() if services[name]["kind"] in FRONT_SERVICES}
@@ -144,7 +167,8 @@ class StackSystem:
         return StackResult(self.name, tokens, wall, _pct(record["ttft"], 0.5),
                            _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
                            _ms(_pct(record["gaps"], 0.9)), per_token,
-                           {name: round(sec / tokens * 1e6) for name, sec in others.items()})
+                           {name: round(sec / tokens * 1e6) for name, sec in others.items()},
+                           steps)
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -177,8 +201,8 @@ def markdown(rounds: list[list[StackResult]]) -> str:
     offline = next((name for name in names if name.startswith("kvrelay offline")), names[0])
     lines = ["| system | output tok/s (median; each round) | vs offline | TTFT p50 s | "
              "ITL p50 ms | ITL p90 ms | front CPU µs/token (gateway, tokenizer, scheduler) | "
-             "workers and client CPU µs/token |",
-             "|---|---|---|---|---|---|---|---|"]
+             "workers and client CPU µs/token | worker steps: count, s in steps / wall s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         runs = [next(r for r in results if r.system == name) for results in rounds]
         bases = [next(r for r in results if r.system == offline) for results in rounds]
@@ -187,9 +211,13 @@ def markdown(rounds: list[list[StackResult]]) -> str:
         each = ", ".join(f"{r.tokens_per_s:.0f}" for r in runs)
         cpu = ", ".join(f"{k} {v}" for k, v in middle.cpu_us_per_token.items()) or "-"
         other = ", ".join(f"{k} {v}" for k, v in middle.other_cpu_us_per_token.items()) or "-"
+        steps = ", ".join(f"{k} {n:.0f}, {sec:.2f}" for k, (n, sec) in
+                          middle.worker_steps.items())
+        steps = f"{steps} / {middle.wall_s:.2f}" if steps else "-"
         lines.append(f"| {name} | {middle.tokens_per_s:.1f} ({each}) | "
                      f"{statistics.median(ratios):.2f}x | {_f(middle.ttft_p50_s)} | "
-                     f"{_f(middle.itl_p50_ms)} | {_f(middle.itl_p90_ms)} | {cpu} | {other} |")
+                     f"{_f(middle.itl_p50_ms)} | {_f(middle.itl_p90_ms)} | {cpu} | {other} | "
+                     f"{steps} |")
     return "\n".join(lines)
 
 
