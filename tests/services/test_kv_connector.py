@@ -284,14 +284,18 @@ def _deadline_in(seconds: float) -> int:
     return int((time.time() + seconds) * 1000)
 
 
-@pytest.mark.parametrize("transport_name", ["grpc", "shm"])
-def test_a_send_past_its_deadline_writes_nothing(tmp_path, transport_name):
-    """The scheduler may have given the destination blocks to another request by then."""
+def _shm_caches(tmp_path) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode cache file, its mapping, a copy of what it held, and a source cache."""
     path = str(tmp_path / "decode.kv")
     destination = allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
     destination.copy_(_cache(SMALL, torch.float32, 2))
-    before = destination.clone()
-    source = _cache(SMALL, torch.float32, 1)
+    return path, destination, destination.clone(), _cache(SMALL, torch.float32, 1)
+
+
+@pytest.mark.parametrize("transport_name", ["grpc", "shm"])
+def test_a_send_past_its_deadline_writes_nothing(tmp_path, transport_name):
+    """The scheduler may have given the destination blocks to another request by then."""
+    path, destination, before, source = _shm_caches(tmp_path)
     layers, _, _, block_size, kv_heads, head_dim = SMALL
 
     async def scenario():
@@ -317,11 +321,7 @@ def test_a_send_past_its_deadline_writes_nothing(tmp_path, transport_name):
 def test_shm_send_stops_writing_at_its_deadline(tmp_path):
     """Layers that come after the deadline are not written, even by a sender no one heard
     from since (the scheduler frees the blocks soon after)."""
-    path = str(tmp_path / "decode.kv")
-    destination = allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
-    destination.copy_(_cache(SMALL, torch.float32, 2))
-    before = destination.clone()
-    source = _cache(SMALL, torch.float32, 1)
+    path, destination, before, source = _shm_caches(tmp_path)
     layers, _, _, block_size, kv_heads, head_dim = SMALL
 
     async def scenario():
