@@ -125,11 +125,13 @@ def test_a_worker_sent_sigterm_mid_run_drains_without_a_failed_request(grouped_s
         for service in doomed:
             os.kill(service["pid"], signal.SIGTERM)
         assert running.result() == ["length"] * 24
+    names = ("g1-prefill-0", "g1-decode-0")
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while any(process_running(service["pid"]) for service in doomed):
+    # Exited, and reaped by `kvrelay up`: its state file gets the exit code a moment later.
+    while (any(process_running(service["pid"]) for service in doomed)
+           or None in [grouped_stack.service(name)["exit_code"] for name in names]):
         assert time.monotonic() < deadline, "a drained worker did not exit"
         time.sleep(0.5)
-    names = ("g1-prefill-0", "g1-decode-0")
     assert [grouped_stack.service(name)["exit_code"] for name in names] == [0, 0]
     assert grouped_stack.state["status"] == "ready"
     live = {w.worker_id for w in _stats(grouped_stack, 1).workers}
