@@ -141,9 +141,11 @@ def on_send_result(cluster, result: worker_pb2.KvSendResult) -> None:
 
 
 def _fail_relying(cluster, transfer_id: str, error: str) -> None:
-    """The samples whose shared leading blocks that failed transfer was to fill."""
+    """The samples whose shared leading blocks that failed transfer was to fill. A send goes
+    out during its step, so its result can come before the step's own: a sample may still be
+    in PREFILL here, and would otherwise join the decode batch with those blocks unfilled."""
     for sample in list(cluster.samples.values()):
-        if transfer_id in sample.relies_on and sample.phase is Phase.TRANSFER:
+        if transfer_id in sample.relies_on and sample.phase in (Phase.PREFILL, Phase.TRANSFER):
             cluster.end_sample(sample, finish_delta(
                 sample, common_pb2.FINISH_REASON_ERROR,
                 f"KV transfer of a shared prefix failed: {error}"))

@@ -573,3 +573,16 @@ def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
     order = _order_for(driver, "b/0")
     assert len(order.dst_block_ids) == len(driver.worker("d0").core.kv.block_ids("b/0")) == 3
     _finish(driver)
+
+
+def test_pd_a_shared_push_failing_before_its_step_returns_fails_who_relies_on_it():
+    """Sends go out during their step: the failure can come before the step's result."""
+    driver = pd_driver(decode_blocks=5)
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.start_step("p0")
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "b/0").transfer_id)
+    assert driver.final("b").finish_reason == ERROR and "shared prefix" in driver.final("b").error
+    _finish(driver)
