@@ -99,9 +99,9 @@ class KVCacheManager:
     def allocate_for_transfer(self, request: Request) -> int | None:
         """Blocks for a prompt whose pages a prefill worker will push. Leading blocks this cache
         already holds are shared and need no push; full blocks that another reservation waits
-        for are shared too but pushed again (the same pages), so no request depends on another's
-        transfer. Returns how many leading blocks need no push (at least one block always does),
-        or None if the blocks do not fit."""
+        for are shared too, and their pages still need a push (from this order, or from the other
+        one when both go out in one step: handoff.share_pushes). Returns how many leading blocks
+        need no push (at least one block always does), or None if the blocks do not fit."""
         hashes = self._hashes(request)
         num_full = request.num_prompt_tokens // self.block_size
         landed = self._leading(hashes[:(request.num_prompt_tokens - 1) // self.block_size],

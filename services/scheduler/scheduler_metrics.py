@@ -62,7 +62,6 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     TRANSFERRING.set(len(cluster.transfers))
     _advance_total(TRANSFER_SHARED_TOKENS, "transfer_shared_prefix",
                    cluster.num_transfer_shared_prefix_tokens)
-    blocks_set_aside(cluster)
     now = time.monotonic()
     num_prompt = 0
     for item in plan.output.scheduled:
