@@ -339,6 +339,13 @@ class ClusterScheduler:
             self.on_work(entry.worker)
         handoff.retry_awaiting(self)
 
+    def extend_leases(self, seconds: float) -> None:
+        """Time this scheduler could not run (its loop stalled) is not a worker's silence: its
+        heartbeats were waiting to be handled."""
+        for worker in self.workers.values():
+            if worker.alive:
+                worker.lease_deadline += seconds
+
     def expire_leases(self) -> list[WorkerRecord]:
         now = time.monotonic()
         expired = [w for w in self.workers.values() if w.alive and w.lease_deadline < now]

@@ -122,8 +122,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_transferring=len(cluster.transfers))
 
     async def reap_leases(self) -> None:
+        period = self.lease_ms / 4000
         while True:
-            await asyncio.sleep(self.lease_ms / 4000)
+            wake_at = time.monotonic() + period
+            await asyncio.sleep(period)
+            late = time.monotonic() - wake_at
+            if late > period:
+                # The loop was stalled (CPU starvation, a long pause): heartbeats that arrived
+                # meanwhile are still queued behind this tick, so the stall does not count.
+                log.warning("scheduler loop stalled; leases extended", seconds=round(late, 3))
+                self.cluster.extend_leases(late)
             for worker in self.cluster.expire_leases():
                 link = self.links.pop(worker.worker_id, None)
                 if link is not None and link.task is not None:
