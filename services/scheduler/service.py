@@ -3,7 +3,6 @@ registry and stats, over one ClusterScheduler."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
@@ -11,7 +10,7 @@ from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.log import bind_request_id, get_logger, request_id_from
 from services.common.wire import params_from_proto
 from services.scheduler.cluster import ClusterScheduler, Unavailable
-from services.scheduler import scheduler_metrics
+from services.scheduler import lease_reaper, scheduler_metrics
 from services.scheduler.worker_link import WorkerLink
 
 log = get_logger(__name__)
@@ -122,23 +121,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_transferring=len(cluster.transfers))
 
     async def reap_leases(self) -> None:
-        period = self.lease_ms / 4000
-        while True:
-            wake_at = time.monotonic() + period
-            await asyncio.sleep(period)
-            late = time.monotonic() - wake_at
-            if late > period:
-                # The loop was stalled (CPU starvation, a long pause): heartbeats that arrived
-                # meanwhile are still queued behind this tick, so the stall does not count.
-                log.warning("scheduler loop stalled; leases extended", seconds=round(late, 3))
-                self.cluster.extend_leases(late)
-            for worker in self.cluster.expire_leases():
-                link = self.links.pop(worker.worker_id, None)
-                if link is not None and link.task is not None:
-                    link.task.cancel()
-            self.cluster.release_set_aside(time.monotonic())
-            scheduler_metrics.blocks_set_aside(self.cluster)
-            self.cluster.sink.flush()
+        await lease_reaper.reap_leases(self.cluster, self.lease_ms / 4000, self._forget_link,
+                                       self._after_sweep)
+
+    def _forget_link(self, worker) -> None:
+        link = self.links.pop(worker.worker_id, None)
+        if link is not None and link.task is not None:
+            link.task.cancel()
+
+    def _after_sweep(self) -> None:
+        scheduler_metrics.blocks_set_aside(self.cluster)
+        self.cluster.sink.flush()
 
     async def drain(self) -> None:
         """SIGTERM: take no new requests, let the ones in flight finish."""

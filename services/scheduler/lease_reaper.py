@@ -1,0 +1,35 @@
+"""The scheduler's periodic sweep: declare workers whose lease ran out dead, free the decode
+blocks set aside for lost senders once their deadline passed.
+
+A lease measures a worker's silence, and only this event loop can hear it: while the loop is
+stalled (CPU starvation, a long pause), heartbeats that arrive wait behind the sweep's own
+overdue tick. So a tick that wakes late by more than a period extends every live lease by that
+much before any expires.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from services.common.log import get_logger
+from services.scheduler.cluster import ClusterScheduler
+from services.scheduler.records import WorkerRecord
+
+log = get_logger(__name__)
+
+
+async def reap_leases(cluster: ClusterScheduler, period_s: float,
+                      on_expired: Callable[[WorkerRecord], None],
+                      after_sweep: Callable[[], None]) -> None:
+    while True:
+        wake_at = time.monotonic() + period_s
+        await asyncio.sleep(period_s)
+        late = time.monotonic() - wake_at
+        if late > period_s:
+            log.warning("scheduler loop stalled; leases extended", seconds=round(late, 3))
+            cluster.extend_leases(late)
+        for worker in cluster.expire_leases():
+            on_expired(worker)
+        cluster.release_set_aside(time.monotonic())
+        after_sweep()
