@@ -60,7 +60,8 @@ def _order(cluster, sample: SampleRecord, during_step: bool,
         dst_block_ids=decode.core.kv.block_ids(sample.seq_id)[num_held:], transport=transport,
         dst_shm_path=decode.info.shm_path if transport == "shm" else "",
         during_step=during_step,
-        deadline_unix_ms=int((time.time() + cluster.transfer_timeout_s) * 1000))
+        deadline_unix_ms=int((time.time() + cluster.transfer_timeout_s) * 1000),
+        dst_instance_id=decode.info.instance_id)
 
 
 def share_pushes(cluster, orders: list[worker_pb2.KvSendOrder]) -> None:

@@ -84,7 +84,8 @@ async def serve(args: argparse.Namespace) -> None:
     runner = loaded.runner
     service.attach(StepExecutor(runner),
                    KvSender(_transports(transports, runner), args.kv_transfer_timeout))
-    receiver.attach(runner.kv_cache)
+    instance_id = uuid.uuid4().hex
+    receiver.attach(runner.kv_cache, instance_id)
     registration = Registration(args.scheduler_address, scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=ROLES[args.role],
         address=args.advertise_address or f"127.0.0.1:{server.port}",
@@ -93,7 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
         host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,
         vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
         compute_domain=_compute_domain(runner.device),
-        attention_crossover=loaded.attention_crossover))
+        attention_crossover=loaded.attention_crossover, instance_id=instance_id))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,

@@ -3,6 +3,7 @@ model: plan a worker's step, answer it with the tokens a worker would sample, ap
 and deliver KV send results whenever a test says so. Checks the scheduler's accounting."""
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,11 +31,15 @@ ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
 
 def worker_info(worker_id: str, role: int, num_blocks: int, max_model_len: int = 128,
                 compute_domain: str = "") -> scheduler_pb2.RegisterWorkerRequest:
+    """A fresh worker process: a replacement under the same id gets a new instance id."""
     return scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=role, address=f"{worker_id}.test:1", num_blocks=num_blocks,
         block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=["grpc"],
         max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS],
-        compute_domain=compute_domain)
+        compute_domain=compute_domain, instance_id=f"{worker_id}#{next(_instance_ids)}")
+
+
+_instance_ids = itertools.count()
 
 
 def prompt(length: int, first: int = 10) -> list[int]:
@@ -76,8 +81,10 @@ class ClusterDriver:
         self.sampled: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens sampled for it
         self.script: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens to sample next
         self.requests: dict[str, Submitted] = {}
-        # (decode worker id, block id) -> the prompt prefix whose KV pages the block holds, as
-        # the transfers wrote them; checked whenever a decode step reads a sequence's blocks.
+        # (decode worker instance id, block id) -> the prompt prefix whose KV pages the block
+        # holds, as the transfers wrote them; checked whenever a decode step reads a sequence's
+        # blocks. A push lands only in the worker process it was ordered for (the receiver
+        # refuses a replacement's chunks), so pages are kept per instance, not per worker id.
         self.pages: dict[tuple[str, int], tuple] = {}
         self.zombie_sends: list[InFlightSend] = []  # sends of workers declared dead, still running
 
@@ -189,7 +196,7 @@ class ClusterDriver:
         first = _num_blocks(len(prompt_ids)) - len(dst_block_ids)
         for index, block_id in enumerate(dst_block_ids, start=first):
             pages = _prompt_pages(prompt_ids, index)
-            key = (send.decode.worker_id, block_id)
+            key = (send.order.dst_instance_id, block_id)
             if ok or self.pages.get(key) == pages:  # a torn write of the same pages is harmless
                 self.pages[key] = pages
             else:
@@ -202,7 +209,7 @@ class ClusterDriver:
         start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
         block_ids = worker.core.kv.block_ids(request.request_id)
         for index in range(min(_num_blocks(request.num_prompt_tokens), _num_blocks(end))):
-            key, pages = (worker.worker_id, block_ids[index]), \
+            key, pages = (worker.info.instance_id, block_ids[index]), \
                 _prompt_pages(request.prompt_token_ids, index)
             if (index + 1) * BLOCK_SIZE <= start or start >= request.num_prompt_tokens:
                 assert self.pages.get(key) == pages, \
@@ -220,6 +227,7 @@ class ClusterDriver:
         assert sample.phase is not Phase.DONE, f"send for ended sample {order.seq_id}"
         decode = sample.decode_worker
         assert decode.alive and decode.role == DECODE
+        assert order.dst_instance_id == decode.info.instance_id
         decode_blocks = decode.core.kv.block_ids(order.seq_id)
         num_held = len(decode_blocks) - len(order.dst_block_ids)
         assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
@@ -232,7 +240,7 @@ class ClusterDriver:
             prefill.core.kv.block_ids(order.seq_id)[num_held:num_blocks]
         for index, block_id in enumerate(decode_blocks[:num_held]):
             assert (order.dst_address, block_id) in pushed_now or \
-                self.pages.get((decode.worker_id, block_id)) == \
+                self.pages.get((decode.info.instance_id, block_id)) == \
                 _prompt_pages(sample.request.prompt_token_ids, index), "skipped unlanded pages"
 
     # ---- driving to the end ------------------------------------------------------------------------

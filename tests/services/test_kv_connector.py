@@ -105,6 +105,36 @@ def test_grpc_push_copies_the_blocks_bit_for_bit(dtype, layer_by_layer):
     assert num_bytes == source[:, :, src].numel() * source.element_size()
 
 
+@pytest.mark.parametrize("dst_instance", ["worker-before-restart", "worker-now"])
+def test_grpc_push_lands_only_in_the_worker_instance_it_was_ordered_for(dst_instance):
+    """A decode worker replaced at the same address (a restarted container) must not take the
+    pages that were on their way to the process it replaced: its blocks hold other sequences."""
+    source, destination = _cache(SMALL, torch.float32, 1), _cache(SMALL, torch.float32, 2)
+    before = destination.clone()
+    src, dst = [5, 0], [11, 2]
+
+    async def scenario():
+        server, address = await _serve(KvReceiver(destination, instance_id="worker-now"))
+        transport = GrpcKvTransport()
+        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        feed.fill_now()
+        order = _order(src, dst, address)
+        order.dst_instance_id = dst_instance
+        try:
+            await transport.push(order, feed)
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    if dst_instance == "worker-now":
+        asyncio.run(scenario())
+        _assert_moved(source, destination, before, src, dst)
+    else:
+        with pytest.raises(TransferFailed, match="instance"):
+            asyncio.run(scenario())
+        assert torch.equal(_bits(destination), _bits(before))
+
+
 def _layers_done(feed: LayerFeed) -> None:
     for layer in range(feed.num_layers):
         time.sleep(0.01)

@@ -61,6 +61,7 @@ class GrpcKvTransport(KvTransport):
                     dst_block_ids=dst[start:start + per_chunk],
                     keys=_raw_bytes(part[0]), values=_raw_bytes(part[1]), dtype=dtype,
                     deadline_unix_ms=order.deadline_unix_ms,
+                    dst_instance_id=order.dst_instance_id,
                     last=layer == feed.num_layers - 1 and start + per_chunk >= len(dst))
 
     async def close(self) -> None:

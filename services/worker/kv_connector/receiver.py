@@ -15,16 +15,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
-    def __init__(self, kv_cache: torch.Tensor | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor | None = None, instance_id: str = "") -> None:
         self.kv_cache = None
         self.num_bytes_received = 0
         if kv_cache is not None:
-            self.attach(kv_cache)
+            self.attach(kv_cache, instance_id)
 
-    def attach(self, kv_cache: torch.Tensor) -> None:
+    def attach(self, kv_cache: torch.Tensor, instance_id: str) -> None:
         # kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.page_shape = tuple(kv_cache.shape[3:])
+        self.instance_id = instance_id  # this process, as registered with the scheduler
 
     async def Push(self, request_iterator, context) -> kv_transfer_pb2.KvPushAck:
         if self.kv_cache is None:
@@ -49,6 +50,11 @@ class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
         if chunk.deadline_unix_ms and time.time() * 1000 >= chunk.deadline_unix_ms:
             # The scheduler holds these blocks only until the deadline (plus a margin).
             raise ValueError("chunk arrived after its transfer's deadline")
+        if chunk.dst_instance_id != self.instance_id:
+            # Meant for the process this one replaced at the same address: its blocks are not
+            # this cache's blocks, which may hold another sequence's pages by now.
+            raise ValueError(f"chunk for worker instance {chunk.dst_instance_id!r}, this is "
+                             f"{self.instance_id!r}")
         dtype = DTYPES.get(chunk.dtype)
         if dtype != self.kv_cache.dtype:
             raise ValueError(f"dtype {chunk.dtype!r} does not match the cache's "

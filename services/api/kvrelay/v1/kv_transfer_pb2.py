@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/v1/kv_transfer.proto\x12\nkvrelay.v1\"\x99\x01\n\x07KvChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x0e\n\x06values\x18\x05 \x01(\x0c\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x04\"N\n\tKvPushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x32\x42\n\nKvTransfer\x12\x34\n\x04Push\x12\x13.kvrelay.v1.KvChunk\x1a\x15.kvrelay.v1.KvPushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvrelay/v1/kv_transfer.proto\x12\nkvrelay.v1\"\xb2\x01\n\x07KvChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x0e\n\x06values\x18\x05 \x01(\x0c\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04last\x18\x07 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x04\x12\x17\n\x0f\x64st_instance_id\x18\t \x01(\t\"N\n\tKvPushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x32\x42\n\nKvTransfer\x12\x34\n\x04Push\x12\x13.kvrelay.v1.KvChunk\x1a\x15.kvrelay.v1.KvPushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.kv_transfer_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVCHUNK']._serialized_start=45
-  _globals['_KVCHUNK']._serialized_end=198
-  _globals['_KVPUSHACK']._serialized_start=200
-  _globals['_KVPUSHACK']._serialized_end=278
-  _globals['_KVTRANSFER']._serialized_start=280
-  _globals['_KVTRANSFER']._serialized_end=346
+  _globals['_KVCHUNK']._serialized_end=223
+  _globals['_KVPUSHACK']._serialized_start=225
+  _globals['_KVPUSHACK']._serialized_end=303
+  _globals['_KVTRANSFER']._serialized_start=305
+  _globals['_KVTRANSFER']._serialized_end=371
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvChunk(_message.Message):
-    __slots__ = ("transfer_id", "layer", "dst_block_ids", "keys", "values", "dtype", "last", "deadline_unix_ms")
+    __slots__ = ("transfer_id", "layer", "dst_block_ids", "keys", "values", "dtype", "last", "deadline_unix_ms", "dst_instance_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KvChunk(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     layer: int
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -24,7 +25,8 @@ class KvChunk(_message.Message):
     dtype: str
     last: bool
     deadline_unix_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., dtype: _Optional[str] = ..., last: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    dst_instance_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., layer: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., dtype: _Optional[str] = ..., last: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., dst_instance_id: _Optional[str] = ...) -> None: ...
 
 class KvPushAck(_message.Message):
     __slots__ = ("transfer_id", "ok", "error", "num_bytes")

@@ -82,7 +82,7 @@ class OutputBatch(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class RegisterWorkerRequest(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_CROSSOVER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -113,7 +114,8 @@ class RegisterWorkerRequest(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     compute_domain: str
     attention_crossover: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ms",)

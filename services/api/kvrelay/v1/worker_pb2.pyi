@@ -40,7 +40,7 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvSendOrder(_message.Message):
-    __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport", "dst_shm_path", "during_step", "deadline_unix_ms")
+    __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport", "dst_shm_path", "during_step", "deadline_unix_ms", "dst_instance_id")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class KvSendOrder(_message.Message):
     DST_SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     DURING_STEP_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     seq_id: str
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -59,7 +60,8 @@ class KvSendOrder(_message.Message):
     dst_shm_path: str
     during_step: bool
     deadline_unix_ms: int
-    def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., dst_shm_path: _Optional[str] = ..., during_step: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    dst_instance_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., dst_shm_path: _Optional[str] = ..., during_step: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., dst_instance_id: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "kv_sends")
