@@ -5,7 +5,8 @@
 A topology may carry environment variables for its stack's services after `@`, to compare
 variants in one run: `--topologies pd,pd@KVRELAY_SHARED_COMPUTE_STEPS=overlap@OMP_WAIT_POLICY=PASSIVE`.
 
-Each stack is started with `kvrelay up` and warmed up with one untimed pass of chat-64 drawn
+Each stack is started with `kvrelay up` (its service logs stay in `--log-dir`, default
+bench-results/stack-<date>) and warmed up with one untimed pass of chat-64 drawn
 with another seed, and so is the offline engine (in this process). Then come `--rounds` rounds:
 in each, every system in turn gets the same 64 chat requests at once (streaming OpenAI requests
 through `kvrelay bench serve`'s client: greedy, max_tokens 128, ignore_eos), the first system
@@ -27,14 +28,14 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from benchmarks.offline import MAX_TOKENS, OfflineEngine, _pct  # noqa: E402
 from benchmarks.workloads import chat64  # noqa: E402
@@ -242,27 +243,32 @@ def main() -> None:
                         help="timed passes per system, the systems taking turns")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="where each stack's service logs stay after the run (default "
+                             "bench-results/stack-<date>): a failed run is explained there")
     args = parser.parse_args()
+    log_dir = args.log_dir or REPO / "bench-results" / time.strftime("stack-%Y%m%d-%H%M%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
     variants = [t for t in args.topologies.split(",") if t]
     systems = []
     rounds: list[list[StackResult]] = []
-    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
-        try:
-            for offset, variant in enumerate(variants):
-                systems.append(StackSystem(variant, args, Path(tmp), args.port + 20 * offset))
-            if not args.no_offline:
-                systems.append(OfflineSystem(args.dtype or "auto"))
-            for index in range(args.rounds):
-                conversations = chat64(seed=round_seed(index))
-                # Rotate who goes first, so no system always meets the same phase of a run.
-                turn = systems[index % len(systems):] + systems[:index % len(systems)]
-                results = {id(system): system.run(conversations) for system in turn}
-                rounds.append([results[id(system)] for system in systems])
-                print(f"round {index + 1}: " + ", ".join(
-                    f"{r.system} {r.tokens_per_s:.1f} tok/s" for r in rounds[-1]), flush=True)
-        finally:
-            for system in systems:
-                system.stop()
+    print(f"service logs in {log_dir}", flush=True)
+    try:
+        for offset, variant in enumerate(variants):
+            systems.append(StackSystem(variant, args, log_dir, args.port + 20 * offset))
+        if not args.no_offline:
+            systems.append(OfflineSystem(args.dtype or "auto"))
+        for index in range(args.rounds):
+            conversations = chat64(seed=round_seed(index))
+            # Rotate who goes first, so no system always meets the same phase of a run.
+            turn = systems[index % len(systems):] + systems[:index % len(systems)]
+            results = {id(system): system.run(conversations) for system in turn}
+            rounds.append([results[id(system)] for system in systems])
+            print(f"round {index + 1}: " + ", ".join(
+                f"{r.system} {r.tokens_per_s:.1f} tok/s" for r in rounds[-1]), flush=True)
+    finally:
+        for system in systems:
+            system.stop()
     print(markdown(rounds))
     if args.json:
         args.json.write_text(json.dumps(
