@@ -118,7 +118,7 @@ class ClusterDriver:
         if plan is None:
             self.flush()
             return False
-        pushed_now = {(order.dst_address, block_id) for order in plan.message.kv_sends
+        pushed_now = {(order.dst_instance_id, block_id) for order in plan.message.kv_sends
                       for block_id in order.dst_block_ids}
         for order in plan.message.kv_sends:
             self._check_order(order, worker, pushed_now)
@@ -239,7 +239,7 @@ class ClusterDriver:
         assert list(order.src_block_ids) == \
             prefill.core.kv.block_ids(order.seq_id)[num_held:num_blocks]
         for index, block_id in enumerate(decode_blocks[:num_held]):
-            assert (order.dst_address, block_id) in pushed_now or \
+            assert (order.dst_instance_id, block_id) in pushed_now or \
                 self.pages.get((decode.info.instance_id, block_id)) == \
                 _prompt_pages(sample.request.prompt_token_ids, index), "skipped unlanded pages"
 
