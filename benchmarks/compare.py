@@ -12,6 +12,8 @@ from their own venvs, installed on first use by benchmarks/peers/), warmed up, m
 `kvrelay bench serve` on every workload, and stopped before the next starts, so no two systems
 share the cores. HF static batching has no server: it runs chat-64 in the transformers venv.
 A system that fails to start or to run is recorded with its error, and the run goes on.
+A kvrelay system may carry `kvrelay up` flags after `@`, to compare variants in one run:
+`--systems kvrelay-pd,kvrelay-pd@shared-compute-steps=split`.
 """
 from __future__ import annotations
 
@@ -70,12 +72,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     args.workloads = [w for w in args.workloads.split(",") if w]
-    unknown = set(args.systems) - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
+    bases = {system_variant(s)[0] for s in args.systems}
+    unknown = bases - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
+    if any("@" in s and not s.startswith("kvrelay-") for s in args.systems):
+        parser.error("only kvrelay systems take flags after @")
     if unknown:
         parser.error(f"unknown system or workload: {', '.join(sorted(unknown))}")
     args.out = (args.report_from or args.out
                 or REPO / "bench-results" / time.strftime("compare-%Y%m%d-%H%M%S"))
     return args
+
+
+def system_variant(name: str) -> tuple[str, list[str]]:
+    """"kvrelay-pd@flag=value@..." -> ("kvrelay-pd", ["--flag", "value", ...])."""
+    base, *assignments = name.split("@")
+    flags = []
+    for assignment in assignments:
+        flag, _, value = assignment.partition("=")
+        flags += [f"--{flag}", value] if value else [f"--{flag}"]
+    return base, flags
 
 
 def free_port_block(size: int = 40, start: int = 28400) -> int:
@@ -97,9 +112,10 @@ def _is_free(port: int) -> bool:
 
 
 def launch(name: str, args, port: int, log_dir: Path) -> Server:
-    if name in ("kvrelay-pd", "kvrelay-colocated"):
-        return kvrelay_stack.launch(name.removeprefix("kvrelay-"), port, log_dir, args.dtype,
-                                    args.threads, args.startup_timeout)
+    base, up_flags = system_variant(name)
+    if base in ("kvrelay-pd", "kvrelay-colocated"):
+        return kvrelay_stack.launch(base.removeprefix("kvrelay-"), port, log_dir, args.dtype,
+                                    args.threads, args.startup_timeout, up_flags)
     if name == "llama-server":
         return llama_server.launch(port, log_dir / "server.log", args.home,
                                    args.llama_parallel, args.threads, args.startup_timeout)

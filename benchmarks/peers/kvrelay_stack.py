@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def up_command(topology: str, port: int, log_dir: Path, dtype: str | None,
-               threads: int | None) -> list[str]:
+               threads: int | None, up_flags: list[str] = ()) -> list[str]:
     # REST on port, public gRPC on port+1, internal services from port+2 on.
     command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
                "--port", str(port), "--grpc-port", str(port + 1), "--base-port", str(port + 2),
@@ -30,7 +30,7 @@ def up_command(topology: str, port: int, log_dir: Path, dtype: str | None,
         command += ["--dtype", dtype]
     if threads:
         command += ["--threads-per-worker", str(threads)]
-    return command
+    return command + list(up_flags)
 
 
 def version() -> str:
@@ -46,13 +46,15 @@ def resolved_dtype(dtype: str | None) -> str:
 
 
 def launch(topology: str, port: int, log_dir: Path, dtype: str | None = None,
-           threads: int | None = None, timeout_s: float = 600) -> Server:
+           threads: int | None = None, timeout_s: float = 600,
+           up_flags: list[str] = ()) -> Server:
     log_dir.mkdir(parents=True, exist_ok=True)
     state_file = log_dir / "state.json"
     state_file.unlink(missing_ok=True)
-    command = up_command(topology, port, log_dir, dtype, threads)
+    command = up_command(topology, port, log_dir, dtype, threads, up_flags)
     process = start_process(command, log_dir / "up.log", {"HF_HUB_OFFLINE": "1"})
-    server = Server(f"kvrelay {topology}", process, f"http://127.0.0.1:{port}", "openai",
+    name = " ".join([f"kvrelay {topology}", *up_flags])
+    server = Server(name, process, f"http://127.0.0.1:{port}", "openai",
                     command, {"version": version(), "dtype": resolved_dtype(dtype),
                               "threads": f"{threads or 'default'} per worker"})
     _wait_ready(process, state_file, timeout_s, log_dir)

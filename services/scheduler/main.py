@@ -41,11 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-transport", choices=["grpc", "shm"], default="shm",
              help="how prefill workers push KV pages: shm copies straight into the decode "
                   "worker's cache where both run on one host, and falls back to grpc per pair")
-    add_flag(parser, "--shared-compute-steps", choices=["serialize", "overlap"],
+    add_flag(parser, "--shared-compute-steps", choices=["serialize", "split", "overlap"],
              default="serialize",
              help="workers on the same hardware (same compute domain, e.g. a prefill and a decode "
-                  "worker on one machine's CPUs): run their steps one at a time, or let them "
-                  "overlap and contend")
+                  "worker on one machine's CPUs): run their steps one at a time with every "
+                  "core; split the CPUs' cores between them while more than one has work, so "
+                  "they step side by side (decodes then do not wait for a long prompt's "
+                  "prefill); or let them overlap and contend")
     add_flag(parser, "--shared-prefill-max-num-batched-tokens", type=int, default=0,
              help="with serialized shared-compute steps: a prefill worker's step budget while a "
                   "decode worker on the same hardware has sequences running (0: no limit). "
@@ -80,8 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.shared_compute_steps == "serialize":
         cluster.shared_prefill_max_num_batched_tokens = (
             args.shared_prefill_max_num_batched_tokens or None)
-    service = SchedulerService(cluster, args.lease_ms,
-                               args.shared_compute_steps == "serialize")
+    service = SchedulerService(cluster, args.lease_ms, args.shared_compute_steps)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)

@@ -31,6 +31,8 @@ SET_ASIDE_BLOCKS = metrics.gauge(
     "kv_blocks_set_aside", "Decode blocks held until a lost prefill worker's sends expire",
     ("worker",))
 STEPS = metrics.counter("worker_steps", "Steps run per worker", ("worker",))
+SPLIT_STEPS = metrics.counter("worker_split_steps", "Steps run on a share of the cores, beside "
+                              "another worker's (--shared-compute-steps split)", ("worker",))
 # The engine cores keep running totals; the counters advance by the change since last time.
 _last_totals: dict[tuple[str, str], int] = {}
 
@@ -59,6 +61,8 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     _advance(PREFIX_HITS, name, "hits", core.kv.stats.hits)
     _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
     STEPS.labels(name).inc()
+    if plan.message.num_threads:
+        SPLIT_STEPS.labels(name).inc()
     TRANSFERRING.set(len(cluster.transfers))
     _advance_total(TRANSFER_SHARED_TOKENS, "transfer_shared_prefix",
                    cluster.num_transfer_shared_prefix_tokens)

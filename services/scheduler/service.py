@@ -11,6 +11,7 @@ from services.common.log import bind_request_id, get_logger, request_id_from
 from services.common.wire import params_from_proto
 from services.scheduler.cluster import ClusterScheduler, Unavailable
 from services.scheduler import lease_reaper, scheduler_metrics
+from services.scheduler.core_share import CoreShare
 from services.scheduler.worker_link import WorkerLink
 
 log = get_logger(__name__)
@@ -18,13 +19,13 @@ log = get_logger(__name__)
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, cluster: ClusterScheduler, lease_ms: int,
-                 serialize_shared_compute: bool = True) -> None:
+                 shared_compute_steps: str = "serialize") -> None:
         self.cluster = cluster
         self.lease_ms = lease_ms
         self.links: dict[str, WorkerLink] = {}
-        self.serialize_shared_compute = serialize_shared_compute
-        # compute domain -> the lock its workers' steps take turns on
-        self.domain_locks: dict[str, asyncio.Lock] = {}
+        self.shared_compute_steps = shared_compute_steps  # serialize, split or overlap
+        # compute domain -> the cores its workers' steps share
+        self.core_shares: dict[str, CoreShare] = {}
         cluster.on_work = self._wake
 
     def _wake(self, worker) -> None:
@@ -84,21 +85,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         old = self.links.pop(request.worker_id, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        link = WorkerLink(self.cluster, self.cluster.workers[request.worker_id],
-                          self._domain_lock(request.compute_domain))
+        worker = self.cluster.workers[request.worker_id]
+        link = WorkerLink(self.cluster, worker, self._core_share(worker))
         self.links[request.worker_id] = link
         link.start()
         log.info("worker registered", worker_id=request.worker_id, address=request.address,
                  role=scheduler_pb2.WorkerRole.Name(request.role), num_blocks=request.num_blocks)
         return scheduler_pb2.RegisterWorkerResponse(lease_ms=self.lease_ms)
 
-    def _domain_lock(self, domain: str) -> asyncio.Lock | None:
-        """Two workers computing on the same CPUs (or GPU) that step at once each get half of
-        it, and on CPUs their thread pools preempt each other at every parallel region; taking
-        turns gives each step the whole hardware."""
-        if not self.serialize_shared_compute or not domain:
+    def _core_share(self, worker) -> CoreShare | None:
+        """The domain's cores (core_share.py says how they are shared); None: the worker
+        steps whenever it has work."""
+        domain = worker.info.compute_domain
+        if self.shared_compute_steps == "overlap" or not domain:
             return None
-        return self.domain_locks.setdefault(domain, asyncio.Lock())
+        if domain not in self.core_shares:
+            # Thread counts only split CPUs; workers on one GPU take turns.
+            split = self.shared_compute_steps == "split" and "/cpus:" in domain
+            self.core_shares[domain] = CoreShare(split)
+        share = self.core_shares[domain]
+        share.join(worker)
+        return share
 
     async def Heartbeat(self, request, context):
         known = self.cluster.heartbeat(request.worker_id, request.draining)

@@ -4,7 +4,6 @@ results arrive on the same stream between steps."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 
@@ -12,6 +11,7 @@ from services.api.kvrelay.v1 import worker_pb2_grpc
 from services.common.grpc_server import channel
 from services.common.log import get_logger
 from services.scheduler import handoff, scheduler_metrics
+from services.scheduler.core_share import CoreShare
 from services.scheduler.records import WorkerRecord
 from services.scheduler.step_plan import apply_result, plan_step
 
@@ -19,13 +19,12 @@ log = get_logger(__name__)
 
 
 class WorkerLink:
-    def __init__(self, cluster, worker: WorkerRecord,
-                 compute_lock: asyncio.Lock | None = None) -> None:
+    def __init__(self, cluster, worker: WorkerRecord, cores: CoreShare | None = None) -> None:
         self.cluster = cluster
         self.worker = worker
-        # Held from planning a step to applying its result, shared by the workers of one
-        # compute domain (service.py); None: this worker steps whenever it has work.
-        self.compute_lock = compute_lock or contextlib.nullcontext()
+        # The cores of the worker's compute domain, shared with the other workers on them
+        # (core_share.py); None: this worker steps whenever it has work, with all its threads.
+        self.cores = cores
         self.wakeup = asyncio.Event()
         self.wakeup.set()
         self.pending_result: asyncio.Future | None = None
@@ -63,22 +62,27 @@ class WorkerLink:
                 self.cluster.retire(self.worker)
                 await call.done_writing()
                 return
-            async with self.compute_lock:
-                await self._one_step(call, reader)
+            if self.cores is None:
+                await self._one_step(call, reader, num_threads=0)
+            else:
+                async with self.cores.turn(self.worker) as num_threads:
+                    await self._one_step(call, reader, num_threads)
             if self.worker.has_work:
                 self.wakeup.set()
 
-    async def _one_step(self, call, reader: asyncio.Task) -> None:
+    async def _one_step(self, call, reader: asyncio.Task, num_threads: int) -> None:
         if not self.worker.alive:  # died while waiting for its turn
             return
         plan = plan_step(self.cluster, self.worker)
         if plan is None:
             self.cluster.sink.flush()
             return
+        plan.message.num_threads = num_threads
         self.pending_result = asyncio.get_running_loop().create_future()
         await call.write(plan.message)
         log.debug("step sent", worker_id=self.worker.worker_id,
-                  step_id=plan.message.step_id, num_scheduled=len(plan.message.scheduled))
+                  step_id=plan.message.step_id, num_scheduled=len(plan.message.scheduled),
+                  num_threads=num_threads)
         result = await _first(self.pending_result, reader)
         log.debug("step done", worker_id=self.worker.worker_id, step_id=result.step_id,
                   num_sampled=len(result.sampled))

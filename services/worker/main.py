@@ -82,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
                                                               args, shm_path)
     freeze_heap()  # the model's modules and tensors, too
     runner = loaded.runner
-    service.attach(StepExecutor(runner),
+    service.attach(StepExecutor(runner, loaded.num_threads),
                    KvSender(_transports(transports, runner), args.kv_transfer_timeout))
     instance_id = uuid.uuid4().hex
     receiver.attach(runner.kv_cache, instance_id)
@@ -94,7 +94,8 @@ async def serve(args: argparse.Namespace) -> None:
         host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,
         vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
         compute_domain=_compute_domain(runner.device),
-        attention_crossover=loaded.attention_crossover, instance_id=instance_id))
+        attention_crossover=loaded.attention_crossover, instance_id=instance_id,
+        num_threads=loaded.num_threads))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,

@@ -22,6 +22,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: frozenset[int]
     attention_crossover: int
+    num_threads: int  # of the compute thread (this runs on it), for its steps
 
 
 def load_worker_model(args, shm_path: str | None) -> LoadedModel:
@@ -38,7 +39,7 @@ def load_worker_model(args, shm_path: str | None) -> LoadedModel:
     return LoadedModel(runner, _model_name(args.model, model_dir),
                        max_model_len_for(hf_config, args.max_model_len), hf_config.vocab_size,
                        eos_token_ids(hf_config, model_dir, tokenizer),
-                       attention_crossover(hf_config))
+                       attention_crossover(hf_config), torch.get_num_threads())
 
 
 def _model_name(requested: str | None, model_dir) -> str:

@@ -10,17 +10,20 @@ from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledRequest
 from services.engine.stop_checker import banned_token_ids
 from services.worker.sequences import SequenceTable
+from services.worker.step_threads import StepThreads
 
 
 @dataclass(slots=True)
 class PreparedStep:
     step_id: int
     items: list[ScheduledRequest]
+    num_threads: int = 0  # 0: all of the worker's
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, num_threads: int = 0) -> None:
         self.runner = runner
+        self.threads = StepThreads(num_threads) if num_threads else None
         self.sampler = Sampler()
         self.table = SequenceTable()
 
@@ -35,12 +38,14 @@ class StepExecutor:
             sequence = self.table.update(scheduled)
             items.append(ScheduledRequest(sequence, scheduled.num_new_tokens,
                                           self.table.block_ids[scheduled.seq_id]))
-        return PreparedStep(request.step_id, items)
+        return PreparedStep(request.step_id, items, request.num_threads)
 
     def execute(self, step: PreparedStep, on_layer_done=None) -> list[worker_pb2.SampledToken]:
         """The forward pass and sampling (heavy; runs in the compute thread)."""
         if not step.items:
             return []
+        if self.threads is not None:
+            self.threads.use(step.num_threads)
         step_input = self.runner.prepare(step.items)
         logits = self.runner.execute(step_input, on_layer_done)  # [S, vocab]
         sampled = []

@@ -30,13 +30,15 @@ ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
 
 
 def worker_info(worker_id: str, role: int, num_blocks: int, max_model_len: int = 128,
-                compute_domain: str = "") -> scheduler_pb2.RegisterWorkerRequest:
+                compute_domain: str = "",
+                num_threads: int = 0) -> scheduler_pb2.RegisterWorkerRequest:
     """A fresh worker process: a replacement under the same id gets a new instance id."""
     return scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=role, address=f"{worker_id}.test:1", num_blocks=num_blocks,
         block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=["grpc"],
         max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS],
-        compute_domain=compute_domain, instance_id=f"{worker_id}#{next(_instance_ids)}")
+        compute_domain=compute_domain, instance_id=f"{worker_id}#{next(_instance_ids)}",
+        num_threads=num_threads)
 
 
 _instance_ids = itertools.count()

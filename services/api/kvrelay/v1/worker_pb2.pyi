@@ -64,18 +64,20 @@ class KvSendOrder(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., dst_shm_path: _Optional[str] = ..., during_step: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., dst_instance_id: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "kv_sends")
+    __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "kv_sends", "num_threads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_SENDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[str]
     kv_sends: _containers.RepeatedCompositeFieldContainer[KvSendOrder]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., kv_sends: _Optional[_Iterable[_Union[KvSendOrder, _Mapping]]] = ...) -> None: ...
+    num_threads: int
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[str]] = ..., kv_sends: _Optional[_Iterable[_Union[KvSendOrder, _Mapping]]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob")

@@ -1,0 +1,85 @@
+"""The cores of one compute domain (workers on the same CPUs or GPU), handed to their steps.
+
+Two workers stepping at once on the same CPUs, each with a thread per core, preempt each other
+at every parallel region; so their steps take turns (`serialize`), first come first served,
+each with every core. `split` (CPUs only) lets them step side by side instead while more than
+one of them has work, each on an equal share of the cores: a decode step is memory-bound and
+loses little on one core (86 against 55 ms for 32 sequences here), while waiting for a long
+prompt's prefill chunk on both cores would cost it the whole chunk step (BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from typing import AsyncIterator
+
+from services.scheduler.records import WorkerRecord
+
+
+class CoreShare:
+    def __init__(self, split: bool) -> None:
+        self.split = split
+        self.members: dict[str, WorkerRecord] = {}  # worker id -> its current registration
+        self.held: dict[int, int] = {}  # id(worker record) -> cores its running step holds
+        self.waiting: deque[tuple[WorkerRecord, asyncio.Future]] = deque()
+
+    def join(self, worker: WorkerRecord) -> None:
+        self.members[worker.worker_id] = worker
+
+    @property
+    def num_cores(self) -> int:
+        threads = [m.info.num_threads for m in self.members.values() if m.alive]
+        return max(1, min(threads, default=1) or 1)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, worker: WorkerRecord) -> AsyncIterator[int]:
+        """Held from planning a step to applying its result. Yields the step's thread count:
+        0 for all of the worker's own."""
+        cores = await self._acquire(worker)
+        try:
+            yield 0 if cores >= self.num_cores else cores
+        finally:
+            self._release(worker)
+
+    async def _acquire(self, worker: WorkerRecord) -> int:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((worker, future))
+        self._dispatch()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release(worker)  # granted just as the waiter was cancelled
+            else:
+                self.waiting = deque(w for w in self.waiting if w[1] is not future)
+                self._dispatch()
+            raise
+
+    def _release(self, worker: WorkerRecord) -> None:
+        self.held.pop(id(worker), None)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Grant turns in arrival order while the cores they need are free; the first waiter
+        that does not fit holds back the rest, so no worker is passed over for long."""
+        while self.waiting:
+            worker, future = self.waiting[0]
+            if future.cancelled():
+                self.waiting.popleft()
+                continue
+            cores = self._share(worker)
+            if self.num_cores - sum(self.held.values()) < cores:
+                return
+            self.waiting.popleft()
+            self.held[id(worker)] = cores
+            future.set_result(cores)
+
+    def _share(self, worker: WorkerRecord) -> int:
+        """All cores, or with `split` an equal share among the workers that step or want to:
+        those stepping now, those with work, and this one."""
+        if not self.split:
+            return self.num_cores
+        active = [m for m in self.members.values()
+                  if m is worker or id(m) in self.held or (m.alive and m.has_work)]
+        return max(1, self.num_cores // len(active))

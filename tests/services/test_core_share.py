@@ -1,0 +1,169 @@
+"""CoreShare: how workers on the same cores get their steps' turns and thread counts, driven
+on a real ClusterScheduler (no gRPC, no model)."""
+import asyncio
+
+import pytest
+
+from services.scheduler.core_share import CoreShare
+from tests.services.cluster_driver import DECODE, PREFILL, ClusterDriver, prompt, worker_info
+
+DOMAIN = "host-a/cpus:0,1"
+
+
+def _pair(num_threads: int = 2) -> ClusterDriver:
+    return ClusterDriver([worker_info("p0", PREFILL, 64, 1024, DOMAIN, num_threads),
+                          worker_info("d0", DECODE, 64, 1024, DOMAIN, num_threads)])
+
+
+def _decoding_pair() -> ClusterDriver:
+    """d0 decodes one sequence; p0 has a prompt queued: both have work."""
+    driver = _pair()
+    driver.submit("first", prompt(20), max_tokens=50)
+    driver.step("p0")
+    driver.deliver_sends()
+    driver.submit("second", prompt(30, first=20), max_tokens=5)
+    assert driver.worker("p0").has_work and driver.worker("d0").has_work
+    return driver
+
+
+def _share(driver: ClusterDriver, split: bool) -> CoreShare:
+    share = CoreShare(split)
+    for worker_id in ("p0", "d0"):
+        share.join(driver.worker(worker_id))
+    return share
+
+
+async def _enter(share: CoreShare, worker, log: list, name: str, exit_event: asyncio.Event):
+    async with share.turn(worker) as num_threads:
+        log.append((name, num_threads))
+        await exit_event.wait()
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_serialized_steps_take_turns_with_every_core():
+    async def scenario():
+        driver = _decoding_pair()
+        share = _share(driver, split=False)
+        log, release_p, release_d = [], asyncio.Event(), asyncio.Event()
+        p = asyncio.create_task(_enter(share, driver.worker("p0"), log, "p0", release_p))
+        d = asyncio.create_task(_enter(share, driver.worker("d0"), log, "d0", release_d))
+        await _settle()
+        assert log == [("p0", 0)]  # d0 waits for its turn although it has work
+        release_p.set()
+        await _settle()
+        assert log == [("p0", 0), ("d0", 0)]
+        release_d.set()
+        await asyncio.gather(p, d)
+        assert share.held == {}
+    asyncio.run(scenario())
+
+
+def test_split_steps_run_side_by_side_on_a_core_each_while_both_workers_have_work():
+    async def scenario():
+        driver = _decoding_pair()
+        share = _share(driver, split=True)
+        log, release = [], asyncio.Event()
+        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
+                 for w in ("p0", "d0")]
+        await _settle()
+        assert sorted(log) == [("d0", 1), ("p0", 1)]
+        release.set()
+        await asyncio.gather(*tasks)
+        assert share.held == {}
+    asyncio.run(scenario())
+
+
+def test_a_split_step_takes_every_core_while_the_other_worker_has_nothing_to_do():
+    async def scenario():
+        driver = _pair()
+        driver.submit("only", prompt(20), max_tokens=5)  # queued on p0; d0 holds nothing
+        assert not driver.worker("d0").has_work
+        share = _share(driver, split=True)
+        log, release = [], asyncio.Event()
+        await asyncio.wait_for(asyncio.create_task(
+            _enter(share, driver.worker("p0"), log, "p0", _set(release))), 1)
+        assert log == [("p0", 0)]
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_gets_work_during_a_whole_core_step_waits_then_splits():
+    async def scenario():
+        driver = _pair()
+        driver.submit("first", prompt(20), max_tokens=50)
+        share = _share(driver, split=True)
+        log, release_p, release_d = [], asyncio.Event(), asyncio.Event()
+        p = asyncio.create_task(_enter(share, driver.worker("p0"), log, "p0", release_p))
+        await _settle()
+        assert log == [("p0", 0)]  # alone with work: both cores
+        driver.step("p0")  # (the step itself, in the driver) its sequence goes to d0
+        driver.deliver_sends()
+        driver.submit("second", prompt(30, first=20), max_tokens=5)
+        d = asyncio.create_task(_enter(share, driver.worker("d0"), log, "d0", release_d))
+        await _settle()
+        assert log == [("p0", 0)]  # the cores are taken until p0's step ends
+        release_p.set()
+        await _settle()
+        assert log == [("p0", 0), ("d0", 1)]  # p0 still has work: d0 gets its share
+        p = asyncio.create_task(_enter(share, driver.worker("p0"), log, "p0", asyncio.Event()))
+        await _settle()
+        assert log[-1] == ("p0", 1)  # and p0's next step runs beside d0's
+        p.cancel()
+        release_d.set()
+        await asyncio.gather(d, p, return_exceptions=True)
+        assert share.held == {}
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_holds_no_cores_and_blocks_nobody():
+    async def scenario():
+        driver = _decoding_pair()
+        share = _share(driver, split=False)
+        log, release = [], asyncio.Event()
+        p = asyncio.create_task(_enter(share, driver.worker("p0"), log, "p0", release))
+        await _settle()
+        d = asyncio.create_task(_enter(share, driver.worker("d0"), log, "d0", release))
+        await _settle()
+        d.cancel()  # e.g. its worker died while it waited for its turn
+        await asyncio.gather(d, return_exceptions=True)
+        assert [w for w, _ in share.waiting] == []
+        release.set()
+        await p
+        assert share.held == {}
+        await asyncio.wait_for(_enter(share, driver.worker("d0"), log, "d0", release), 1)
+        assert log[-1] == ("d0", 0)
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("threads", [(2, 2), (4, 2)])
+def test_the_domain_has_as_many_cores_as_its_smallest_worker_has_threads(threads):
+    driver = ClusterDriver([worker_info("p0", PREFILL, 64, 1024, DOMAIN, threads[0]),
+                            worker_info("d0", DECODE, 64, 1024, DOMAIN, threads[1])])
+    share = CoreShare(split=True)
+    share.join(driver.worker("p0"))
+    share.join(driver.worker("d0"))
+    assert share.num_cores == min(threads)
+
+
+def test_workers_that_report_no_thread_count_take_turns_even_when_split():
+    async def scenario():
+        driver = _decoding_pair()
+        for worker_id in ("p0", "d0"):
+            driver.worker(worker_id).info.num_threads = 0  # an older worker
+        share = _share(driver, split=True)
+        log, release = [], asyncio.Event()
+        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
+                 for w in ("p0", "d0")]
+        await _settle()
+        assert log == [("p0", 0)]
+        release.set()
+        await asyncio.gather(*tasks)
+    asyncio.run(scenario())
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
