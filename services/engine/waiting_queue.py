@@ -37,6 +37,10 @@ class WaitingQueue:
     def __contains__(self, request: Request) -> bool:
         return self._members.get(request.request_id) is request
 
+    def __iter__(self):
+        """The waiting requests, in no particular order."""
+        return iter(list(self._members.values()))
+
     def __len__(self) -> int:
         return len(self._members)
 

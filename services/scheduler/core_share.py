@@ -2,24 +2,29 @@
 
 Two workers stepping at once on the same CPUs, each with a thread per core, preempt each other
 at every parallel region; so their steps take turns (`serialize`), first come first served,
-each with every core. `split` (CPUs only) lets them step side by side instead while more than
-one of them has work, each on an equal share of the cores: a decode step is memory-bound and
-loses little on one core (86 against 55 ms for 32 sequences here), while waiting for a long
-prompt's prefill chunk on both cores would cost it the whole chunk step (BENCHMARKS.md).
+each with every core. `split` (CPUs only) lets them step side by side instead, each on an equal
+share of the cores, while a long prompt is being prefilled and another worker has work: a
+decode step is memory-bound and loses little on one core (86 against 55 ms for 32 sequences
+here), while waiting for each of the long prompt's chunks on both cores costs it the whole chunk
+step. Short prompts still take every core in turn: a burst of them prefills (compute-bound)
+twice as fast that way, and its first tokens come sooner (BENCHMARKS.md).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections import deque
+from itertools import chain
 from typing import AsyncIterator
 
-from services.scheduler.records import WorkerRecord
+from services.scheduler.records import DECODE, WorkerRecord
 
 
 class CoreShare:
-    def __init__(self, split: bool) -> None:
+    def __init__(self, split: bool, long_prompt_tokens: int = 0) -> None:
         self.split = split
+        # A prompt with more tokens left to prefill than this is long (0: every prompt is).
+        self.long_prompt_tokens = long_prompt_tokens
         self.members: dict[str, WorkerRecord] = {}  # worker id -> its current registration
         self.held: dict[int, int] = {}  # id(worker record) -> cores its running step holds
         self.waiting: deque[tuple[WorkerRecord, asyncio.Future]] = deque()
@@ -76,10 +81,19 @@ class CoreShare:
             future.set_result(cores)
 
     def _share(self, worker: WorkerRecord) -> int:
-        """All cores, or with `split` an equal share among the workers that step or want to:
-        those stepping now, those with work, and this one."""
+        """All cores, or with `split` while a long prompt prefills, an equal share among the
+        workers that step or want to: those stepping now, those with work, and this one."""
         if not self.split:
             return self.num_cores
         active = [m for m in self.members.values()
                   if m is worker or id(m) in self.held or (m.alive and m.has_work)]
+        if len(active) < 2 or not any(self._prefills_long_prompt(m) for m in active):
+            return self.num_cores
         return max(1, self.num_cores // len(active))
+
+    def _prefills_long_prompt(self, worker: WorkerRecord) -> bool:
+        if worker.role == DECODE or not worker.alive:
+            return False
+        core = worker.core
+        return any(request.num_tokens - request.num_computed_tokens > self.long_prompt_tokens
+                   for request in chain(core.running, core.waiting))

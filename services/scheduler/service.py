@@ -102,7 +102,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if domain not in self.core_shares:
             # Thread counts only split CPUs; workers on one GPU take turns.
             split = self.shared_compute_steps == "split" and "/cpus:" in domain
-            self.core_shares[domain] = CoreShare(split)
+            self.core_shares[domain] = CoreShare(
+                split, self.cluster.config.long_prefill_token_threshold)
         share = self.core_shares[domain]
         share.join(worker)
         return share

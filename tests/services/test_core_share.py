@@ -167,3 +167,27 @@ def test_workers_that_report_no_thread_count_take_turns_even_when_split():
 def _set(event: asyncio.Event) -> asyncio.Event:
     event.set()
     return event
+
+
+def test_split_applies_only_while_a_long_prompt_prefills():
+    async def scenario(prompt_length: int) -> list:
+        driver = _pair()
+        driver.submit("first", prompt(20), max_tokens=50)
+        driver.step("p0")
+        driver.deliver_sends()
+        driver.submit("next", prompt(prompt_length, first=20), max_tokens=5)
+        share = CoreShare(split=True, long_prompt_tokens=64)
+        share.join(driver.worker("p0"))
+        share.join(driver.worker("d0"))
+        log, release = [], asyncio.Event()
+        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
+                 for w in ("p0", "d0")]
+        await _settle()
+        release.set()
+        await asyncio.gather(*tasks)
+        return log
+
+    # A short prompt (a burst's) prefills on every core, in turn with the decodes.
+    assert asyncio.run(scenario(64)) == [("p0", 0), ("d0", 0)]
+    # A long one prefills on one core while the decodes go on, on the other.
+    assert sorted(asyncio.run(scenario(65))) == [("d0", 1), ("p0", 1)]
