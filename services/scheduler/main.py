@@ -42,15 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="how prefill workers push KV pages: shm copies straight into the decode "
                   "worker's cache where both run on one host, and falls back to grpc per pair")
     add_flag(parser, "--shared-compute-steps", choices=["serialize", "split", "overlap"],
-             default="serialize",
+             default="split",
              help="workers on the same hardware (same compute domain, e.g. a prefill and a decode "
                   "worker on one machine's CPUs): run their steps one at a time with every "
-                  "core; split the CPUs' cores between them while more than one has work, so "
-                  "they step side by side (decodes then do not wait for a long prompt's "
-                  "prefill); or let them overlap and contend")
+                  "core (serialize); do that too but, while a prompt longer than "
+                  "--long-prefill-token-threshold prefills, split the CPUs' cores between "
+                  "them so the decodes step beside its chunks instead of waiting for each "
+                  "(split; a GPU is never split); or let them overlap and contend")
     add_flag(parser, "--shared-prefill-max-num-batched-tokens", type=int, default=0,
-             help="with serialized shared-compute steps: a prefill worker's step budget while a "
-                  "decode worker on the same hardware has sequences running (0: no limit). "
+             help="unless shared-compute steps overlap: a prefill worker's step budget while "
+                  "a decode worker on the same hardware has sequences running (0: no limit). "
                   "Trades throughput and TTFT for the decodes' inter-token latency "
                   "(BENCHMARKS.md)")
     add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0,
@@ -79,7 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
     cluster.kv_transport = args.kv_transport
     cluster.transfer_timeout_s = args.kv_transfer_timeout
     cluster.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or None
-    if args.shared_compute_steps == "serialize":
+    if args.shared_compute_steps != "overlap":
         cluster.shared_prefill_max_num_batched_tokens = (
             args.shared_prefill_max_num_batched_tokens or None)
     service = SchedulerService(cluster, args.lease_ms, args.shared_compute_steps)

@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
     add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)
     add_flag(parser, "--shared-compute-steps", choices=("serialize", "split", "overlap"),
-             default=None, help="how workers on the same cores step (`kvrelay scheduler "
-                                "--help`)")
+             default=None, help="how workers on the same cores step: serialize, split "
+                                "(the scheduler's default) or overlap (`kvrelay scheduler --help`)")
     add_flag(parser, "--threads-per-worker", type=int, default=None,
              help="torch threads per worker (default: every core for up to two workers, "
                   "else the cores split between them)")
