@@ -30,6 +30,7 @@ class CoreShare:
         self.waiting: deque[tuple[WorkerRecord, asyncio.Future]] = deque()
 
     def join(self, worker: WorkerRecord) -> None:
+        self.members = {worker_id: m for worker_id, m in self.members.items() if m.alive}
         self.members[worker.worker_id] = worker
 
     @property
