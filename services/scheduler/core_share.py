@@ -8,11 +8,16 @@ decode step is memory-bound and loses little on one core (86 against 55 ms for 3
 here), while waiting for each of the long prompt's chunks on both cores costs it the whole chunk
 step. Short prompts still take every core in turn: a burst of them prefills (compute-bound)
 twice as fast that way, and its first tokens come sooner (BENCHMARKS.md).
+
+Sharing is counted in CPUs: a step takes as many as its worker has threads, so workers whose
+threads fit the domain's CPUs together (e.g. 2 + 2 threads on 8 CPUs) step at the same time
+whatever the mode. A GPU is one unit: its workers' steps always take turns.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections import deque
 from itertools import chain
 from typing import AsyncIterator
@@ -21,12 +26,14 @@ from services.scheduler.records import DECODE, WorkerRecord
 
 
 class CoreShare:
-    def __init__(self, split: bool, long_prompt_tokens: int = 0) -> None:
-        self.split = split
+    def __init__(self, split: bool, long_prompt_tokens: int = 0,
+                 num_cpus: int | None = None) -> None:
+        self.num_cpus = num_cpus  # None: one device, used by one step at a time
+        self.split = split and num_cpus is not None
         # A prompt with more tokens left to prefill than this is long (0: every prompt is).
         self.long_prompt_tokens = long_prompt_tokens
         self.members: dict[str, WorkerRecord] = {}  # worker id -> its current registration
-        self.held: dict[int, int] = {}  # id(worker record) -> cores its running step holds
+        self.held: dict[int, int] = {}  # id(worker record) -> CPUs its running step holds
         self.waiting: deque[tuple[WorkerRecord, asyncio.Future]] = deque()
 
     def join(self, worker: WorkerRecord) -> None:
@@ -34,9 +41,14 @@ class CoreShare:
         self.members[worker.worker_id] = worker
 
     @property
-    def num_cores(self) -> int:
-        threads = [m.info.num_threads for m in self.members.values() if m.alive]
-        return max(1, min(threads, default=1) or 1)
+    def capacity(self) -> int:
+        return self.num_cpus or 1
+
+    def own(self, worker: WorkerRecord) -> int:
+        """What a step of the worker holds when it runs on all its threads."""
+        if self.num_cpus is None:
+            return 1
+        return min(worker.info.num_threads or self.num_cpus, self.num_cpus)
 
     @contextlib.asynccontextmanager
     async def turn(self, worker: WorkerRecord) -> AsyncIterator[int]:
@@ -44,7 +56,7 @@ class CoreShare:
         0 for all of the worker's own."""
         cores = await self._acquire(worker)
         try:
-            yield 0 if cores >= self.num_cores else cores
+            yield 0 if cores >= self.own(worker) else cores
         finally:
             self._release(worker)
 
@@ -75,22 +87,25 @@ class CoreShare:
                 self.waiting.popleft()
                 continue
             cores = self._share(worker)
-            if self.num_cores - sum(self.held.values()) < cores:
+            if self.capacity - sum(self.held.values()) < cores:
                 return
             self.waiting.popleft()
             self.held[id(worker)] = cores
             future.set_result(cores)
 
     def _share(self, worker: WorkerRecord) -> int:
-        """All cores, or with `split` while a long prompt prefills, an equal share among the
-        workers that step or want to: those stepping now, those with work, and this one."""
-        if not self.split:
-            return self.num_cores
+        """The worker's own threads, or with `split` while a long prompt prefills and the
+        active workers' threads oversubscribe the CPUs, an equal share of the CPUs among them:
+        the workers stepping now, those with work, and this one."""
+        own = self.own(worker)
+        if not self.split or not worker.info.num_threads:
+            return own  # (a worker that reports no thread count may not honor a lower one)
         active = [m for m in self.members.values()
                   if m is worker or id(m) in self.held or (m.alive and m.has_work)]
-        if len(active) < 2 or not any(self._prefills_long_prompt(m) for m in active):
-            return self.num_cores
-        return max(1, self.num_cores // len(active))
+        if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
+                or not any(self._prefills_long_prompt(m) for m in active)):
+            return own
+        return max(1, min(own, self.capacity // len(active)))
 
     def _prefills_long_prompt(self, worker: WorkerRecord) -> bool:
         if worker.role == DECODE or not worker.alive:
@@ -98,3 +113,9 @@ class CoreShare:
         core = worker.core
         return any(request.num_tokens - request.num_computed_tokens > self.long_prompt_tokens
                    for request in chain(core.running, core.waiting))
+
+
+def domain_cpus(domain: str) -> int | None:
+    """How many CPUs a compute domain names ("<host>/cpus:0,1,..."); None for a device."""
+    match = re.search(r"/cpus:([0-9,]+)", domain)
+    return len(match.group(1).split(",")) if match else None

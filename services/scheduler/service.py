@@ -11,7 +11,7 @@ from services.common.log import bind_request_id, get_logger, request_id_from
 from services.common.wire import params_from_proto
 from services.scheduler.cluster import ClusterScheduler, Unavailable
 from services.scheduler import lease_reaper, scheduler_metrics
-from services.scheduler.core_share import CoreShare
+from services.scheduler.core_share import CoreShare, domain_cpus
 from services.scheduler.worker_link import WorkerLink
 
 log = get_logger(__name__)
@@ -100,10 +100,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.shared_compute_steps == "overlap" or not domain:
             return None
         if domain not in self.core_shares:
-            # Thread counts only split CPUs; workers on one GPU take turns.
-            split = self.shared_compute_steps == "split" and "/cpus:" in domain
             self.core_shares[domain] = CoreShare(
-                split, self.cluster.config.long_prefill_token_threshold)
+                self.shared_compute_steps == "split",
+                self.cluster.config.long_prefill_token_threshold, domain_cpus(domain))
         share = self.core_shares[domain]
         share.join(worker)
         return share

@@ -17,6 +17,7 @@ from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import freeze_heap, run_service
 from services.engine.omp_threads import run_torch_ops_inline
+from services.worker.compute_domain import boot_id, compute_domain
 from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           ShmKvTransport)
 from services.worker.model_setup import load_worker_model
@@ -93,7 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
         dtype=str(runner.dtype).removeprefix("torch."), kv_transports=transports,
         host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,
         vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
-        compute_domain=_compute_domain(runner.device),
+        compute_domain=compute_domain(runner.device),
         attention_crossover=loaded.attention_crossover, instance_id=instance_id,
         num_threads=loaded.num_threads))
     keep_alive = asyncio.create_task(registration.keep_alive())
@@ -159,21 +160,6 @@ def _transports(names: list[str], runner) -> dict:
     return transports
 
 
-def _compute_domain(device) -> str:
-    """What this worker computes on, named so that two workers on the same hardware match: the
-    GPU's UUID, or this host's CPUs that the process may run on."""
-    if device.type == "cuda":
-        import torch
-        properties = torch.cuda.get_device_properties(device)
-        return f"{_host_id()}/cuda:{getattr(properties, 'uuid', device.index)}"
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return f"{_host_id()}/cpus:{','.join(map(str, cpus))}"
-
-
 def _host_id() -> str:
     """Same boot + same hostname: the shm transport can reach the other worker's file."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            return f"{socket.gethostname()}:{handle.read().strip()}"
-    except OSError:
-        return socket.gethostname()
+    return f"{socket.gethostname()}:{boot_id()}"

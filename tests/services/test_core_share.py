@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from services.scheduler.core_share import CoreShare
+from services.scheduler.core_share import CoreShare, domain_cpus
 from tests.services.cluster_driver import DECODE, PREFILL, ClusterDriver, prompt, worker_info
 
 DOMAIN = "host-a/cpus:0,1"
@@ -27,7 +27,7 @@ def _decoding_pair() -> ClusterDriver:
 
 
 def _share(driver: ClusterDriver, split: bool) -> CoreShare:
-    share = CoreShare(split)
+    share = CoreShare(split, num_cpus=domain_cpus(DOMAIN))
     for worker_id in ("p0", "d0"):
         share.join(driver.worker(worker_id))
     return share
@@ -138,17 +138,47 @@ def test_a_cancelled_waiter_holds_no_cores_and_blocks_nobody():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("threads", [(2, 2), (4, 2)])
-def test_the_domain_has_as_many_cores_as_its_smallest_worker_has_threads(threads):
-    driver = ClusterDriver([worker_info("p0", PREFILL, 64, 1024, DOMAIN, threads[0]),
-                            worker_info("d0", DECODE, 64, 1024, DOMAIN, threads[1])])
-    share = CoreShare(split=True)
-    share.join(driver.worker("p0"))
-    share.join(driver.worker("d0"))
-    assert share.num_cores == min(threads)
+def test_workers_whose_threads_fit_the_cpus_together_step_at_once_in_any_mode():
+    async def scenario(split: bool):
+        driver = _decoding_pair()  # 2 threads each
+        share = CoreShare(split, num_cpus=domain_cpus("host-a/cpus:0,1,2,3"))
+        for worker_id in ("p0", "d0"):
+            share.join(driver.worker(worker_id))
+        log, release = [], asyncio.Event()
+        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
+                 for w in ("p0", "d0")]
+        await _settle()
+        assert sorted(log) == [("d0", 0), ("p0", 0)]  # both at once, on all their threads
+        release.set()
+        await asyncio.gather(*tasks)
+    asyncio.run(scenario(split=False))
+    asyncio.run(scenario(split=True))
 
 
-def test_workers_that_report_no_thread_count_take_turns_even_when_split():
+def test_workers_on_one_gpu_take_turns_even_when_split_is_asked_for():
+    async def scenario():
+        driver = _decoding_pair()
+        share = CoreShare(split=True, num_cpus=domain_cpus("host-a/cuda:GPU-1234"))
+        for worker_id in ("p0", "d0"):
+            share.join(driver.worker(worker_id))
+        log, release = [], asyncio.Event()
+        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
+                 for w in ("p0", "d0")]
+        await _settle()
+        assert log == [("p0", 0)]
+        release.set()
+        await asyncio.gather(*tasks)
+        assert log == [("p0", 0), ("d0", 0)]
+    asyncio.run(scenario())
+
+
+def test_a_domain_counts_the_cpus_it_names():
+    assert domain_cpus("boot-1/cpus:0,1") == 2
+    assert domain_cpus("boot-1/cpus:0,1,2,3,4,5,6,7/own:pod-a") == 8
+    assert domain_cpus("boot-1/cuda:GPU-1234") is None
+
+
+def test_workers_that_report_no_thread_count_use_every_cpu_and_take_turns():
     async def scenario():
         driver = _decoding_pair()
         for worker_id in ("p0", "d0"):
@@ -176,7 +206,7 @@ def test_split_applies_only_while_a_long_prompt_prefills():
         driver.step("p0")
         driver.deliver_sends()
         driver.submit("next", prompt(prompt_length, first=20), max_tokens=5)
-        share = CoreShare(split=True, long_prompt_tokens=64)
+        share = CoreShare(split=True, long_prompt_tokens=64, num_cpus=2)
         share.join(driver.worker("p0"))
         share.join(driver.worker("d0"))
         log, release = [], asyncio.Event()
