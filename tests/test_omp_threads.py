@@ -1,19 +1,11 @@
 """run_torch_ops_inline: the calling thread's torch ops stop using OpenMP, nobody else's do."""
 import os
-import threading
 
 import pytest
 import torch
 
 from services.engine.omp_threads import run_torch_ops_inline
-
-
-def _in_thread(work):
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", work()))
-    thread.start()
-    thread.join()
-    return result["value"]
+from tests.threads import on_a_thread
 
 
 def _num_process_threads() -> int:
@@ -35,7 +27,7 @@ def test_an_inline_thread_runs_big_ops_without_starting_openmp_threads():
         # Counted while this thread still lives: a pool's threads would be alive now too.
         return torch.get_num_threads(), _num_process_threads() - before, pages, target
 
-    inline_threads, new_threads, pages, target = _in_thread(copy_pages)
+    inline_threads, new_threads, pages, target = on_a_thread(copy_pages)
     assert inline_threads == 1
     assert new_threads == 0
     assert torch.equal(pages, source[:, :, index])

@@ -44,6 +44,22 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+def _turns_at_once(share: CoreShare, driver: ClusterDriver) -> list:
+    """p0 and d0 ask for a turn together: the turns granted before either step ends, as
+    (worker, thread count) pairs."""
+    async def scenario():
+        log, release = [], asyncio.Event()
+        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
+                 for w in ("p0", "d0")]
+        await _settle()
+        at_once = sorted(log)
+        release.set()
+        await asyncio.gather(*tasks)
+        assert share.held == {}
+        return at_once
+    return asyncio.run(scenario())
+
+
 def test_serialized_steps_take_turns_with_every_core():
     async def scenario():
         driver = _decoding_pair()
@@ -63,18 +79,8 @@ def test_serialized_steps_take_turns_with_every_core():
 
 
 def test_split_steps_run_side_by_side_on_a_core_each_while_both_workers_have_work():
-    async def scenario():
-        driver = _decoding_pair()
-        share = _share(driver, split=True)
-        log, release = [], asyncio.Event()
-        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
-                 for w in ("p0", "d0")]
-        await _settle()
-        assert sorted(log) == [("d0", 1), ("p0", 1)]
-        release.set()
-        await asyncio.gather(*tasks)
-        assert share.held == {}
-    asyncio.run(scenario())
+    driver = _decoding_pair()
+    assert _turns_at_once(_share(driver, split=True), driver) == [("d0", 1), ("p0", 1)]
 
 
 def test_a_split_step_takes_every_core_while_the_other_worker_has_nothing_to_do():
@@ -139,37 +145,21 @@ def test_a_cancelled_waiter_holds_no_cores_and_blocks_nobody():
 
 
 def test_workers_whose_threads_fit_the_cpus_together_step_at_once_in_any_mode():
-    async def scenario(split: bool):
+    for split in (False, True):
         driver = _decoding_pair()  # 2 threads each
         share = CoreShare(split, num_cpus=domain_cpus("host-a/cpus:0,1,2,3"))
         for worker_id in ("p0", "d0"):
             share.join(driver.worker(worker_id))
-        log, release = [], asyncio.Event()
-        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
-                 for w in ("p0", "d0")]
-        await _settle()
-        assert sorted(log) == [("d0", 0), ("p0", 0)]  # both at once, on all their threads
-        release.set()
-        await asyncio.gather(*tasks)
-    asyncio.run(scenario(split=False))
-    asyncio.run(scenario(split=True))
+        # both at once, on all their threads
+        assert _turns_at_once(share, driver) == [("d0", 0), ("p0", 0)]
 
 
 def test_workers_on_one_gpu_take_turns_even_when_split_is_asked_for():
-    async def scenario():
-        driver = _decoding_pair()
-        share = CoreShare(split=True, num_cpus=domain_cpus("host-a/cuda:GPU-1234"))
-        for worker_id in ("p0", "d0"):
-            share.join(driver.worker(worker_id))
-        log, release = [], asyncio.Event()
-        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
-                 for w in ("p0", "d0")]
-        await _settle()
-        assert log == [("p0", 0)]
-        release.set()
-        await asyncio.gather(*tasks)
-        assert log == [("p0", 0), ("d0", 0)]
-    asyncio.run(scenario())
+    driver = _decoding_pair()
+    share = CoreShare(split=True, num_cpus=domain_cpus("host-a/cuda:GPU-1234"))
+    for worker_id in ("p0", "d0"):
+        share.join(driver.worker(worker_id))
+    assert _turns_at_once(share, driver) == [("p0", 0)]
 
 
 def test_a_domain_counts_the_cpus_it_names():
@@ -179,19 +169,10 @@ def test_a_domain_counts_the_cpus_it_names():
 
 
 def test_workers_that_report_no_thread_count_use_every_cpu_and_take_turns():
-    async def scenario():
-        driver = _decoding_pair()
-        for worker_id in ("p0", "d0"):
-            driver.worker(worker_id).info.num_threads = 0  # an older worker
-        share = _share(driver, split=True)
-        log, release = [], asyncio.Event()
-        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
-                 for w in ("p0", "d0")]
-        await _settle()
-        assert log == [("p0", 0)]
-        release.set()
-        await asyncio.gather(*tasks)
-    asyncio.run(scenario())
+    driver = _decoding_pair()
+    for worker_id in ("p0", "d0"):
+        driver.worker(worker_id).info.num_threads = 0  # an older worker
+    assert _turns_at_once(_share(driver, split=True), driver) == [("p0", 0)]
 
 
 def _set(event: asyncio.Event) -> asyncio.Event:
@@ -200,7 +181,7 @@ def _set(event: asyncio.Event) -> asyncio.Event:
 
 
 def test_split_applies_only_while_a_long_prompt_prefills():
-    async def scenario(prompt_length: int) -> list:
+    def turns(prompt_length: int) -> list:
         driver = _pair()
         driver.submit("first", prompt(20), max_tokens=50)
         driver.step("p0")
@@ -209,15 +190,9 @@ def test_split_applies_only_while_a_long_prompt_prefills():
         share = CoreShare(split=True, long_prompt_tokens=64, num_cpus=2)
         share.join(driver.worker("p0"))
         share.join(driver.worker("d0"))
-        log, release = [], asyncio.Event()
-        tasks = [asyncio.create_task(_enter(share, driver.worker(w), log, w, release))
-                 for w in ("p0", "d0")]
-        await _settle()
-        release.set()
-        await asyncio.gather(*tasks)
-        return log
+        return _turns_at_once(share, driver)
 
     # A short prompt (a burst's) prefills on every core, in turn with the decodes.
-    assert asyncio.run(scenario(64)) == [("p0", 0), ("d0", 0)]
+    assert turns(64) == [("p0", 0)]
     # A long one prefills on one core while the decodes go on, on the other.
-    assert sorted(asyncio.run(scenario(65))) == [("d0", 1), ("p0", 1)]
+    assert turns(65) == [("d0", 1), ("p0", 1)]

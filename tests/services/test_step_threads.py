@@ -1,17 +1,8 @@
 """StepThreads: a step's thread count reaches torch on the compute thread, and only there."""
-import threading
-
 import torch
 
 from services.worker.step_threads import StepThreads
-
-
-def _on_a_thread(work):
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", work()))
-    thread.start()
-    thread.join()
-    return result["value"]
+from tests.threads import on_a_thread
 
 
 def test_a_step_runs_on_the_threads_it_asks_for_and_never_on_more_than_the_worker_has():
@@ -27,5 +18,5 @@ def test_a_step_runs_on_the_threads_it_asks_for_and_never_on_more_than_the_worke
             seen.append(torch.get_num_threads())
         return seen
 
-    assert _on_a_thread(compute_thread) == [1, 2, 1, 1, 2, 2]
+    assert on_a_thread(compute_thread) == [1, 2, 1, 1, 2, 2]
     assert torch.get_num_threads() == main_threads  # other threads keep their count
