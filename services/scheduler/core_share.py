@@ -74,6 +74,10 @@ class CoreShare:
                 self._dispatch()
             raise
 
+    def refresh(self) -> None:
+        """A worker's work changed: the first waiter's share may have shrunk enough to fit."""
+        self._dispatch()
+
     def _release(self, worker: WorkerRecord) -> None:
         self.held.pop(id(worker), None)
         self._dispatch()

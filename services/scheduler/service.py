@@ -32,6 +32,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         link = self.links.get(worker.worker_id)
         if link is not None and link.worker is worker:
             link.wakeup.set()
+            if link.cores is not None:
+                link.cores.refresh()
 
     async def Submit(self, request, context):
         bind_request_id(request_id_from(context) or request.request_id)

@@ -2,8 +2,9 @@
 on a real ClusterScheduler (no gRPC, no model)."""
 import asyncio
 
-import pytest
+from hypothesis import given, settings, strategies as st
 
+from services.api.kvrelay.v1 import worker_pb2
 from services.scheduler.core_share import CoreShare, domain_cpus
 from tests.services.cluster_driver import DECODE, PREFILL, ClusterDriver, prompt, worker_info
 
@@ -196,3 +197,67 @@ def test_split_applies_only_while_a_long_prompt_prefills():
     assert turns(64) == [("p0", 0)]
     # A long one prefills on one core while the decodes go on, on the other.
     assert turns(65) == [("d0", 1), ("p0", 1)]
+
+# ---- random schedules ----------------------------------------------------------------------
+WORKERS = ("p0", "d0", "p1")
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["ask", "end", "cancel", "work", "idle"]),
+                              st.sampled_from(WORKERS)), max_size=40),
+       split=st.booleans(), num_cpus=st.integers(1, 4),
+       threads=st.tuples(*[st.integers(0, 4)] * len(WORKERS)))
+@settings(max_examples=300, deadline=None)
+def test_random_schedules_never_oversubscribe_never_idle_a_fitting_waiter_and_drain(
+        ops, split, num_cpus, threads):
+    """Workers ask for turns, end or abandon them, gain and lose work in any order: the steps
+    running never hold more CPUs than the domain has, nor more threads than their worker has;
+    the first waiter is never left waiting while its share is free; and once every step has
+    ended, nothing is held or waiting."""
+    domain = f"host-a/cpus:{','.join(map(str, range(num_cpus)))}"
+    driver = ClusterDriver([worker_info(w, DECODE if w == "d0" else PREFILL, 64, 1024, domain,
+                                        n) for w, n in zip(WORKERS, threads)])
+    driver.submit("long", prompt(100), max_tokens=5)  # queued on a prefill worker: long
+    share = CoreShare(split, long_prompt_tokens=64, num_cpus=num_cpus)
+    for worker_id in WORKERS:
+        share.join(driver.worker(worker_id))
+    asyncio.run(_play(share, driver, ops))
+
+
+async def _play(share: CoreShare, driver: ClusterDriver, ops) -> None:
+    turns: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+    granted: dict[str, int] = {}  # worker -> thread count of its running step
+
+    async def take_turn(worker_id: str, end: asyncio.Event) -> None:
+        worker = driver.worker(worker_id)
+        async with share.turn(worker) as num_threads:
+            granted[worker_id] = num_threads
+            own = share.own(worker)
+            assert 0 <= num_threads < own or num_threads == 0
+            await end.wait()
+        granted.pop(worker_id)
+
+    for op, worker_id in ops:
+        worker = driver.worker(worker_id)
+        task = turns.get(worker_id)
+        if op == "ask" and (task is None or task[0].done()):
+            end = asyncio.Event()
+            turns[worker_id] = (asyncio.create_task(take_turn(worker_id, end)), end)
+        elif op == "end" and task is not None:
+            task[1].set()
+        elif op == "cancel" and task is not None:
+            task[0].cancel()  # its worker died, waiting or stepping
+        elif op == "work":  # as the service does when a worker gets work
+            worker.pending_sends = [worker_pb2.KvSendOrder()]
+            share.refresh()
+        elif op == "idle":
+            worker.pending_sends = []
+        await _settle()
+        assert sum(share.held.values()) <= share.capacity
+        if share.waiting:  # work-conserving: the head waits only while its share is taken
+            head = share.waiting[0][0]
+            assert share.capacity - sum(share.held.values()) < share._share(head)
+    for task, end in turns.values():
+        end.set()
+    await asyncio.gather(*(task for task, _ in turns.values()), return_exceptions=True)
+    await _settle()
+    assert share.held == {} and not share.waiting
