@@ -19,7 +19,7 @@ log = get_logger(__name__)
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, cluster: ClusterScheduler, lease_ms: int,
-                 shared_compute_steps: str = "serialize") -> None:
+                 shared_compute_steps: str = "split") -> None:
         self.cluster = cluster
         self.lease_ms = lease_ms
         self.links: dict[str, WorkerLink] = {}
