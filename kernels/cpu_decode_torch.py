@@ -3,26 +3,16 @@ by length and cut into groups, each gathered into padded K/V and run through one
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_plan import CpuAttentionPlan, DecodeRows, slot_ids
+from kernels.cpu_plan import CpuAttentionPlan, DecodeGroup, DecodeRows, slot_ids
 
 # Padded key tokens per decode group (rows * longest row). Gathering the whole decode batch at
 # once measured 2-4x slower than chunks of this size on SmolLM2-135M (3 kv heads x 64 dims): a
 # multi-MB gather is fresh mmap'd memory every layer, page faults and all, and it falls out of
 # cache before SDPA reads it back. Sorting by length first keeps the padding small too.
 DECODE_GROUP_KEY_TOKENS = 4096
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    token_ids: torch.Tensor  # [rows] int64, rows of the flat batch holding these decode queries
-    slot_ids: torch.Tensor  # [rows * max_len] int64, cache slots gathered as each row's keys
-    key_mask: torch.Tensor  # [rows, 1, 1, max_len] bool, True where the key belongs to the row
-    max_len: int
 
 
 def decode_attention_torch(

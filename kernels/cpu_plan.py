@@ -7,12 +7,8 @@ first use, see cpu_decode_torch.py). Prefill rows (few, long) run one by one thr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from kernels.cpu_decode_torch import DecodeGroup
 
 
 @dataclass(slots=True)
@@ -32,6 +28,16 @@ class PrefillSeq:
     query_len: int
     slot_ids: torch.Tensor  # [seq_len] int64, cache slots of the whole sequence
     causal_mask: torch.Tensor | None  # [query_len, seq_len] bool; None when context <= query_len
+
+
+# Built by cpu_decode_torch.plan_decode_groups, but defined here beside the plan that holds it,
+# so that cpu_decode_torch depends on this module and not the other way round.
+@dataclass(slots=True)
+class DecodeGroup:
+    token_ids: torch.Tensor  # [rows] int64, rows of the flat batch holding these decode queries
+    slot_ids: torch.Tensor  # [rows * max_len] int64, cache slots gathered as each row's keys
+    key_mask: torch.Tensor  # [rows, 1, 1, max_len] bool, True where the key belongs to the row
+    max_len: int
 
 
 @dataclass(slots=True)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import enum
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only an annotation: the scheduler process imports this and never needs torch
+    import torch
 
 
 class RequestStatus(enum.Enum):

@@ -36,10 +36,11 @@ class Child:
         env = {**base_env, **self.spec.env}
         log = open(self.log_path, "ab") if self.log_path else None
         try:
-            # No preexec_fn (see child_entry.py): the child sets its own death signal.
+            # No preexec_fn (see child_entry.py): the child sets its own death signal, then
+            # execs the service's own command line.
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "services.stack.child_entry", str(os.getpid()),
-                 self.spec.kind, *self.spec.argv],
+                 *self.spec.command()],
                 env=env, stdin=subprocess.DEVNULL, stdout=log or sys.stderr,
                 stderr=subprocess.STDOUT if log else sys.stderr, start_new_session=True)
         finally:

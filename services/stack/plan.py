@@ -29,7 +29,8 @@ class ServiceSpec:
     rest_url: str = ""  # the gateway's REST base, also health-checked
 
     def command(self) -> list[str]:
-        """The service as one would start it by hand (`up` adds a parent-death guard)."""
+        """The service as one would start it by hand: `up` runs exactly this, after a
+        parent-death guard (child_entry.py), and so never imports services.cli itself."""
         return [sys.executable, "-m", "services.cli", self.kind, *self.argv]
 
 
