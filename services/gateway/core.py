@@ -11,7 +11,7 @@ import grpc
 
 from services.api.kvrelay.v1 import scheduler_pb2
 from services.common.log import get_logger
-from services.common.wire import params_to_proto
+from services.wire import params_to_proto
 from services.engine.sampling_params import SamplingParams
 from services.gateway import metrics
 from services.gateway.detokenize_pipeline import DetokenizePipeline

@@ -8,7 +8,7 @@ import grpc
 
 from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.log import bind_request_id
-from services.common.wire import params_from_proto
+from services.wire import params_from_proto
 from services.gateway.errors import GatewayError, invalid, param_from_value_error
 from services.gateway.openai_serving import served_model
 from services.gateway.request_group import RequestGroup

@@ -19,16 +19,23 @@ import asyncio
 import contextlib
 import re
 from collections import deque
+from collections.abc import Callable
 from itertools import chain
 from typing import AsyncIterator
 
-from services.scheduler.records import DECODE, WorkerRecord
+from services.scheduler.messages import DECODE
+from services.scheduler.registry import WorkerRecord
+from services.scheduler.step_gate import OWN_CORES, StepGate
 
 
 class CoreShare:
+    """The step gate (step_gate.py) of the workers of one compute domain."""
+
     def __init__(self, split: bool, long_prompt_tokens: int = 0,
-                 num_cpus: int | None = None) -> None:
+                 num_cpus: int | None = None, *,
+                 has_work: Callable[[WorkerRecord], bool]) -> None:
         self.num_cpus = num_cpus  # None: one device, used by one step at a time
+        self.has_work = has_work  # queued or running sequences, or KV sends to carry
         self.split = split and num_cpus is not None
         # A prompt with more tokens left to prefill than this is long (0: every prompt is).
         self.long_prompt_tokens = long_prompt_tokens
@@ -105,14 +112,14 @@ class CoreShare:
         if not self.split or not worker.info.num_threads:
             return own  # (a worker that reports no thread count may not honor a lower one)
         active = [m for m in self.members.values()
-                  if m is worker or id(m) in self.held or (m.alive and m.has_work)]
+                  if m is worker or id(m) in self.held or (m.alive and self.has_work(m))]
         if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
                 or not any(self._prefills_long_prompt(m) for m in active)):
             return own
         return max(1, min(own, self.capacity // len(active)))
 
     def _prefills_long_prompt(self, worker: WorkerRecord) -> bool:
-        if worker.role == DECODE or not worker.alive:
+        if worker.role is DECODE or not worker.alive:
             return False
         core = worker.core
         return any(request.num_tokens - request.num_computed_tokens > self.long_prompt_tokens
@@ -123,3 +130,26 @@ def domain_cpus(domain: str) -> int | None:
     """How many CPUs a compute domain names ("<host>/cpus:0,1,..."); None for a device."""
     match = re.search(r"/cpus:([0-9,]+)", domain)
     return len(match.group(1).split(",")) if match else None
+
+
+class DomainGates:
+    """The step gate of each worker: its compute domain's CoreShare, or its own cores where it
+    shares them with no one it knows of (no domain reported, or `overlap`)."""
+
+    def __init__(self, mode: str, long_prompt_tokens: int,
+                 has_work: Callable[[WorkerRecord], bool]) -> None:
+        self.mode = mode  # serialize, split or overlap
+        self.long_prompt_tokens = long_prompt_tokens
+        self.has_work = has_work
+        self.shares: dict[str, CoreShare] = {}  # compute domain -> the cores its steps share
+
+    def gate_for(self, worker: WorkerRecord) -> StepGate:
+        domain = worker.info.compute_domain
+        if self.mode == "overlap" or not domain:
+            return OWN_CORES
+        if domain not in self.shares:
+            self.shares[domain] = CoreShare(self.mode == "split", self.long_prompt_tokens,
+                                            domain_cpus(domain), has_work=self.has_work)
+        share = self.shares[domain]
+        share.join(worker)
+        return share

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from services.common.log import get_logger
 from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.records import WorkerRecord
+from services.scheduler.registry import WorkerRecord
 
 log = get_logger(__name__)
 
@@ -28,7 +28,7 @@ async def reap_leases(cluster: ClusterScheduler, period_s: float,
         late = time.monotonic() - wake_at
         if late > period_s:
             log.warning("scheduler loop stalled; leases extended", seconds=round(late, 3))
-            cluster.extend_leases(late)
+            cluster.registry.extend_leases(late)
         for worker in cluster.expire_leases():
             on_expired(worker)
         cluster.release_set_aside(time.monotonic())

@@ -11,8 +11,7 @@ from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import run_service
 from services.engine.config import EngineConfig
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.deltas import DeltaSink
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
 log = get_logger(__name__)
@@ -69,21 +68,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+    engine = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
                           long_prefill_chunk_size=args.long_prefill_chunk_size,
                           max_long_partial_prefills=args.max_long_partial_prefills,
                           enable_prefix_caching=not args.no_prefix_caching,
                           scheduling_policy=args.scheduling_policy)
-    cluster = ClusterScheduler(config, args.lease_ms / 1000, DeltaSink())
-    cluster.kv_transport = args.kv_transport
-    cluster.transfer_timeout_s = args.kv_transfer_timeout
-    cluster.prefill_max_num_batched_tokens = args.prefill_max_num_batched_tokens or None
-    if args.shared_compute_steps != "overlap":
-        cluster.shared_prefill_max_num_batched_tokens = (
-            args.shared_prefill_max_num_batched_tokens or None)
-    service = SchedulerService(cluster, args.lease_ms, args.shared_compute_steps)
+    config = SchedulerConfig(
+        engine=engine, lease_s=args.lease_ms / 1000,
+        prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens or None,
+        shared_prefill_max_num_batched_tokens=args.shared_prefill_max_num_batched_tokens or None,
+        shared_compute_steps=args.shared_compute_steps,
+        transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport)
+    service = SchedulerService(config)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import time
 
 from services.common import metrics
+from services.scheduler.cluster import ClusterScheduler
+from services.scheduler.registry import WorkerRecord
+from services.scheduler.step_plan import StepPlan
 
 RUNNING = metrics.gauge("num_requests_running", "Requests computing on a worker", ("worker",))
 WAITING = metrics.gauge("num_requests_waiting", "Requests queued for a worker", ("worker",))
@@ -51,7 +54,8 @@ def _advance_total(counter, name: str, total: int) -> None:
     _last_totals[("", name)] = total
 
 
-def after_step(cluster, worker, plan, num_sampled: int) -> None:
+def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
+               num_sampled: int) -> None:
     name = worker.worker_id
     core = worker.core
     RUNNING.labels(name).set(len(core.running))
@@ -61,11 +65,11 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     _advance(PREFIX_HITS, name, "hits", core.kv.stats.hits)
     _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
     STEPS.labels(name).inc()
-    if plan.message.num_threads:
+    if plan.order.num_threads:
         SPLIT_STEPS.labels(name).inc()
-    TRANSFERRING.set(len(cluster.transfers))
+    TRANSFERRING.set(cluster.transfers.num_open)
     _advance_total(TRANSFER_SHARED_TOKENS, "transfer_shared_prefix",
-                   cluster.num_transfer_shared_prefix_tokens)
+                   cluster.transfers.num_shared_prefix_tokens)
     now = time.monotonic()
     num_prompt = 0
     for item in plan.output.scheduled:
@@ -81,13 +85,13 @@ def after_step(cluster, worker, plan, num_sampled: int) -> None:
     STEP_TOKENS.observe(plan.output.num_batched_tokens)
 
 
-def transfer_result(send) -> None:
-    TRANSFERS_DONE.labels(str(send.ok).lower()).inc()
+def transfer_result(ok: bool) -> None:
+    TRANSFERS_DONE.labels(str(ok).lower()).inc()
 
 
-def blocks_set_aside(cluster) -> None:
-    held: dict[str, int] = {worker_id: 0 for worker_id in cluster.workers}
-    for entry in cluster.set_aside:
+def blocks_set_aside(cluster: ClusterScheduler) -> None:
+    held: dict[str, int] = {worker_id: 0 for worker_id in cluster.registry.workers}
+    for entry in cluster.transfers.set_aside:
         held[entry.worker.worker_id] = held.get(entry.worker.worker_id, 0) + len(entry.blocks)
     for worker_id, num_blocks in held.items():
         SET_ASIDE_BLOCKS.labels(worker_id).set(num_blocks)

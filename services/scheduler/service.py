@@ -8,43 +8,45 @@ import grpc
 
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.log import bind_request_id, get_logger, request_id_from
-from services.common.wire import params_from_proto
-from services.scheduler.cluster import ClusterScheduler, Unavailable
 from services.scheduler import lease_reaper, scheduler_metrics
-from services.scheduler.core_share import CoreShare, domain_cpus
+from services.scheduler.cluster import ClusterScheduler, Unavailable
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core_share import DomainGates
+from services.scheduler.edge import ROLE_TO_PROTO, worker_info_from_proto
+from services.scheduler.outputs import DeltaSink
+from services.scheduler.registry import WorkerRecord
 from services.scheduler.worker_link import WorkerLink
+from services.wire import params_from_proto
 
 log = get_logger(__name__)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, cluster: ClusterScheduler, lease_ms: int,
-                 shared_compute_steps: str = "split") -> None:
-        self.cluster = cluster
-        self.lease_ms = lease_ms
-        self.links: dict[str, WorkerLink] = {}
-        self.shared_compute_steps = shared_compute_steps  # serialize, split or overlap
-        # compute domain -> the cores its workers' steps share
-        self.core_shares: dict[str, CoreShare] = {}
-        cluster.on_work = self._wake
+    """The gRPC edge: each handler converts what it receives into the core's types (edge.py),
+    calls the core and converts the answer back."""
 
-    def _wake(self, worker) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.cluster = ClusterScheduler(config, DeltaSink(), wake=self._wake)
+        self.links: dict[str, WorkerLink] = {}
+        self.gates = DomainGates(config.shared_compute_steps,
+                                 config.engine.long_prefill_token_threshold,
+                                 self.cluster.has_work)
+
+    def _wake(self, worker: WorkerRecord) -> None:
         link = self.links.get(worker.worker_id)
         if link is not None and link.worker is worker:
             link.wakeup.set()
-            if link.cores is not None:
-                link.cores.refresh()
+            link.gate.refresh()
 
     async def Submit(self, request, context):
         bind_request_id(request_id_from(context) or request.request_id)
         prompt = list(request.prompt_token_ids)
         try:
-            params_proto = request.params
-            if not params_proto.HasField("max_tokens"):
-                params_proto.max_tokens = self.cluster.default_max_tokens(len(prompt))
-            params = params_from_proto(params_proto)
+            params = params_from_proto(request.params,
+                                       self.cluster.default_max_tokens(len(prompt)))
             self.cluster.submit(request.request_id, request.gateway_id, prompt, params,
-                                params_proto, request.priority)
+                                request.priority)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Unavailable as exc:
@@ -81,33 +83,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def RegisterWorker(self, request, context):
         try:
-            self.cluster.register(request)
+            worker = self.cluster.register(worker_info_from_proto(request))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        old = self.links.pop(request.worker_id, None)
+        old = self.links.pop(worker.worker_id, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        worker = self.cluster.workers[request.worker_id]
-        link = WorkerLink(self.cluster, worker, self._core_share(worker))
-        self.links[request.worker_id] = link
+        link = WorkerLink(self.cluster, worker, self.gates.gate_for(worker))
+        self.links[worker.worker_id] = link
         link.start()
-        log.info("worker registered", worker_id=request.worker_id, address=request.address,
-                 role=scheduler_pb2.WorkerRole.Name(request.role), num_blocks=request.num_blocks)
-        return scheduler_pb2.RegisterWorkerResponse(lease_ms=self.lease_ms)
-
-    def _core_share(self, worker) -> CoreShare | None:
-        """The domain's cores (core_share.py says how they are shared); None: the worker
-        steps whenever it has work."""
-        domain = worker.info.compute_domain
-        if self.shared_compute_steps == "overlap" or not domain:
-            return None
-        if domain not in self.core_shares:
-            self.core_shares[domain] = CoreShare(
-                self.shared_compute_steps == "split",
-                self.cluster.config.long_prefill_token_threshold, domain_cpus(domain))
-        share = self.core_shares[domain]
-        share.join(worker)
-        return share
+        log.info("worker registered", worker_id=worker.worker_id, address=worker.info.address,
+                 role=worker.role.value, num_blocks=worker.info.num_blocks)
+        return scheduler_pb2.RegisterWorkerResponse(lease_ms=int(self.config.lease_s * 1000))
 
     async def Heartbeat(self, request, context):
         known = self.cluster.heartbeat(request.worker_id, request.draining)
@@ -115,23 +102,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Stats(self, request, context):
         cluster = self.cluster
-        workers = [w for w in cluster.workers.values() if w.alive]
+        workers = [w for w in cluster.registry.workers.values() if w.alive]
         return scheduler_pb2.StatsResponse(
             num_waiting=sum(len(w.core.waiting) for w in workers),
             num_running=sum(len(w.core.running) for w in workers),
             workers=[scheduler_pb2.WorkerStats(
-                worker_id=w.worker_id, role=w.role, num_blocks=w.core.kv.pool.num_blocks,
+                worker_id=w.worker_id, role=ROLE_TO_PROTO[w.role],
+                num_blocks=w.core.kv.pool.num_blocks,
                 num_free_blocks=w.core.kv.num_free_blocks, num_running=len(w.core.running))
                 for w in workers],
             prefix_cache_queries=sum(w.core.kv.stats.queries for w in workers),
             prefix_cache_hits=sum(w.core.kv.stats.hits for w in workers),
             num_preemptions=sum(w.core.stats.num_preemptions for w in workers),
-            model=cluster.model, max_model_len=cluster.max_model_len, ready=cluster.ready,
-            num_transferring=len(cluster.transfers))
+            model=cluster.registry.model, max_model_len=cluster.registry.max_model_len,
+            ready=cluster.registry.ready, num_transferring=cluster.transfers.num_open)
 
     async def reap_leases(self) -> None:
-        await lease_reaper.reap_leases(self.cluster, self.lease_ms / 4000, self._forget_link,
-                                       self._after_sweep)
+        await lease_reaper.reap_leases(self.cluster, self.config.lease_s / 4,
+                                       self._forget_link, self._after_sweep)
 
     def _forget_link(self, worker) -> None:
         link = self.links.pop(worker.worker_id, None)

@@ -10,21 +10,20 @@ import grpc
 from services.api.kvrelay.v1 import worker_pb2_grpc
 from services.common.grpc_server import channel
 from services.common.log import get_logger
-from services.scheduler import handoff, scheduler_metrics
-from services.scheduler.core_share import CoreShare
-from services.scheduler.records import WorkerRecord
+from services.scheduler import edge, scheduler_metrics
+from services.scheduler.cluster import ClusterScheduler
+from services.scheduler.registry import WorkerRecord
+from services.scheduler.step_gate import StepGate
 from services.scheduler.step_plan import apply_result, plan_step
 
 log = get_logger(__name__)
 
 
 class WorkerLink:
-    def __init__(self, cluster, worker: WorkerRecord, cores: CoreShare | None = None) -> None:
+    def __init__(self, cluster: ClusterScheduler, worker: WorkerRecord, gate: StepGate) -> None:
         self.cluster = cluster
         self.worker = worker
-        # The cores of the worker's compute domain, shared with the other workers on them
-        # (core_share.py); None: this worker steps whenever it has work, with all its threads.
-        self.cores = cores
+        self.gate = gate  # when the worker may step, and on how many threads (step_gate.py)
         self.wakeup = asyncio.Event()
         self.wakeup.set()
         self.pending_result: asyncio.Future | None = None
@@ -62,12 +61,9 @@ class WorkerLink:
                 self.cluster.retire(self.worker)
                 await call.done_writing()
                 return
-            if self.cores is None:
-                await self._one_step(call, reader, num_threads=0)
-            else:
-                async with self.cores.turn(self.worker) as num_threads:
-                    await self._one_step(call, reader, num_threads)
-            if self.worker.has_work:
+            async with self.gate.turn(self.worker) as num_threads:
+                await self._one_step(call, reader, num_threads)
+            if self.cluster.has_work(self.worker):
                 self.wakeup.set()
 
     async def _one_step(self, call, reader: asyncio.Task, num_threads: int) -> None:
@@ -77,19 +73,19 @@ class WorkerLink:
         if plan is None:
             self.cluster.sink.flush()
             return
-        plan.message.num_threads = num_threads
+        plan.order.num_threads = num_threads
         self.pending_result = asyncio.get_running_loop().create_future()
-        await call.write(plan.message)
+        await call.write(edge.step_to_proto(plan.order))
         log.debug("step sent", worker_id=self.worker.worker_id,
-                  step_id=plan.message.step_id, num_scheduled=len(plan.message.scheduled),
+                  step_id=plan.order.step_id, num_scheduled=len(plan.order.scheduled),
                   num_threads=num_threads)
-        result = await _first(self.pending_result, reader)
-        log.debug("step done", worker_id=self.worker.worker_id, step_id=result.step_id,
-                  num_sampled=len(result.sampled))
-        apply_result(self.cluster, self.worker, plan, result)
-        handoff.retry_awaiting(self.cluster)
+        outcome = edge.outcome_from_proto(await _first(self.pending_result, reader))
+        log.debug("step done", worker_id=self.worker.worker_id, step_id=outcome.step_id,
+                  num_sampled=len(outcome.sampled))
+        apply_result(self.cluster, self.worker, plan, outcome)
+        self.cluster.retry_awaiting()
         self.cluster.sink.flush()
-        scheduler_metrics.after_step(self.cluster, self.worker, plan, len(result.sampled))
+        scheduler_metrics.after_step(self.cluster, self.worker, plan, len(outcome.sampled))
 
     async def _read(self, call) -> None:
         try:
@@ -102,9 +98,9 @@ class WorkerLink:
         async for result in call:
             if result.step_id == 0:  # KV send results, between steps
                 log.debug("kv send results", num_results=len(result.kv_sends))
-                for send in result.kv_sends:
-                    scheduler_metrics.transfer_result(send)
-                    handoff.on_send_result(self.cluster, send)
+                for send in edge.send_results_from_proto(result):
+                    scheduler_metrics.transfer_result(send.ok)
+                    self.cluster.on_send_result(send.transfer_id, send.ok, send.error)
                 self.cluster.sink.flush()
             elif self.pending_result is not None and not self.pending_result.done():
                 self.pending_result.set_result(result)

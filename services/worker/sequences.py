@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from services.api.kvrelay.v1 import worker_pb2
-from services.common.wire import params_from_proto
+from services.wire import params_from_proto
 from services.engine.request import Request
 from services.engine.sampler import make_generator
 

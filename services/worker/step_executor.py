@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.api.kvrelay.v1 import worker_pb2
-from services.common.wire import logprob_to_proto
+from services.wire import logprob_to_proto
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledRequest

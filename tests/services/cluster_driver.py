@@ -8,18 +8,22 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
-from services.common.wire import params_from_proto, params_to_proto
+from services.api.kvrelay.v1 import common_pb2, scheduler_pb2
 from services.engine.config import EngineConfig
 from services.engine.request import RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledRequest
 from services.engine.stop_checker import banned_token_ids
-from services.scheduler import handoff
 from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.deltas import DeltaSink
-from services.scheduler.records import BOTH, DECODE, PREFILL, Phase, SetAside, WorkerRecord
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.messages import (BOTH, DECODE, PREFILL, Role, Sampled, SendOrder,
+                                         StepOutcome, WorkerInfo)
+from services.scheduler.outputs import DeltaSink
+from services.scheduler.records import Phase
+from services.scheduler.registry import WorkerRecord
 from services.scheduler.step_plan import StepPlan, apply_result, plan_step
+from services.scheduler.transfers import SetAside, TransferState
+from services.wire import params_from_proto, params_to_proto
 
 BLOCK_SIZE = 16
 EOS, STOP_ID, FILLER = 2, 3, 7  # FILLER: what the fake model samples unless told otherwise
@@ -29,14 +33,13 @@ STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
 
 
-def worker_info(worker_id: str, role: int, num_blocks: int, max_model_len: int = 128,
-                compute_domain: str = "",
-                num_threads: int = 0) -> scheduler_pb2.RegisterWorkerRequest:
+def worker_info(worker_id: str, role: Role, num_blocks: int, max_model_len: int = 128,
+                compute_domain: str = "", num_threads: int = 0) -> WorkerInfo:
     """A fresh worker process: a replacement under the same id gets a new instance id."""
-    return scheduler_pb2.RegisterWorkerRequest(
+    return WorkerInfo(
         worker_id=worker_id, role=role, address=f"{worker_id}.test:1", num_blocks=num_blocks,
-        block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=["grpc"],
-        max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=[EOS],
+        block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=("grpc",),
+        max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=(EOS,),
         compute_domain=compute_domain, instance_id=f"{worker_id}#{next(_instance_ids)}",
         num_threads=num_threads)
 
@@ -56,7 +59,7 @@ class InFlightStep:
 
 @dataclass
 class InFlightSend:
-    order: worker_pb2.KvSendOrder
+    order: SendOrder
     prefill: WorkerRecord
     decode: WorkerRecord
 
@@ -70,10 +73,13 @@ class Submitted:
 
 
 class ClusterDriver:
-    def __init__(self, workers: list[scheduler_pb2.RegisterWorkerRequest],
+    def __init__(self, workers: list[WorkerInfo], scheduler_config: dict | None = None,
                  **config) -> None:
-        config = EngineConfig(**{"max_num_batched_tokens": 256, "max_num_seqs": 8, **config})
-        self.cluster = ClusterScheduler(config, lease_s=3600.0, sink=DeltaSink())
+        """config: EngineConfig's fields; scheduler_config: SchedulerConfig's."""
+        engine = EngineConfig(**{"max_num_batched_tokens": 256, "max_num_seqs": 8, **config})
+        self.cluster = ClusterScheduler(
+            SchedulerConfig(engine=engine, lease_s=3600.0, **(scheduler_config or {})),
+            DeltaSink())
         self.outputs = self.cluster.sink.subscribe(GATEWAY)
         self.all_workers: list[WorkerRecord] = []  # dead and replaced ones too
         for info in workers:
@@ -92,9 +98,10 @@ class ClusterDriver:
 
     # ---- what the gateway does ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], **params) -> None:
-        proto = params_to_proto(SamplingParams(**params))
-        self.cluster.submit(request_id, GATEWAY, prompt_ids, params_from_proto(proto), proto, 0)
-        self.requests[request_id] = Submitted(prompt_ids, params_from_proto(proto))
+        # through the wire's form, as the service receives them (float32 rounding)
+        sampling = params_from_proto(params_to_proto(SamplingParams(**params)))
+        self.cluster.submit(request_id, GATEWAY, prompt_ids, sampling, 0)
+        self.requests[request_id] = Submitted(prompt_ids, sampling)
         self.flush()
 
     def abort(self, *ids: str) -> list[str]:
@@ -110,7 +117,15 @@ class ClusterDriver:
 
     # ---- what a worker does ----------------------------------------------------------------------
     def worker(self, worker_id: str) -> WorkerRecord:
-        return self.cluster.workers[worker_id]
+        return self.cluster.registry.workers[worker_id]
+
+    def has_work(self, worker_id: str) -> bool:
+        return self.cluster.has_work(self.worker(worker_id))
+
+    def pending_sends(self, worker_id: str) -> list[str]:
+        """Seq ids of the orders waiting for the worker's next step."""
+        outbox = self.cluster.transfers.outbox.get(self.worker(worker_id).info.instance_id, [])
+        return [transfer.seq_id for transfer in outbox]
 
     def start_step(self, worker_id: str) -> bool:
         """Plan the worker's next step and hand it over; False when there is nothing to run."""
@@ -120,12 +135,12 @@ class ClusterDriver:
         if plan is None:
             self.flush()
             return False
-        pushed_now = {(order.dst_instance_id, block_id) for order in plan.message.kv_sends
+        pushed_now = {(order.dst_instance_id, block_id) for order in plan.order.kv_sends
                       for block_id in order.dst_block_ids}
-        for order in plan.message.kv_sends:
+        for order in plan.order.kv_sends:
             self._check_order(order, worker, pushed_now)
-            sample = self.cluster.transfers[order.transfer_id]
-            self.sends[order.transfer_id] = InFlightSend(order, worker, sample.decode_worker)
+            transfer = self.cluster.transfers.open[order.transfer_id]
+            self.sends[order.transfer_id] = InFlightSend(order, worker, transfer.destination)
         if worker.role == DECODE:
             for item in plan.output.scheduled:
                 self._read_pages(worker, item)
@@ -136,15 +151,15 @@ class ClusterDriver:
     def finish_step(self, worker_id: str) -> None:
         """The worker answers: one sampled token per sequence whose chunk reached its end."""
         step = self.steps.pop(worker_id)
-        result = worker_pb2.StepResult(step_id=step.plan.message.step_id)
+        sampled = []
         for item in step.sampling:
             token_id = self._next_token(item.request)
             self.sampled[item.request.request_id].append(token_id)
-            result.sampled.append(worker_pb2.SampledToken(seq_id=item.request.request_id,
-                                                          token_id=token_id))
+            sampled.append(Sampled(item.request.request_id, token_id))
         worker = self.worker(worker_id)
-        apply_result(self.cluster, worker, step.plan, result)
-        handoff.retry_awaiting(self.cluster)  # as WorkerLink._step_loop does after each step
+        apply_result(self.cluster, worker, step.plan,
+                     StepOutcome(step.plan.order.step_id, tuple(sampled)))
+        self.cluster.retry_awaiting()  # as WorkerLink._step_loop does after each step
         self.flush()
 
     def step(self, worker_id: str) -> bool:
@@ -156,9 +171,7 @@ class ClusterDriver:
     def send_result(self, transfer_id: str, ok: bool = True) -> None:
         send = self.sends.pop(transfer_id)
         self._write_pages(send, ok)
-        error = "" if ok else "connection refused"
-        handoff.on_send_result(self.cluster, worker_pb2.KvSendResult(
-            transfer_id=transfer_id, ok=ok, error=error))
+        self.cluster.on_send_result(transfer_id, ok, "" if ok else "connection refused")
         self.flush()
 
     def kill(self, worker_id: str, zombie: bool = False) -> None:
@@ -180,10 +193,9 @@ class ClusterDriver:
             self._write_pages(send, ok=True)
         self.zombie_sends.clear()
 
-    def register(self, info: scheduler_pb2.RegisterWorkerRequest) -> None:
+    def register(self, info: WorkerInfo) -> None:
         """A (fresh) worker process registers, maybe under a dead one's id."""
-        self.cluster.register(info)
-        self.all_workers.append(self.cluster.workers[info.worker_id])
+        self.all_workers.append(self.cluster.register(info))
 
     def _next_token(self, request) -> int:
         script = self.script[request.request_id]
@@ -219,23 +231,25 @@ class ClusterDriver:
             elif index * BLOCK_SIZE < end:
                 self.pages[key] = pages
 
-    def _check_order(self, order: worker_pb2.KvSendOrder, prefill: WorkerRecord,
+    def _check_order(self, order: SendOrder, prefill: WorkerRecord,
                      pushed_now: set[tuple[str, int]]) -> None:
         """A send may only write into blocks reserved for its sequence on a live decode worker;
         each leading block it skips holds that prefix already (a decode-side prefix hit) or
         another send of the same step pushes it."""
-        sample = self.cluster.transfers.get(order.transfer_id)
-        assert sample is not None and sample.seq_id == order.seq_id, order
-        assert sample.phase is not Phase.DONE, f"send for ended sample {order.seq_id}"
-        decode = sample.decode_worker
-        assert decode.alive and decode.role == DECODE
+        transfer = self.cluster.transfers.open.get(order.transfer_id)
+        assert transfer is not None and transfer.seq_id == order.seq_id, order
+        assert transfer.state is TransferState.IN_FLIGHT and transfer.source is prefill
+        sample = self.cluster.samples[order.seq_id]
+        assert not sample.done and sample.transfer is transfer, f"send for {order.seq_id}"
+        decode = transfer.destination
+        assert decode.alive and decode.role is DECODE
         assert order.dst_instance_id == decode.info.instance_id
         decode_blocks = decode.core.kv.block_ids(order.seq_id)
         num_held = len(decode_blocks) - len(order.dst_block_ids)
         assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
         assert list(order.dst_block_ids) == decode_blocks[num_held:]
-        assert decode.core.requests[order.seq_id] is sample.decode_request
-        assert sample.decode_request.status is RequestStatus.TRANSFERRING
+        assert decode.core.requests[order.seq_id] is transfer.decode_request
+        assert transfer.decode_request.status is RequestStatus.TRANSFERRING
         num_blocks = _num_blocks(sample.request.num_prompt_tokens)
         assert len(decode_blocks) == num_blocks
         assert list(order.src_block_ids) == \
@@ -262,11 +276,11 @@ class ClusterDriver:
                 self.finish_step(worker_id)
             if sends == "after":
                 self.deliver_sends(carried)
-            for worker in list(self.cluster.workers.values()):
-                if worker.alive and worker.has_work:
+            for worker in list(self.cluster.registry.workers.values()):
+                if worker.alive and self.cluster.has_work(worker):
                     progressed |= self.start_step(worker.worker_id)
             self.deliver_sends(carried)
-            if not progressed and self.cluster.set_aside:
+            if not progressed and self.cluster.transfers.set_aside:
                 # What waits may wait for blocks a lost sender's deadline holds: time passes.
                 self.cluster.release_set_aside(math.inf)
                 continue
@@ -282,14 +296,17 @@ class ClusterDriver:
                 self.send_result(transfer_id, ok=send.decode.alive)
 
     def describe(self) -> str:
-        samples = {seq_id: (s.phase.value, s.request.status.value, s.transfer_id,
-                            s.send_in_flight) for seq_id, s in self.cluster.samples.items()}
+        samples = {seq_id: (s.phase.value, s.request.status.value,
+                            s.transfer.state.value if s.transfer else None)
+                   for seq_id, s in self.cluster.samples.items()}
         workers = {w.worker_id: (w.alive, len(w.core.running), len(w.core.waiting),
                                  w.core.num_reserved, w.core.kv.num_free_blocks,
-                                 len(w.pending_sends)) for w in self.cluster.workers.values()}
+                                 len(self.pending_sends(w.worker_id)))
+                   for w in self.cluster.registry.workers.values()}
+        transfers = {t.transfer_id: t.state.value for t in self.cluster.transfers.open.values()}
         return (f"samples={samples} workers(alive, running, waiting, reserved, free, pending)="
                 f"{workers} awaiting={[s.seq_id for s in self.cluster.awaiting_decode]} "
-                f"transfers={list(self.cluster.transfers)}")
+                f"transfers={transfers}")
 
     # ---- checks ---------------------------------------------------------------------------------
     def tokens(self, request_id: str, index: int = 0) -> list[int]:
@@ -338,29 +355,39 @@ class ClusterDriver:
     def check_accounting(self) -> None:
         """What must hold between any two events, on every worker, dead ones included."""
         cluster = self.cluster
+        book = cluster.transfers
         for worker in self.all_workers:
-            _check_pool(worker, [entry for entry in cluster.set_aside if entry.worker is worker])
+            _check_pool(worker, [entry for entry in book.set_aside if entry.worker is worker])
             for seq_id, request in worker.core.requests.items():
                 sample = cluster.samples.get(seq_id)
                 assert sample is not None, f"{worker.worker_id} holds orphan {seq_id}"
-                assert request in (sample.request, sample.decode_request), seq_id
-                assert sample.phase is not Phase.DONE or sample.send_in_flight, \
+                transfer = sample.transfer
+                assert request is sample.request or (
+                    transfer is not None and request is transfer.decode_request), seq_id
+                assert not sample.done or sample.holds_orphan, \
                     f"{worker.worker_id} still holds ended {seq_id}: {self.describe()}"
             reservations = [r for seq_id, r in worker.core.requests.items()
                             if r.status is RequestStatus.TRANSFERRING
-                            and r is cluster.samples[seq_id].decode_request]
+                            and cluster.samples[seq_id].transfer is not None
+                            and r is cluster.samples[seq_id].transfer.decode_request]
             assert worker.core.num_reserved == len(reservations), self.describe()
-        for transfer_id, sample in cluster.transfers.items():
-            pending = [o.transfer_id for o in sample.worker.pending_sends]
-            assert sample.transfer_id == transfer_id
-            assert sample.send_in_flight or transfer_id in pending, \
-                f"transfer {transfer_id} neither in flight nor pending: {self.describe()}"
+        for transfer_id, transfer in book.open.items():
+            sample = cluster.samples[transfer.seq_id]
+            assert transfer.transfer_id == transfer_id and sample.transfer is transfer
+            outbox = book.outbox.get(transfer.source.info.instance_id, [])
+            if transfer.state is TransferState.RESERVED:  # waits for its sender's next step
+                assert transfer in outbox and sample.phase is Phase.TRANSFER, self.describe()
+            else:
+                assert transfer not in outbox, self.describe()
+            if transfer.awaits_result:
+                assert transfer in book.groups[transfer.step_id], self.describe()
+            assert sample.done == (transfer.state is TransferState.ORPHANED), self.describe()
         for transfer_id, send in self.sends.items():
             if send.decode.alive:  # a result for a send to a dead worker may be ignored
-                sample = cluster.transfers.get(transfer_id)
-                assert sample is not None and sample.send_in_flight, transfer_id
+                transfer = book.open.get(transfer_id)
+                assert transfer is not None and transfer.awaits_result, transfer_id
         for sample in cluster.awaiting_decode:
-            assert sample.phase is Phase.TRANSFER and sample.decode_worker is None
+            assert sample.phase is Phase.TRANSFER and sample.transfer is None
         for record in cluster.requests.values():
             assert all(cluster.samples.get(s.seq_id) is s for s in record.samples)
 
@@ -368,7 +395,8 @@ class ClusterDriver:
         """Nothing left anywhere: every block free on every worker, no record of any request."""
         cluster = self.cluster
         assert not cluster.requests and not cluster.samples, self.describe()
-        assert not cluster.transfers and not cluster.awaiting_decode, self.describe()
+        assert not cluster.transfers.open and not cluster.awaiting_decode, self.describe()
+        assert not cluster.transfers.groups and not cluster.transfers.dependents, self.describe()
         for worker in self.all_workers:
             core = worker.core
             assert core.kv.num_free_blocks == core.kv.pool.num_blocks, self.describe()
@@ -376,7 +404,8 @@ class ClusterDriver:
             assert core.num_reserved == 0, self.describe()
             assert not core.kv.req_blocks, self.describe()
             if worker.alive:
-                assert not worker.pending_sends and not worker.known_blocks, self.describe()
+                assert not self.pending_sends(worker.worker_id), self.describe()
+                assert not worker.known_blocks, self.describe()
 
 
 def _num_blocks(num_tokens: int) -> int:

@@ -3,7 +3,7 @@ worker of its role, the ones it computes finish there, and then it holds nothing
 from __future__ import annotations
 
 from services.engine.request import RequestStatus
-from services.scheduler.records import BOTH, DECODE, PREFILL
+from services.scheduler.messages import BOTH, DECODE, PREFILL
 from tests.services.cluster_driver import LENGTH, ClusterDriver, prompt, worker_info
 
 

@@ -3,7 +3,7 @@ even, a burst spreads over the prefill workers, and decode reservations go to th
 the most free blocks."""
 from __future__ import annotations
 
-from services.scheduler.records import DECODE, PREFILL
+from services.scheduler.messages import DECODE, PREFILL
 from tests.services.cluster_driver import ClusterDriver, prompt, worker_info
 
 
@@ -48,35 +48,34 @@ def test_decode_reservations_go_to_the_worker_with_the_most_free_blocks():
         driver.submit(f"r{i}", prompt(40, first=i), max_tokens=3)
     driver.start_step("p0")
     driver.start_step("p1")
-    decode_workers = [s.decode_worker.worker_id for s in driver.cluster.samples.values()
-                      if s.decode_worker is not None]
+    decode_workers = [s.transfer.destination.worker_id for s in driver.cluster.samples.values()
+                      if s.transfer is not None]
     assert sorted(decode_workers) == ["d0", "d0", "d1", "d1"]
     driver.run()
     driver.assert_quiescent()
 
 
-def _shared_hardware(**config) -> ClusterDriver:
+def _shared_hardware(scheduler_config: dict | None = None, **config) -> ClusterDriver:
     """p0 and d0 on one machine's CPUs, p1 on another machine."""
     domain = "host-a/cpus:0,1"
     return ClusterDriver([worker_info("p0", PREFILL, 64, 1024, domain),
                           worker_info("d0", DECODE, 64, 1024, domain),
                           worker_info("p1", PREFILL, 64, 1024, "host-b/cpus:0,1")],
-                         max_num_batched_tokens=256, **config)
+                         scheduler_config, max_num_batched_tokens=256, **config)
 
 
 def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_decodes():
-    driver = _shared_hardware()
-    driver.cluster.shared_prefill_max_num_batched_tokens = 32
+    driver = _shared_hardware({"shared_prefill_max_num_batched_tokens": 32})
     p0, p1 = driver.worker("p0"), driver.worker("p1")
-    assert driver.cluster.step_budget(p0) is None  # the decode worker is idle: full steps
+    assert driver.cluster.registry.step_budget(p0) is None  # the decode worker is idle: full steps
     driver.submit("first", prompt(20), max_tokens=50)
     assert _placed_on(driver, "first") == "p0"
     driver.step("p0")
     driver.deliver_sends()
     driver.step("d0")
     assert driver.worker("d0").core.running
-    assert driver.cluster.step_budget(p0) == 32
-    assert driver.cluster.step_budget(p1) is None  # other hardware: its own budget
+    assert driver.cluster.registry.step_budget(p0) == 32
+    assert driver.cluster.registry.step_budget(p1) is None  # other hardware: its own budget
     driver.cluster.heartbeat("p1", draining=True)  # so the long prompt lands on p0
     driver.submit("long", prompt(200, first=40), max_tokens=2)
     assert _placed_on(driver, "long") == "p0"
@@ -90,13 +89,13 @@ def test_prefill_steps_stay_small_while_a_decode_worker_on_the_same_hardware_dec
 def test_long_prompts_are_chunked_on_a_prefill_worker_sharing_hardware_with_decodes():
     driver = _shared_hardware(long_prefill_token_threshold=16)
     p0, p1 = driver.worker("p0"), driver.worker("p1")
-    assert not driver.cluster.shares_compute_with_decodes(p0)  # the decode worker is idle
+    assert not driver.cluster.registry.shares_compute_with_decodes(p0)  # the decode worker is idle
     driver.submit("first", prompt(20), max_tokens=50)
     driver.step("p0")
     driver.deliver_sends()
     driver.step("d0")
-    assert driver.cluster.shares_compute_with_decodes(p0)
-    assert not driver.cluster.shares_compute_with_decodes(p1)
+    assert driver.cluster.registry.shares_compute_with_decodes(p0)
+    assert not driver.cluster.registry.shares_compute_with_decodes(p1)
     driver.cluster.heartbeat("p1", draining=True)
     driver.submit("long", prompt(100, first=40), max_tokens=2)
     driver.start_step("p0")

@@ -10,7 +10,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.engine.request import RequestStatus
-from services.scheduler.records import BOTH, DECODE, PREFILL, Phase
+from services.scheduler.messages import BOTH, DECODE, PREFILL
+from services.scheduler.records import Phase
 from tests.services.cluster_driver import (ABORT, EOS, ERROR, FILLER, LENGTH, STOP, STOP_ID,
                                            ClusterDriver, colocated_driver, pd_driver, prompt,
                                            worker_info)
@@ -56,7 +57,7 @@ def test_pd_first_token_streams_before_the_pages_land():
     driver.finish_step("p0")
     assert driver.tokens("r") == [FILLER]  # TTFT does not wait for the transfer
     sample = driver.cluster.samples["r/0"]
-    assert sample.phase is Phase.TRANSFER and not driver.worker("d0").has_work
+    assert sample.phase is Phase.TRANSFER and not driver.has_work("d0")
     driver.send_result(transfer_id)
     assert sample.phase is Phase.DECODE and driver.worker("d0").core.running
     assert driver.worker("p0").core.kv.num_free_blocks == 16  # the prefill side let go
@@ -229,9 +230,9 @@ def test_pd_abort_after_the_send_is_ordered_but_before_the_prefill_worker_has_it
     driver.deliver_sends()
     while driver.cluster.awaiting_decode:  # a decodes to its end, freeing room for b
         assert driver.step("d0")
-    assert [o.seq_id for o in driver.worker("p0").pending_sends] == ["b/0"]
+    assert driver.pending_sends("p0") == ["b/0"]
     driver.abort("b")
-    assert not driver.worker("p0").has_work
+    assert not driver.has_work("p0")
     _finish(driver)
 
 
@@ -315,7 +316,7 @@ def test_pd_lost_prefill_workers_late_pages_land_in_no_one_elses_blocks():
     driver.land_zombie_pages()  # late pages, into the blocks set aside
     driver.cluster.release_set_aside(time.monotonic())  # the deadline has not passed yet
     assert driver.cluster.awaiting_decode
-    [entry] = driver.cluster.set_aside
+    [entry] = driver.cluster.transfers.set_aside
     driver.cluster.release_set_aside(entry.until)
     assert not driver.cluster.awaiting_decode  # b got the blocks, and pushes its own pages
     _finish(driver)  # every block b's decode steps read holds b's prompt
@@ -350,9 +351,9 @@ def test_decode_reservations_are_prompt_sized_and_on_a_decode_worker():
     driver = pd_driver()
     driver.submit("r", prompt(33), max_tokens=2)
     driver.start_step("p0")
-    sample = driver.cluster.samples["r/0"]
-    assert sample.decode_worker.role == DECODE
-    assert sample.decode_request.status is RequestStatus.TRANSFERRING
+    transfer = driver.cluster.samples["r/0"].transfer
+    assert transfer.destination.role is DECODE
+    assert transfer.decode_request.status is RequestStatus.TRANSFERRING
     assert len(driver.worker("d0").core.kv.block_ids("r/0")) == 3  # ceil(33 / 16)
     _finish(driver)
 
@@ -375,7 +376,7 @@ class PDClusterMachine(RuleBasedStateMachine):
     @rule(length=st.integers(1, 40), shared=st.booleans(), max_tokens=st.integers(1, 5),
           min_tokens=st.integers(0, 2), n=st.integers(1, 2), stop=st.booleans())
     def submit(self, length, shared, max_tokens, min_tokens, n, stop):
-        if not self.driver.cluster.ready:
+        if not self.driver.cluster.registry.ready:
             return
         request_id = f"q{self.next_id}"
         self.next_id += 1
@@ -458,8 +459,8 @@ TestColocatedClusterMachine.settings = settings(max_examples=80, stateful_step_c
 
 
 def test_prefill_only_workers_take_their_own_larger_step_budget():
-    driver = ClusterDriver([], max_num_batched_tokens=64)
-    driver.cluster.prefill_max_num_batched_tokens = 512
+    driver = ClusterDriver([], {"prefill_max_num_batched_tokens": 512},
+                           max_num_batched_tokens=64)
     for info in (worker_info("p0", PREFILL, 64, 1024), worker_info("d0", DECODE, 64, 1024),
                  worker_info("c0", BOTH, 64, 1024)):
         driver.register(info)
@@ -467,7 +468,7 @@ def test_prefill_only_workers_take_their_own_larger_step_budget():
     assert budgets == {"p0": 512, "d0": 64, "c0": 64}
     driver.submit("long", prompt(300), max_tokens=2)
     assert driver.start_step("p0")  # the whole 300-token prompt in one prefill step
-    assert driver.cluster.samples["long/0"].transfer_id is not None
+    assert driver.cluster.samples["long/0"].transfer is not None
 
 
 def test_pd_samples_of_one_prefill_step_join_the_decode_batch_together():

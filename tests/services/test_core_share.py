@@ -1,10 +1,10 @@
 """CoreShare: how workers on the same cores get their steps' turns and thread counts, driven
 on a real ClusterScheduler (no gRPC, no model)."""
 import asyncio
+from dataclasses import replace
 
 from hypothesis import given, settings, strategies as st
 
-from services.api.kvrelay.v1 import worker_pb2
 from services.scheduler.core_share import CoreShare, domain_cpus
 from tests.services.cluster_driver import DECODE, PREFILL, ClusterDriver, prompt, worker_info
 
@@ -23,12 +23,12 @@ def _decoding_pair() -> ClusterDriver:
     driver.step("p0")
     driver.deliver_sends()
     driver.submit("second", prompt(30, first=20), max_tokens=5)
-    assert driver.worker("p0").has_work and driver.worker("d0").has_work
+    assert driver.has_work("p0") and driver.has_work("d0")
     return driver
 
 
 def _share(driver: ClusterDriver, split: bool) -> CoreShare:
-    share = CoreShare(split, num_cpus=domain_cpus(DOMAIN))
+    share = CoreShare(split, num_cpus=domain_cpus(DOMAIN), has_work=driver.cluster.has_work)
     for worker_id in ("p0", "d0"):
         share.join(driver.worker(worker_id))
     return share
@@ -88,7 +88,7 @@ def test_a_split_step_takes_every_core_while_the_other_worker_has_nothing_to_do(
     async def scenario():
         driver = _pair()
         driver.submit("only", prompt(20), max_tokens=5)  # queued on p0; d0 holds nothing
-        assert not driver.worker("d0").has_work
+        assert not driver.has_work("d0")
         share = _share(driver, split=True)
         log, release = [], asyncio.Event()
         await asyncio.wait_for(asyncio.create_task(
@@ -148,7 +148,8 @@ def test_a_cancelled_waiter_holds_no_cores_and_blocks_nobody():
 def test_workers_whose_threads_fit_the_cpus_together_step_at_once_in_any_mode():
     for split in (False, True):
         driver = _decoding_pair()  # 2 threads each
-        share = CoreShare(split, num_cpus=domain_cpus("host-a/cpus:0,1,2,3"))
+        share = CoreShare(split, num_cpus=domain_cpus("host-a/cpus:0,1,2,3"),
+                          has_work=driver.cluster.has_work)
         for worker_id in ("p0", "d0"):
             share.join(driver.worker(worker_id))
         # both at once, on all their threads
@@ -157,7 +158,8 @@ def test_workers_whose_threads_fit_the_cpus_together_step_at_once_in_any_mode():
 
 def test_workers_on_one_gpu_take_turns_even_when_split_is_asked_for():
     driver = _decoding_pair()
-    share = CoreShare(split=True, num_cpus=domain_cpus("host-a/cuda:GPU-1234"))
+    share = CoreShare(split=True, num_cpus=domain_cpus("host-a/cuda:GPU-1234"),
+                      has_work=driver.cluster.has_work)
     for worker_id in ("p0", "d0"):
         share.join(driver.worker(worker_id))
     assert _turns_at_once(share, driver) == [("p0", 0)]
@@ -172,7 +174,8 @@ def test_a_domain_counts_the_cpus_it_names():
 def test_workers_that_report_no_thread_count_use_every_cpu_and_take_turns():
     driver = _decoding_pair()
     for worker_id in ("p0", "d0"):
-        driver.worker(worker_id).info.num_threads = 0  # an older worker
+        worker = driver.worker(worker_id)
+        worker.info = replace(worker.info, num_threads=0)  # an older worker
     assert _turns_at_once(_share(driver, split=True), driver) == [("p0", 0)]
 
 
@@ -188,7 +191,8 @@ def test_split_applies_only_while_a_long_prompt_prefills():
         driver.step("p0")
         driver.deliver_sends()
         driver.submit("next", prompt(prompt_length, first=20), max_tokens=5)
-        share = CoreShare(split=True, long_prompt_tokens=64, num_cpus=2)
+        share = CoreShare(split=True, long_prompt_tokens=64, num_cpus=2,
+                          has_work=driver.cluster.has_work)
         share.join(driver.worker("p0"))
         share.join(driver.worker("d0"))
         return _turns_at_once(share, driver)
@@ -217,13 +221,15 @@ def test_random_schedules_never_oversubscribe_never_idle_a_fitting_waiter_and_dr
     driver = ClusterDriver([worker_info(w, DECODE if w == "d0" else PREFILL, 64, 1024, domain,
                                         n) for w, n in zip(WORKERS, threads)])
     driver.submit("long", prompt(100), max_tokens=5)  # queued on a prefill worker: long
-    share = CoreShare(split, long_prompt_tokens=64, num_cpus=num_cpus)
+    busy: set[str] = set()  # workers given work beyond the long prompt ("work" below)
+    share = CoreShare(split, long_prompt_tokens=64, num_cpus=num_cpus,
+                      has_work=lambda w: w.worker_id in busy or driver.cluster.has_work(w))
     for worker_id in WORKERS:
         share.join(driver.worker(worker_id))
-    asyncio.run(_play(share, driver, ops))
+    asyncio.run(_play(share, driver, ops, busy))
 
 
-async def _play(share: CoreShare, driver: ClusterDriver, ops) -> None:
+async def _play(share: CoreShare, driver: ClusterDriver, ops, busy: set[str]) -> None:
     turns: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
     granted: dict[str, int] = {}  # worker -> thread count of its running step
 
@@ -247,10 +253,10 @@ async def _play(share: CoreShare, driver: ClusterDriver, ops) -> None:
         elif op == "cancel" and task is not None:
             task[0].cancel()  # its worker died, waiting or stepping
         elif op == "work":  # as the service does when a worker gets work
-            worker.pending_sends = [worker_pb2.KvSendOrder()]
+            busy.add(worker_id)
             share.refresh()
         elif op == "idle":
-            worker.pending_sends = []
+            busy.discard(worker_id)
         await _settle()
         assert sum(share.held.values()) <= share.capacity
         if share.waiting:  # work-conserving: the head waits only while its share is taken

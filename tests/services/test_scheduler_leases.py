@@ -6,10 +6,11 @@ cannot be imported beside the gateway's in one process (both define kvrelay:prom
 import asyncio
 import time
 
-from services.api.kvrelay.v1 import scheduler_pb2
 from services.engine.config import EngineConfig
 from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.deltas import DeltaSink
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.messages import BOTH
+from services.scheduler.outputs import DeltaSink
 from services.scheduler.lease_reaper import reap_leases
 from tests.services.cluster_driver import worker_info
 
@@ -17,9 +18,10 @@ LEASE_MS = 400
 
 
 def _cluster() -> ClusterScheduler:
-    config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8)
-    cluster = ClusterScheduler(config, lease_s=LEASE_MS / 1000, sink=DeltaSink())
-    cluster.register(worker_info("w0", scheduler_pb2.WORKER_ROLE_BOTH, num_blocks=32))
+    engine = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8)
+    cluster = ClusterScheduler(SchedulerConfig(engine=engine, lease_s=LEASE_MS / 1000),
+                               DeltaSink())
+    cluster.register(worker_info("w0", BOTH, num_blocks=32))
     return cluster
 
 
@@ -42,7 +44,7 @@ def test_a_silent_worker_is_declared_dead():
         await asyncio.sleep(3 * LEASE_MS / 1000)
 
     assert asyncio.run(_with_reaper(cluster, body)) == ["w0"]
-    assert not cluster.workers["w0"].alive
+    assert not cluster.registry.workers["w0"].alive
 
 
 def test_a_stall_of_the_scheduler_loop_does_not_expire_its_workers():
@@ -57,4 +59,4 @@ def test_a_stall_of_the_scheduler_loop_does_not_expire_its_workers():
         assert cluster.heartbeat("w0", draining=False)
 
     assert asyncio.run(_with_reaper(cluster, body)) == []
-    assert cluster.workers["w0"].alive
+    assert cluster.registry.workers["w0"].alive

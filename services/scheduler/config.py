@@ -1,0 +1,35 @@
+"""The scheduler service's configuration, handed whole to its core at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.config import EngineConfig
+
+SHARED_COMPUTE_MODES = ("serialize", "split", "overlap")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    # Per-worker scheduling knobs (budgets, chunking, prefix caching, policy); each worker's
+    # block count, block size and context length come from its registration.
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    lease_s: float = 3.0  # a worker silent this long is declared dead
+    # A prefill-only worker's step budget (None: the engine's). It has no decodes whose
+    # inter-token latency a long step would hurt: bigger steps prefill the same prompts in
+    # fewer, more efficient passes.
+    prefill_max_num_batched_tokens: int | None = None
+    # While a decode worker of its compute domain has sequences running, a prefill step this
+    # big at most keeps their inter-token latency in check (None: no cap).
+    shared_prefill_max_num_batched_tokens: int | None = None
+    # How workers of one compute domain share it (core_share.py).
+    shared_compute_steps: str = "split"
+    transfer_timeout_s: float = 30.0  # an order's pages are written within this, or never
+    kv_transport: str = "grpc"  # "shm": same-host pairs copy pages through shared memory
+
+    def __post_init__(self) -> None:
+        if self.shared_compute_steps not in SHARED_COMPUTE_MODES:
+            raise ValueError(f"shared_compute_steps must be one of {SHARED_COMPUTE_MODES}")
+        if self.kv_transport not in ("grpc", "shm"):
+            raise ValueError(f"kv_transport must be grpc or shm, got {self.kv_transport!r}")
+        if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("lease_s and transfer_timeout_s must be > 0")

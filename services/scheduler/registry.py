@@ -1,0 +1,132 @@
+"""The workers of one scheduler: who registered, whose lease holds, who drains, and which of
+them share hardware. Each worker gets its own engine `Scheduler` (queues and block pool),
+sized from what it registered with."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from services.engine.scheduler import Scheduler
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.messages import BOTH, DECODE, PREFILL, Role, WorkerInfo
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRecord:
+    info: WorkerInfo
+    core: Scheduler  # this worker's queues and block pool
+    lease_deadline: float  # monotonic
+    draining: bool = False
+    alive: bool = True
+    known_blocks: dict[str, int] = field(default_factory=dict)  # seq id -> blocks it was sent
+    forget: list[str] = field(default_factory=list)  # seq ids to drop at the next step
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> Role:
+        return self.info.role
+
+    @property
+    def has_core_work(self) -> bool:
+        return bool(self.core.running) or bool(self.core.waiting)
+
+    def load(self) -> tuple[int, float]:
+        return (len(self.core.running) + len(self.core.waiting), self.core.kv.usage)
+
+
+class WorkerRegistry:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.workers: dict[str, WorkerRecord] = {}
+
+    def register(self, info: WorkerInfo) -> WorkerRecord | None:
+        """Adds the worker; returns the live record it replaces, if any (the caller ends what
+        that one held). Raises ValueError when the worker cannot join this group."""
+        for other in self.workers.values():
+            if other.alive and _identity(other.info) != _identity(info):
+                raise ValueError(f"worker {info.worker_id} ({info.model}, {info.dtype}, block "
+                                 f"{info.block_size}) does not match {other.worker_id}")
+        replaced = self.workers.get(info.worker_id)
+        core = Scheduler(self._engine_config(info), info.num_blocks, info.max_model_len,
+                         info.attention_crossover)
+        self.workers[info.worker_id] = WorkerRecord(info, core,
+                                                    time.monotonic() + self.config.lease_s)
+        return replaced if replaced is not None and replaced.alive else None
+
+    def _engine_config(self, info: WorkerInfo):
+        config = replace(self.config.engine, block_size=info.block_size)
+        if info.role is PREFILL and self.config.prefill_max_num_batched_tokens:
+            config = replace(config,
+                             max_num_batched_tokens=self.config.prefill_max_num_batched_tokens)
+        return config
+
+    def heartbeat(self, worker_id: str, draining: bool) -> tuple[WorkerRecord | None, bool]:
+        """The worker (None: unknown or dead, it must register again) and whether it started
+        draining with this heartbeat."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.alive:
+            return None, False
+        worker.lease_deadline = time.monotonic() + self.config.lease_s
+        started = draining and not worker.draining
+        worker.draining = worker.draining or draining
+        return worker, started
+
+    def extend_leases(self, seconds: float) -> None:
+        """Time this scheduler could not run (its loop stalled) is not a worker's silence: its
+        heartbeats were waiting to be handled."""
+        for worker in self.workers.values():
+            if worker.alive:
+                worker.lease_deadline += seconds
+
+    def expired(self, now: float) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.alive and w.lease_deadline < now]
+
+    # ---- who can take work ----------------------------------------------------------------------
+    def live(self, *roles: Role) -> list[WorkerRecord]:
+        return [w for w in self.workers.values()
+                if w.alive and not w.draining and w.role in roles]
+
+    @property
+    def pd_ready(self) -> bool:
+        return bool(self.live(PREFILL)) and bool(self.live(DECODE))
+
+    @property
+    def ready(self) -> bool:
+        return self.pd_ready or bool(self.live(BOTH))
+
+    @property
+    def max_model_len(self) -> int:
+        lengths = [w.info.max_model_len for w in self.workers.values() if w.alive]
+        return min(lengths) if lengths else 0
+
+    @property
+    def model(self) -> str:
+        names = [w.info.model for w in self.workers.values() if w.alive]
+        return names[0] if names else ""
+
+    # ---- shared hardware ------------------------------------------------------------------------
+    def shares_compute_with_decodes(self, worker: WorkerRecord) -> bool:
+        """A prefill worker whose compute domain a decode worker with running sequences
+        shares: its steps make those sequences wait (or slow them, with overlapping steps)."""
+        if worker.role is not PREFILL or not worker.info.compute_domain:
+            return False
+        return any(other.alive and other.role is not PREFILL and other.core.running
+                   and other.info.compute_domain == worker.info.compute_domain
+                   for other in self.workers.values())
+
+    def step_budget(self, worker: WorkerRecord) -> int | None:
+        """This step's token budget when it differs from the worker's own: the opt-in cap on
+        a prefill worker's steps while it shares compute with running decodes."""
+        limit = self.config.shared_prefill_max_num_batched_tokens
+        if limit and self.config.shared_compute_steps != "overlap" \
+                and self.shares_compute_with_decodes(worker):
+            return min(limit, worker.core.config.max_num_batched_tokens)
+        return None
+
+
+def _identity(info: WorkerInfo) -> tuple:
+    """What every worker of one group must agree on."""
+    return (info.block_size, info.dtype, info.model)
