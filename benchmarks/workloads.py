@@ -1,4 +1,4 @@
-"""The standard workloads of DESIGN.md, generated from a fixed seed so every run sees the same
+"""The standard workloads (BENCHMARKS.md), generated from a fixed seed so every run sees the same
 prompts. They live in services/bench (the installed `kvrelay bench` needs them); this module
 keeps the scripts here importing them from where they always did."""
 from __future__ import annotations

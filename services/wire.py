@@ -1,4 +1,4 @@
-"""Protobuf <-> engine conversions shared by the service edges (scheduler and workers)."""
+"""Protobuf <-> engine conversions shared by the service edges (gateway, scheduler, workers)."""
 from __future__ import annotations
 
 from services.api.kvrelay.v1 import common_pb2

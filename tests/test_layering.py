@@ -140,9 +140,6 @@ def test_common_imports_only_common():
     for module in SOURCES:
         if module != allowed and not module.startswith(allowed + "."):
             continue
-        # Being moved out of common (it needs services.engine); skip it while it is still here.
-        if module == "services.common.wire":
-            continue
         outside = sorted(name for name in _project_imports(module, module_level_only=False)
                          if name != allowed and not name.startswith(allowed + "."))
         if outside:

@@ -100,7 +100,7 @@ class KVCacheManager:
         """Blocks for a prompt whose pages a prefill worker will push. Leading blocks this cache
         already holds are shared and need no push; full blocks that another reservation waits
         for are shared too, and their pages still need a push (from this order, or from the other
-        one when both go out in one step: handoff.share_pushes). Returns how many leading blocks
+        one when both go out in one step: TransferBook._share_pushes). Returns how many leading blocks
         need no push (at least one block always does), or None if the blocks do not fit."""
         hashes = self._hashes(request)
         num_full = request.num_prompt_tokens // self.block_size

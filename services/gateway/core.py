@@ -14,7 +14,7 @@ from services.common.log import get_logger
 from services.wire import params_to_proto
 from services.engine.sampling_params import SamplingParams
 from services.gateway import metrics
-from services.gateway.detokenize_pipeline import DetokenizePipeline
+from services.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
 from services.gateway.errors import GatewayError
 from services.gateway.request_group import RequestGroup
 from services.gateway.request_state import RequestState
@@ -39,10 +39,11 @@ class GatewayCore:
         self.upstream = upstream
         self.gateway_id = gateway_id
         self.served_model_name_flag = served_model_name
-        self.router = OutputRouter(self.abort_nowait)
-        self.pipeline = DetokenizePipeline(upstream.tokenizer, self.router.on_detokenized,
+        outbox: asyncio.Queue = asyncio.Queue()  # router -> tokenizer, in order
+        self.router = OutputRouter(self.abort_nowait, queue_sender(outbox))
+        self.pipeline = DetokenizePipeline(upstream.tokenizer, outbox,
+                                           self.router.on_detokenized,
                                            lambda message: self.router.fail_all(message, False))
-        self.router.send_nowait = self.pipeline.send_nowait
         self.groups: dict[str, RequestGroup] = {}
         self.pending_aborts: list[str] = []
         self.abort_wakeup = asyncio.Event()

@@ -16,16 +16,14 @@ RECONNECT_DELAY_S = 0.5
 
 
 class DetokenizePipeline:
-    def __init__(self, tokenizer_stub, on_result: Callable[[object, object], None],
+    def __init__(self, tokenizer_stub, outbox: asyncio.Queue,
+                 on_result: Callable[[object, object], None],
                  on_failure: Callable[[str], None]) -> None:
         self.stub = tokenizer_stub
+        # (DetokenizeBatch, context) pairs to send, queued by the router (queue_sender below)
+        self.outbox = outbox
         self.on_result = on_result  # (context, DetokenizeBatchResult)
         self.on_failure = on_failure  # every tokenizer-side state is gone
-        self.outbox: asyncio.Queue = asyncio.Queue()
-
-    def send_nowait(self, batch: tokenizer_pb2.DetokenizeBatch, context) -> None:
-        """Queue a batch; never blocks, so it is safe in `finally` blocks of cancelled tasks."""
-        self.outbox.put_nowait((batch, context))
 
     async def run(self) -> None:
         while True:
@@ -72,3 +70,10 @@ def _failure_message(task: asyncio.Task) -> str:
         return f"lost the tokenizer's detokenize stream: {exc.code().name} {exc.details() or ''}"
     log.error("detokenize pipeline error", exc_info=exc)
     return f"detokenization failed: {exc!r}"
+
+
+def queue_sender(outbox: asyncio.Queue) -> Callable[[tokenizer_pb2.DetokenizeBatch, object], None]:
+    """Queues a batch with its context for the pipeline; never blocks, so it is safe in
+    `finally` blocks of cancelled tasks. The router gets this and the pipeline the queue, so
+    neither needs the other to exist first."""
+    return lambda batch, context: outbox.put_nowait((batch, context))

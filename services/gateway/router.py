@@ -12,10 +12,11 @@ from services.gateway.request_state import RequestState, SampleDelta
 
 
 class OutputRouter:
-    def __init__(self, abort_nowait: Callable[[list[str]], None]) -> None:
+    def __init__(self, abort_nowait: Callable[[list[str]], None],
+                 send_nowait: Callable[[tokenizer_pb2.DetokenizeBatch, object], None]) -> None:
         self.requests: dict[str, RequestState] = {}
         self.abort_nowait = abort_nowait  # scheduler ids: "<request id>" or "<id>/<index>"
-        self.send_nowait: Callable[[tokenizer_pb2.DetokenizeBatch, object], None] | None = None
+        self.send_nowait = send_nowait  # (batch, context) to the tokenizer, without waiting
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state

@@ -24,7 +24,7 @@ class SchedulerConfig:
     # How workers of one compute domain share it (core_share.py).
     shared_compute_steps: str = "split"
     transfer_timeout_s: float = 30.0  # an order's pages are written within this, or never
-    kv_transport: str = "grpc"  # "shm": same-host pairs copy pages through shared memory
+    kv_transport: str = "shm"  # same-host pairs copy pages through shared memory; "grpc": never
 
     def __post_init__(self) -> None:
         if self.shared_compute_steps not in SHARED_COMPUTE_MODES:

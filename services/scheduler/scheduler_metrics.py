@@ -28,8 +28,7 @@ TRANSFERS_DONE = metrics.counter("kv_transfers_completed", "KV transfers reporte
                                  ("ok",))
 TRANSFER_SHARED_TOKENS = metrics.counter(
     "kv_transfer_shared_prefix_tokens", "Prompt tokens of a shared prefix that a transfer did not "
-    "push: the decode worker held their pages, or another transfer of the same step pushed them"
-    "(a shared prefix), so no transfer pushed them")
+    "push: the decode worker held their pages, or another transfer of the same step pushed them")
 SET_ASIDE_BLOCKS = metrics.gauge(
     "kv_blocks_set_aside", "Decode blocks held until a lost prefill worker's sends expire",
     ("worker",))

@@ -6,7 +6,8 @@
         |                 |  \\--sample ended--> ORPHANED --result--> RELEASED
         \\--sample ended--+-------------------------------+--> CANCELLED (before it was sent,
                           |                                        or after it landed)
-    any open state --destination lost--> DROPPED;  IN_FLIGHT | ORPHANED --source lost--> LOST
+    any open state --destination lost--> DROPPED;  IN_FLIGHT | ORPHANED --source lost--> LOST;
+    RESERVED --source lost--> CANCELLED
 
 RESERVED: blocks are held on the decode worker and the order waits for the prefill worker's next
 step. IN_FLIGHT: a step carried the order; until its result comes back the decode blocks stay

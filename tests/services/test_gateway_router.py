@@ -9,7 +9,7 @@ import grpc
 
 from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, tokenizer_pb2_grpc
 from services.engine.sampling_params import SamplingParams
-from services.gateway.detokenize_pipeline import DetokenizePipeline
+from services.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
 from services.gateway.request_state import RequestState
 from services.gateway.router import OutputRouter
 
@@ -23,10 +23,11 @@ class Harness:
     def __init__(self, address: str) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.aborted: list[str] = []
-        self.router = OutputRouter(self.aborted.extend)
+        outbox: asyncio.Queue = asyncio.Queue()
+        self.router = OutputRouter(self.aborted.extend, queue_sender(outbox))
         self.pipeline = DetokenizePipeline(tokenizer_pb2_grpc.TokenizerStub(self.channel),
-                                           self.router.on_detokenized, self.router.fail_all)
-        self.router.send_nowait = self.pipeline.send_nowait
+                                           outbox, self.router.on_detokenized,
+                                           self.router.fail_all)
         self.task = asyncio.create_task(self.pipeline.run())
 
     def add(self, request_id: str, params: SamplingParams) -> tuple[RequestState, asyncio.Queue]:
