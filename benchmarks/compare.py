@@ -37,7 +37,9 @@ from benchmarks.peers.common import Server, log_tail, stop  # noqa: E402
 
 SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "llama-server", "transformers-serve")
 ALL_SYSTEMS = SERVER_SYSTEMS + ("hf-static",)
-WORKLOADS = ("chat-64", "poisson", "shared-prefix", "long+short")
+WORKLOADS = ("chat-64", "single-stream", "poisson", "shared-prefix", "long+short")
+# single-stream: chat-64's first prompts one at a time, as one user typing at a chat would
+SINGLE_STREAM_REQUESTS = 8
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -126,14 +128,19 @@ def launch(name: str, args, port: int, log_dir: Path) -> Server:
 def bench_command(server: Server, workload: str, args, out: Path, warmup: int) -> list[str]:
     command = [sys.executable, "-m", "services.cli", "bench", "serve",
                "--base-url", server.base_url, "--backend", server.backend,
-               "--workload", workload, "--seed", str(args.seed), "--label", server.name,
+               "--workload", "chat-64" if workload == "single-stream" else workload,
+               "--seed", str(args.seed), "--label", server.name,
                "--time-limit", str(args.time_limit), "--slo-ttft", str(args.slo_ttft),
                "--slo-tpot", str(args.slo_tpot), "--warmup", str(warmup), "--out", str(out)]
     if workload == "poisson":
         command += ["--rates", args.rates]
     if workload == "long+short":
         command += ["--rate", str(args.long_short_rate)]
-    for flag, value in (("--max-requests", args.max_requests),
+    max_requests = args.max_requests
+    if workload == "single-stream":
+        command += ["--max-concurrency", "1"]
+        max_requests = min(max_requests or SINGLE_STREAM_REQUESTS, SINGLE_STREAM_REQUESTS)
+    for flag, value in (("--max-requests", max_requests),
                         ("--max-tokens", args.max_tokens)):
         if value:
             command += [flag, str(value)]

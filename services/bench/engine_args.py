@@ -12,13 +12,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-step token budget (default: the offline LLM's)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    parser.add_argument("--int4-max-tokens", type=int, default=None,
+                        help="steps of at most this many tokens use the 4-bit weights "
+                             "(default: the engine's; 0: never)")
 
 
 def make_llm(args):
     from services.engine import LLM
     engine_args = {"num_threads": args.num_threads,
                    "enable_prefix_caching": args.prefix_caching}
-    for name in ("max_num_batched_tokens", "max_num_seqs"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens"):
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     return LLM(model=args.model, dtype=args.dtype, **engine_args)
@@ -32,4 +35,5 @@ def engine_description(llm) -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "max_num_seqs": engine.config.max_num_seqs,
-            "prefix_caching": engine.config.enable_prefix_caching}
+            "prefix_caching": engine.config.enable_prefix_caching,
+            "int4_max_tokens": engine.config.int4_max_tokens if engine.runner.uses_int4 else 0}

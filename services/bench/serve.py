@@ -115,7 +115,9 @@ async def _benchmark(args, plans: list[PlannedRun]) -> tuple[dict, list]:
             options.model = await discover_model(client, options.base_url)
     limits = Limits(args.max_requests, args.time_limit, args.max_concurrency)
     if args.warmup:
-        warmup = workloads.build(args.workload, args.seed + 1, None, args.jsonl,
+        # Another seed's prompts, all at once (a poisson sweep's warm-up needs no rate).
+        warmup_workload = "chat-64" if args.workload == "poisson" else args.workload
+        warmup = workloads.build(warmup_workload, args.seed + 1, None, args.jsonl,
                                  args.max_tokens)[:args.warmup]
         await run_workload(warmup, options, limits,
                            Progress("warm-up", len(warmup), not args.quiet))

@@ -29,6 +29,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads; None: all cores
+    # Steps of at most this many tokens multiply the checkpoint's own 4-bit weights (a GGUF
+    # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. 0: never.
+    int4_max_tokens: int = 4
     seed: int = 0  # for unseeded sampling
 
     def __post_init__(self) -> None:
@@ -44,7 +47,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        for name in ("long_prefill_token_threshold", "long_prefill_chunk_size"):
+        for name in ("long_prefill_token_threshold", "long_prefill_chunk_size",
+                     "int4_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.scheduling_policy not in POLICIES:

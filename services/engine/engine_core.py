@@ -47,7 +47,8 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
-                                  config.block_size, config.num_kv_blocks, config.kv_cache_memory)
+                                  config.block_size, config.num_kv_blocks, config.kv_cache_memory,
+                                  int4_max_tokens=config.int4_max_tokens)
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
                                    attention_crossover(self.hf_config))

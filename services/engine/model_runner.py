@@ -1,6 +1,7 @@
 """Owns the weights and the KV cache; turns a scheduled step into one varlen forward pass."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from kernels import build_attention_metadata
 from kernels.native_cpu import paged_decode_op
 from kernels.native_elementwise import elementwise_ops
+from services.engine.models import gguf_int4
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.packed_linear import packing_supported
 from services.engine.models.weights import load_weights
@@ -35,10 +37,12 @@ class ModelRunner:
 
     def __init__(self, hf_config, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
                  block_size: int, num_blocks: int | None, kv_cache_memory: int,
-                 kv_cache_path: str | None = None) -> None:
+                 kv_cache_path: str | None = None, int4_max_tokens: int = 0) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.int4_max_tokens = int4_max_tokens
+        self.uses_int4 = False  # the checkpoint's 4-bit weights run small steps
         self.model = self._load_model(hf_config, model_dir)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
@@ -70,6 +74,7 @@ class ModelRunner:
         else:
             model = model.to_empty(device="cpu")
             load_weights(model, model_dir)
+        int4_weights = self._int4_weights(hf_config, model_dir, model)
         model.rotary.reset_tables()  # buffers built on the meta device hold nothing
         rotary = model.rotary
         cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
@@ -81,7 +86,20 @@ class ModelRunner:
             ops = elementwise_ops()
             if ops is not None:
                 model.use_native_cpu_ops_(ops)
+            if int4_weights:
+                model.use_int4_weights_(int4_weights, self.int4_max_tokens)
+                self.uses_int4 = True
         return model
+
+    def _int4_weights(self, hf_config, model_dir: Path | None, model) -> dict | None:
+        """The GGUF source's 4-bit matmul weights, where small steps can run on them: bf16
+        on CPU (the packed path), a Q4_0/Q4_1 source, torch's int4 CPU kernel."""
+        source = gguf_source(model_dir)
+        if (not self.int4_max_tokens or source is None
+                or not packing_supported(self.device, self.dtype) or not gguf_int4.int4_supported()):
+            return None
+        params = {name: param.detach() for name, param in model.named_parameters()}
+        return gguf_int4.load_from_gguf(source, hf_config, params)
 
     def prepare(self, scheduled) -> StepInput:
         """scheduled: list of ScheduledRequest, in batch order."""
@@ -172,3 +190,12 @@ def randomize_weights_(model: torch.nn.Module, std: float = 0.02) -> None:
             param.fill_(1.0)
         else:
             param.normal_(0.0, std)
+
+
+def gguf_source(model_dir: Path | None) -> str | None:
+    """The .gguf file a converted model directory was made from (model_loader.py), if any."""
+    marker = None if model_dir is None else model_dir / "kvrelay-source.json"
+    if marker is None or not marker.is_file():
+        return None
+    source = json.loads(marker.read_text()).get("gguf")
+    return source if source and Path(source).is_file() else None

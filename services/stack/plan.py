@@ -129,7 +129,8 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
                 "--advertise-address", f"{dial}:{grpc_ports[name]}",
                 "--scheduler-address", f"{dial}:{grpc_ports[scheduler]}",
                 "--num-threads", str(num_threads),
-                *_optional(args, "--model", "--dtype", "--kv-cache-memory", "--num-kv-blocks")]
+                *_optional(args, "--model", "--dtype", "--kv-cache-memory", "--num-kv-blocks",
+                           "--int4-max-tokens")]
             # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
             # fresh machine the GGUF is converted once rather than by every process at once.
             services.append(spec(name, "worker", argv, role=role,

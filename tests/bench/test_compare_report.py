@@ -69,6 +69,10 @@ def test_compare_arguments_and_bench_command(tmp_path):
     assert poisson[poisson.index("--max-requests") + 1] == "4"
     long_short = compare.bench_command(server, "long+short", args, tmp_path, warmup=0)
     assert long_short[long_short.index("--rate") + 1] == "4.0"
+    single = compare.bench_command(server, "single-stream", args, tmp_path, warmup=0)
+    assert single[single.index("--workload") + 1] == "chat-64"
+    assert single[single.index("--max-concurrency") + 1] == "1"
+    assert single[single.index("--max-requests") + 1] == "4"  # the smaller of the two limits
     first = compare.free_port_block(size=5)
     assert all(compare._is_free(port) for port in range(first, first + 5))
 

@@ -102,6 +102,14 @@ def test_poisson_sweep_writes_throughput_and_goodput_plots(tmp_path):
     assert (tmp_path / "rate_sweep.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_a_poisson_sweep_warms_up_first(tmp_path):
+    with FakeServer(FakeBehaviour(ttft=0.01, itl=0.005)) as server:
+        result = bench(server, tmp_path, "--workload", "poisson", "--rates", "40",
+                       "--max-requests", "3", "--max-tokens", "2", "--warmup", "2")
+        assert len(server.behaviour.bodies) == 2 + 3  # the warm-up requests, then the run
+    assert result["runs"][0]["summary"]["requests_ok"] == 3
+
+
 def test_long_short_reports_short_requests_with_and_without_the_long_ones(tmp_path):
     with FakeServer(FakeBehaviour(ttft=0.01, itl=0.01)) as server:
         result = bench(server, tmp_path, "--workload", "long+short", "--rate", "200",

@@ -118,6 +118,13 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = PackedLinear(head, None)
         pack_linears_(self.layers)
 
+    def use_int4_weights_(self, weights: dict, max_tokens: int) -> None:
+        """weights: parameter name ("layers.3.mlp.down_proj") -> its Int4Weight; steps of at
+        most max_tokens tokens multiply those (after pack_for_cpu_)."""
+        for name, module in self.named_modules():
+            if name in weights:
+                module.int4, module.int4_max_tokens = weights[name], max_tokens
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
                 attn_meta: AttentionMetadata, logits_indices: torch.Tensor,

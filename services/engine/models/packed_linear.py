@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.models.gguf_int4 import Int4Weight
+
 _PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the blocked layout for; any M still works
 
 
@@ -28,8 +30,15 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                      _PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach()
+        # The checkpoint's own 4-bit weight, for steps of at most int4_max_tokens tokens: they
+        # are bound by reading the weights, and it is a quarter of the bytes (gguf_int4.py).
+        self.int4: Int4Weight | None = None
+        self.int4_max_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features]
+        if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
+            out = self.int4.matmul(x.contiguous())
+            return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
                                                   "none", [], "")
 
