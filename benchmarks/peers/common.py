@@ -105,3 +105,23 @@ def log_tail(log_path: Path, lines: int = 15) -> str:
     if not log_path.exists():
         return ""
     return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def install_or_serve(description: str, default_port: int, install, versions, serve_command,
+                     serve_env) -> None:
+    """The command line of a peer that runs as a server from its own venv: `install` prints
+    the venv's python and versions; `serve` runs the server in the foreground."""
+    import argparse
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("action", choices=["install", "serve"])
+    parser.add_argument("--home", default=None)
+    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    python = install(args.home)
+    if args.action == "install":
+        print(python, versions(python))
+        return
+    command = serve_command(python, args.port, args.dtype, args.home)
+    sys.exit(subprocess.call(command, env={**os.environ, **serve_env(args.threads)}))

@@ -12,15 +12,12 @@ with `--backend transformers` (min_new_tokens in its generation_config instead o
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.peers.common import (Server, ensure_venv, peers_home, run, start_process,
-                                     wait_until_serving)
+from benchmarks.peers.common import (Server, ensure_venv, install_or_serve, peers_home, run,
+                                     start_process, wait_until_serving)
 
 TORCH = "torch==2.13.0"
 # The model types kvrelay serves, and their transformers class.
@@ -108,19 +105,8 @@ def static_command(python: Path, dtype: str, threads: int, batch_size: int, out:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["install", "serve"])
-    parser.add_argument("--home", default=None)
-    parser.add_argument("--port", type=int, default=8090)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    python = install(args.home)
-    if args.action == "install":
-        print(python, versions(python))
-        return
-    command = serve_command(python, args.port, args.dtype, args.home)
-    sys.exit(subprocess.call(command, env={**os.environ, **offline_env(args.threads)}))
+    install_or_serve(__doc__.splitlines()[0], 8090, install, versions, serve_command,
+                     offline_env)
 
 
 if __name__ == "__main__":

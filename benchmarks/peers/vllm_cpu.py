@@ -16,14 +16,11 @@ What it takes on this machine (found the hard way, see BENCHMARKS.md):
 """
 from __future__ import annotations
 
-import argparse
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.peers.common import (Server, ensure_venv, peers_home, run, start_process,
-                                     wait_until_serving)
+from benchmarks.peers.common import (Server, ensure_venv, install_or_serve, peers_home, run,
+                                     start_process, wait_until_serving)
 from benchmarks.peers.hf_transformers import serve_model_dir
 
 VERSION = "0.32.0"
@@ -90,19 +87,8 @@ def launch(port: int, log_path: Path, home=None, dtype: str = "bfloat16", thread
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["install", "serve"])
-    parser.add_argument("--home", default=None)
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    python = install(args.home)
-    if args.action == "install":
-        print(python, versions(python))
-        return
-    command = serve_command(python, args.port, args.dtype, args.home)
-    sys.exit(subprocess.call(command, env={**os.environ, **serve_env(args.threads)}))
+    install_or_serve(__doc__.splitlines()[0], 8100, install, versions, serve_command,
+                     serve_env)
 
 
 if __name__ == "__main__":
