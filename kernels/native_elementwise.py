@@ -19,7 +19,7 @@ ENV_SWITCH = "KVRELAY_NATIVE_CPU_ELEMENTWISE"  # 0: keep the torch ops
 
 @functools.cache
 def elementwise_ops():
-    """Module with rms_norm and rope, or None where unavailable."""
+    """Module with rms_norm, rope and silu_and_mul, or None where unavailable."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
@@ -46,4 +46,11 @@ def rope(ops, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     """x [tokens, heads, head_dim] (rows may be strided); cos, sin [tokens, 1, head_dim]."""
     out = x.new_empty(x.shape)
     ops.rope(out, x, cos, sin)
+    return out
+
+
+def silu_and_mul(ops, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * inter] bf16 contiguous (gate | up) -> silu(gate) * up [rows, inter]."""
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    ops.silu_and_mul(out, gate_up)
     return out

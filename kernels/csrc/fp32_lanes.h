@@ -146,6 +146,28 @@ inline Lanes exp2_lanes(Lanes x) {
   return p * (Lanes)exponent_bits;
 }
 
+// bf16 bits (one per lane, in its low half) of each lane rounded to nearest even, as torch's
+// float -> bfloat16; NaN stays a quiet NaN. The whole-vector form of narrow().
+inline Words narrow_words(Lanes v) {
+  const Words bits = (Words)v;
+  const Words rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const Words quiet_nan = (bits >> 16) | 0x40u;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
+// 32 bf16 values read as one vector of words: the even elements widened, then the odd ones (a
+// shift and a mask, no cross-lane shuffle). store_bf16_pairs writes them back in that order.
+inline void load_bf16_pairs(const uint16_t* src, Lanes& even, Lanes& odd) {
+  Words pairs;
+  std::memcpy(&pairs, src, sizeof(pairs));
+  even = (Lanes)(pairs << 16);
+  odd = (Lanes)(pairs & 0xffff0000u);
+}
+inline void store_bf16_pairs(Lanes even, Lanes odd, uint16_t* dst) {
+  const Words pairs = narrow_words(even) | (narrow_words(odd) << 16);
+  std::memcpy(dst, &pairs, sizeof(pairs));
+}
+
 // Horizontal max and sum, halving as max_lanes and sum_lanes do.
 inline float max_of(Lanes v) {
   v = max_each(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));

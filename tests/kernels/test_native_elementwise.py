@@ -1,8 +1,9 @@
-"""Fused CPU RMSNorm and rotary embedding against the torch ops they replace."""
+"""Fused CPU RMSNorm, rotary embedding and silu(gate) * up against the torch ops they replace."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import native_elementwise as fused
 
@@ -51,8 +52,22 @@ def test_rope_matches_torch_on_a_strided_qkv_slice(ops, dtype, tokens, heads, he
         assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (33, 1536), (5, 100)])  # 100: a scalar tail
+def test_silu_and_mul_matches_torch(ops, rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, -90.0])
+    got = fused.silu_and_mul(ops, gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    want = F.silu(gate) * up
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2, equal_nan=True)
+    assert (got != want).float().mean() < 0.01  # the same bf16 roundings as torch's two ops
+
+
 def test_bad_shapes_are_rejected(ops):
     with pytest.raises(RuntimeError):
         fused.rms_norm(ops, torch.randn(4, 8), torch.randn(7), 1e-5)
     with pytest.raises(RuntimeError):
         fused.rope(ops, torch.randn(4, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8))
+    with pytest.raises(RuntimeError):  # float32 stays on torch's ops
+        fused.silu_and_mul(ops, torch.randn(4, 8))

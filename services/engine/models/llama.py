@@ -73,9 +73,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.native = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.native is not None:  # one pass instead of silu's and the product's
+            return self.down_proj(fused.silu_and_mul(self.native, gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -107,9 +111,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: PackedLinear | None = None
 
     def use_native_cpu_ops_(self, ops) -> None:
-        """Route norms and rope to the fused CPU kernels (one pass each)."""
+        """Route norms, rope and the MLP's activation to the fused CPU kernels (one pass each)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = ops
 
     def pack_for_cpu_(self) -> None:
