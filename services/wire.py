@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from services.api.kvrelay.v1 import common_pb2
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.spec import StructuredOutputs
 
 # proto field -> SamplingParams field, for the `optional` scalars (unset keeps the default)
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
@@ -17,6 +18,11 @@ def params_from_proto(message: common_pb2.SamplingParams,
     values.update({name: getattr(message, name) for name in _PLAIN})
     values["stop_token_ids"] = list(message.stop_token_ids)
     values["stop"] = list(message.stop)
+    values["structured_outputs"] = structured_from_proto(message)
+    values["logit_bias"] = {token: _round_float32(bias)
+                            for token, bias in message.logit_bias.items()}
+    if message.HasField("allowed_token_ids"):
+        values["allowed_token_ids"] = list(message.allowed_token_ids.ids)
     values.setdefault("max_tokens", default_max_tokens)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -37,7 +43,34 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)
+    if params.structured_outputs is not None:
+        message.structured_outputs.CopyFrom(structured_to_proto(params.structured_outputs))
+    message.logit_bias.update(params.logit_bias)
+    if params.allowed_token_ids is not None:
+        message.allowed_token_ids.ids.extend(params.allowed_token_ids)
     return message
+
+
+def structured_from_proto(message: common_pb2.SamplingParams) -> StructuredOutputs | None:
+    if not message.HasField("structured_outputs"):
+        return None
+    spec = message.structured_outputs
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutputs("choice", choices=tuple(spec.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputs("json_object") if spec.json_object else None
+    return StructuredOutputs(kind, getattr(spec, kind))
+
+
+def structured_to_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    if spec.kind == "choice":
+        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=spec.choices))
+    if spec.kind == "json_object":
+        return common_pb2.StructuredOutputs(json_object=True)
+    return common_pb2.StructuredOutputs(**{spec.kind: spec.value})
 
 
 def _round_float32(value: float) -> float:

@@ -33,6 +33,7 @@ class EngineConfig:
     # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. 0: never.
     int4_max_tokens: int = 4
     seed: int = 0  # for unseeded sampling
+    structured_outputs_backend: str = "llguidance"  # or "xgrammar" (structured/compiler.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +55,9 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
+            raise ValueError("structured_outputs_backend must be llguidance or xgrammar, "
+                             f"got {self.structured_outputs_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -17,6 +17,8 @@ from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.stop_checker import banned_token_ids
+from services.engine.structured.backend import next_token_bitmask
+from services.engine.structured.compiler import GrammarCompiler, make_backend
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
                                    attention_crossover(self.hf_config))
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self._grammar_backend)
         self.load_info = LoadInfo(str(self.model_dir), time.perf_counter() - started)
         # torch and transformers leave ~200k objects that every full collection rescans
         # (~180 ms each); the step loop allocates enough to trigger one every few dozen steps.
@@ -66,7 +69,21 @@ class EngineCore:
             raise ValueError("the prompt is empty")
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        bad = [t for t in request.params.token_ids_used() if t >= vocab_size]
+        if bad:
+            raise ValueError(f"sampling parameters name token ids out of range "
+                             f"[0, {vocab_size}): {bad[:5]}")
+        spec = request.params.structured_outputs
+        if spec is not None and request.grammar is None:
+            request.grammar = self.grammars.compile(spec).matcher()  # GrammarError: bad spec
         self.scheduler.add_request(request)
+
+    def _grammar_backend(self):
+        eos = self.hf_config.eos_token_id
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+        return make_backend(self.config.structured_outputs_backend,
+                            self.model_dir / "tokenizer.json", self.hf_config.vocab_size,
+                            eos_ids)
 
     def abort(self, request_ids) -> list[Request]:
         return self.scheduler.abort(request_ids)
@@ -93,9 +110,13 @@ class EngineCore:
             return {}, {}
         logits = self.runner.execute(step)  # [S, vocab]
         requests = [output.scheduled[row].request for row in step.sample_rows]
+        vocab_size = self.hf_config.vocab_size
         rows = [SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
                             output_token_ids=req.output_token_ids, generator=req.generator,
-                            banned_token_ids=banned_token_ids(req)) for req in requests]
+                            banned_token_ids=banned_token_ids(req),
+                            token_bitmask=None if req.grammar is None else torch.from_numpy(
+                                next_token_bitmask(req.grammar, vocab_size)))
+                for req in requests]
         result = self.sampler(logits, rows)
         sampled = {req.request_id: token for req, token in zip(requests, result.token_ids)}
         logprobs = {req.request_id: (lp, rank) for req, lp, rank

@@ -10,6 +10,8 @@ from services.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:  # only an annotation: the scheduler process imports this and never needs torch
     import torch
 
+    from services.engine.structured.backend import GrammarMatcher
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -51,6 +53,10 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
+        # Under structured output: the sample's matcher, advanced with each appended token by
+        # the scheduler. A copy of the request for another worker (PD) shares it: one sample,
+        # one matcher, wherever the sample runs.
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """The sampler: one row of logits per sequence in, one token per sequence out.
 
-Order, as vLLM and HF users expect: bans -> penalties -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> draw. Logprobs come from the raw logits (vLLM's default).
+Order, as vLLM and HF users expect: output constraints (the grammar's bitmask, allowed_token_ids,
+logit_bias) -> bans -> penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+draw. Logprobs come from the raw logits (vLLM's default).
 
 Random rows draw by inverse CDF with one uniform per row: the cumulative sum runs along each
 row alone, so a seeded row's token depends only on its own logits and its own generator, which
@@ -16,8 +17,10 @@ import torch
 
 from services.engine.sampling_draw import (NUM_NUCLEUS_CANDIDATES, sample_from_probs,
                                            truncation_cutoffs)
-from services.engine.sampling_ops import apply_penalties_, ban_tokens_, top_logprobs
+from services.engine.sampling_ops import (add_logit_bias_, apply_penalties_, ban_tokens_,
+                                          keep_only_, top_logprobs)
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured import bitmask as token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -30,6 +33,8 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far
     generator: torch.Generator | None  # set iff params.seed is set; lives as long as the sequence
     banned_token_ids: list[int]  # their logits become -inf (e.g. EOS before min_tokens)
+    # The grammar's allowed tokens this step: int32 [ceil(V / 32)] (structured/backend.py).
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -74,9 +79,12 @@ class Sampler:
             return SamplerOutput([], [], [])
         banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
         penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        constrained = [i for i, row in enumerate(rows)
+                       if row.token_bitmask is not None or row.params.constrains_tokens]
         with_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
-        if len(greedy) == num_rows and not (banned or penalized or with_logprobs):
+        edited = banned or penalized or constrained
+        if len(greedy) == num_rows and not (edited or with_logprobs):
             return SamplerOutput(logits.float().max(-1).indices.tolist(),
                                  [None] * num_rows, [None] * num_rows)
 
@@ -86,9 +94,11 @@ class Sampler:
                 _take_rows(logits, with_logprobs), dim=-1, dtype=torch.float32,
                 out=self._buffer("logprobs", len(with_logprobs), logits))
         work = logits  # [B, V] float32 contiguous, edited only in a scratch copy
-        if banned or penalized or logits.dtype != torch.float32 or not logits.is_contiguous():
+        if edited or logits.dtype != torch.float32 or not logits.is_contiguous():
             work = self._buffer("logits", num_rows, logits).copy_(logits)
+            self._constrain_(work, rows, constrained)
             self._edit_logits_(work, rows, banned, penalized)
+            self._unban_emptied_(work, logits, rows, banned, constrained)
 
         tokens = torch.empty(num_rows, dtype=torch.long, device=work.device)  # [B]
         if greedy:
@@ -97,6 +107,32 @@ class Sampler:
         if random_rows:
             tokens[random_rows] = self._sample(work, rows, random_rows)
         return _output(tokens, rows, with_logprobs, raw_logprobs)
+
+    def _constrain_(self, work: torch.Tensor, rows: list[SamplingRow],
+                    constrained: list[int]) -> None:
+        """The grammar's mask, then allowed_token_ids, then logit_bias, on the rows that have
+        them: before every other edit, so the rest samples within the allowed set."""
+        masked = [i for i in constrained if rows[i].token_bitmask is not None]
+        if masked:
+            token_bitmask.apply_(work, masked, torch.stack([rows[i].token_bitmask
+                                                            for i in masked]))
+        allowed = [i for i in constrained if rows[i].params.allowed_token_ids is not None]
+        if allowed:
+            keep_only_(work, allowed, [rows[i].params.allowed_token_ids for i in allowed])
+        biased = [i for i in constrained if rows[i].params.logit_bias]
+        if biased:
+            add_logit_bias_(work, biased, [rows[i].params.logit_bias for i in biased])
+
+    def _unban_emptied_(self, work: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow],
+                        banned: list[int], constrained: list[int]) -> None:
+        """A ban (EOS before min_tokens) that leaves a constrained row nothing to sample, as
+        when the grammar allows only the end: the constraints win, the ban is dropped."""
+        for i in set(banned) & set(constrained):
+            if bool(torch.isneginf(work[i]).all()):
+                work[i].copy_(logits[i])
+                self._constrain_(work, rows, [i])
+                penalized = [i] if rows[i].params.has_penalties else []
+                self._edit_logits_(work, rows, [], penalized)
 
     def _edit_logits_(self, work: torch.Tensor, rows: list[SamplingRow], banned: list[int],
                       penalized: list[int]) -> None:

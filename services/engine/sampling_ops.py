@@ -89,3 +89,23 @@ def top_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: list[in
                                              top_values.tolist()):
             entry.update(zip(ids[:count], values[:count]))
     return dicts, ranks
+
+
+def add_logit_bias_(logits: torch.Tensor, row_ids: list[int],
+                    biases: list[dict[int, float]]) -> None:
+    """logits [B, V], contiguous, modified in place: each row's bias added to its tokens."""
+    keys, _ = flat_token_keys(row_ids, [list(bias) for bias in biases], logits.shape[1],
+                              logits.device)
+    values = torch.tensor([value for bias in biases for value in bias.values()],
+                          dtype=logits.dtype, device=logits.device)
+    logits.view(-1).index_add_(0, keys, values)
+
+
+def keep_only_(logits: torch.Tensor, row_ids: list[int], allowed: list[list[int]]) -> None:
+    """logits [B, V], contiguous, modified in place: in each row of row_ids every token but
+    its allowed ones becomes -inf."""
+    keys, _ = flat_token_keys(row_ids, allowed, logits.shape[1], logits.device)
+    kept = logits.view(-1)[keys]
+    rows = torch.tensor(row_ids, device=logits.device)
+    logits.index_fill_(0, rows, float("-inf"))
+    logits.view(-1)[keys] = kept

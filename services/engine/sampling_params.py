@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from services.engine.structured.spec import StructuredOutputs, from_vllm_fields
+
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI takes 300; vLLM any number
+MAX_ALLOWED_TOKEN_IDS = 65536
 # Below this a row is greedy (vLLM's threshold): dividing by a smaller temperature can overflow.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -26,6 +30,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
     skip_special_tokens: bool = True
+    # Output constraints, applied before every other sampling step (sampler.py): the grammar's
+    # allowed tokens, then allowed_token_ids, then the bias added to the logits.
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    allowed_token_ids: list[int] | None = None  # None: every token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +73,35 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        self._validate_constraints()
+
+    def _validate_constraints(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # vLLM's {"json": schema} form
+            self.structured_outputs = from_vllm_fields(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs or a dict")
+        self.logit_bias = dict(self.logit_bias or {})
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", token_id, low=0)
+            _check_number(f"logit_bias[{token_id}]", bias, low=-100.0, high=100.0)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids needs 1 to {MAX_ALLOWED_TOKEN_IDS} ids")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", token_id, low=0)
+
+    def token_ids_used(self) -> list[int]:
+        """Token ids named by the parameters, for a range check against the vocabulary."""
+        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """logit_bias or allowed_token_ids set (a grammar comes per step, as a bitmask)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def is_greedy(self) -> bool:

@@ -13,7 +13,7 @@ from services.engine.block_pool import KVBlock
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.prefill_chunks import long_prefill_chunk
 from services.engine.request import Request, RequestStatus
-from services.engine.stop_checker import check_stop
+from services.engine.stop_checker import advance_grammar, check_stop
 from services.engine.waiting_queue import WaitingQueue
 
 
@@ -281,7 +281,7 @@ class Scheduler:
             if token_id is None:
                 continue
             request.append_token(token_id)
-            status = check_stop(request, self.max_model_len)
+            status = advance_grammar(request) or check_stop(request, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -295,5 +295,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        request.grammar = None  # the matcher's memory goes with the sequence
         self.kv.forget(request)
         del self.requests[request.request_id]

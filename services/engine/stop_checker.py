@@ -1,7 +1,23 @@
 """When a sequence stops, after each sampled token."""
 from __future__ import annotations
 
+import logging
+
 from services.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+def advance_grammar(request: Request) -> RequestStatus | None:
+    """Feed the last token to the request's grammar matcher: STOPPED once the grammar is
+    complete (a finished choice, a closed JSON value) or if it refused the token, which the
+    sampler's mask prevents; the text so far is then the longest valid prefix."""
+    if request.grammar is None:
+        return None
+    if not request.grammar.accept(request.output_token_ids[-1]):
+        log.warning("grammar refused a sampled token of request %s", request.request_id)
+        return RequestStatus.FINISHED_STOPPED
+    return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
@@ -27,6 +43,7 @@ def banned_token_ids(request: Request) -> list[int]:
     params = request.params
     if request.num_output_tokens >= params.min_tokens:
         return []
+    # (Under a grammar that allows only the end, the sampler drops this ban: sampler.py.)
     banned = list(params.stop_token_ids)
     if not params.ignore_eos:
         banned.extend(request.eos_token_ids)

@@ -138,6 +138,8 @@ def _validation_error(errors) -> GatewayError:
     first = errors[0]
     location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     message = f"{location}: {first['msg']}" if location else first["msg"]
+    if first.get("type") == "extra_forbidden":  # never ignored: README lists what is served
+        message = f"{location} is not supported by kvrelay"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return invalid(message, location.split(".", 1)[0] or None)

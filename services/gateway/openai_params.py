@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.gateway.errors import invalid, param_from_value_error
+from services.gateway.openai_structured import logit_bias, structured_outputs
 from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               SamplingFields)
 
 # Request fields passed through as they are unless null (null means the engine's default).
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                 "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                "skip_special_tokens")
+                "skip_special_tokens", "allowed_token_ids")
 
 
 def chat_params(request: ChatCompletionRequest) -> SamplingParams:
@@ -48,6 +49,8 @@ def _sampling_params(request: SamplingFields, max_tokens: int | None,
     values["stop_token_ids"] = list(request.stop_token_ids or [])
     values["max_tokens"] = max_tokens
     values["logprobs"] = logprobs
+    values["structured_outputs"] = structured_outputs(request)
+    values["logit_bias"] = logit_bias(request)
     try:
         return SamplingParams.from_dict(values)
     except ValueError as exc:

@@ -1,10 +1,12 @@
 """The OpenAI request bodies the gateway accepts (plus vLLM's extra sampling fields).
 
 Types and wire-size bounds live here; sampling value ranges are checked once, by the engine's
-SamplingParams. Unknown fields are ignored, as OpenAI's and vLLM's servers do."""
+SamplingParams. Nothing is silently ignored: a field not declared here (one of OpenAI's that
+kvrelay does not implement, or a misspelt one) is answered with a 400 naming it, and a declared
+field whose value kvrelay cannot honour is refused the same way (openai_params.py)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,15 +18,37 @@ TokenId = Annotated[int, Field(ge=0, le=UINT32)]
 Count = Annotated[int, Field(le=UINT32)]  # the lower bound is SamplingParams' to check
 
 
-class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(Lenient):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(Lenient):
+class JsonSchemaFormat(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None  # honoured either way: the output is always held to the schema
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Strict):
+    """vLLM's structured_outputs: exactly one constraint."""
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class SamplingFields(Strict):
     """What chat and completions requests share."""
     model: str | None = None
     n: Count = 1
@@ -44,16 +68,26 @@ class SamplingFields(Lenient):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user identifier, recorded in the request's log line
     priority: Annotated[int, Field(ge=-INT32 - 1, le=INT32)] = 0
+    # Output constraints (openai_structured.py): one of response_format, structured_outputs
+    # or a guided_* alias; logit_bias and allowed_token_ids combine with any of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None
 
 
-class TextPart(Lenient):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Lenient):
+class ChatMessage(Strict):
     role: Annotated[str, Field(min_length=1)]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -66,6 +100,13 @@ class ChatMessage(Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # OpenAI fields honoured only with the values that describe what kvrelay does (one tier,
+    # text out, nothing stored, prefix caching automatic); other values get a 400.
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None  # caching is automatic
+    safety_identifier: Annotated[str, Field(max_length=1024)] | None = None  # like user
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(le=UINT32)] | None = None
@@ -79,7 +120,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # rejected when set: there is no fill-in-the-middle
 
 
-class TokenizeRequest(Lenient):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -87,6 +128,6 @@ class TokenizeRequest(Lenient):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(Lenient):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[TokenId]

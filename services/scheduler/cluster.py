@@ -14,6 +14,7 @@ from typing import Protocol
 
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured.backend import CompiledGrammar
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.deltas import finish_delta
 from services.scheduler.messages import BOTH, DECODE, PREFILL, Delta, FinishReason, WorkerInfo
@@ -99,8 +100,10 @@ class ClusterScheduler:
 
     # ---- admission -----------------------------------------------------------------------------
     def submit(self, request_id: str, gateway_id: str, prompt: list[int],
-               params: SamplingParams, priority: int) -> None:
-        """params: max_tokens filled in. Raises ValueError (bad input) or Unavailable."""
+               params: SamplingParams, priority: int,
+               grammar: CompiledGrammar | None = None) -> None:
+        """params: max_tokens filled in; grammar: params.structured_outputs compiled (each
+        sample gets its own matcher from it). Raises ValueError (bad input) or Unavailable."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not self.accepting:
@@ -117,6 +120,8 @@ class ClusterScheduler:
         for index in range(params.n):
             seq_id = f"{request_id}/{index}"
             request = Request(seq_id, prompt, params, eos, priority, record.arrival, salt)
+            if grammar is not None:
+                request.grammar = grammar.matcher()
             worker.core.add_request(request)
             sample = SampleRecord(seq_id, index, record, request, worker, phase)
             record.samples.append(sample)
@@ -137,6 +142,10 @@ class ClusterScheduler:
         bad = [t for t in prompt if t >= vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        bad = [t for t in params.token_ids_used() if t >= vocab_size]
+        if bad:
+            raise ValueError(f"sampling parameters name token ids out of range "
+                             f"[0, {vocab_size}): {bad[:5]}")
         limit = self.registry.max_model_len
         if len(prompt) + (params.max_tokens or 1) > limit:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the "
@@ -367,8 +376,10 @@ class ClusterScheduler:
 
 def _fresh_copy(request: Request, seq_id: str) -> Request:
     """The same prompt and parameters as a new engine request (progress not carried over)."""
-    return Request(seq_id, request.prompt_token_ids, request.params, request.eos_token_ids,
-                   request.priority, request.arrival_time, request.cache_salt)
+    clone = Request(seq_id, request.prompt_token_ids, request.params, request.eos_token_ids,
+                    request.priority, request.arrival_time, request.cache_salt)
+    clone.grammar = request.grammar  # one sample, one matcher: it moves with the sample
+    return clone
 
 
 def _decode_preference(worker: WorkerRecord) -> tuple:

@@ -25,11 +25,17 @@ class SchedulerConfig:
     shared_compute_steps: str = "split"
     transfer_timeout_s: float = 30.0  # an order's pages are written within this, or never
     kv_transport: str = "shm"  # same-host pairs copy pages through shared memory; "grpc": never
+    # Structured output: the model whose tokenizer the grammars are compiled for (the workers'
+    # model; None: the default one), and the backend that compiles them.
+    model: str | None = None
+    structured_outputs_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         if self.shared_compute_steps not in SHARED_COMPUTE_MODES:
             raise ValueError(f"shared_compute_steps must be one of {SHARED_COMPUTE_MODES}")
         if self.kv_transport not in ("grpc", "shm"):
             raise ValueError(f"kv_transport must be grpc or shm, got {self.kv_transport!r}")
+        if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
+            raise ValueError("structured_outputs_backend must be llguidance or xgrammar")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")

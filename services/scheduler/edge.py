@@ -45,7 +45,8 @@ def step_to_proto(order: StepOrder) -> worker_pb2.StepRequest:
         new_sequences=[_new_sequence_to_proto(seq) for seq in order.new_sequences],
         scheduled=[worker_pb2.ScheduledSequence(seq_id=item.seq_id,
                                                 num_new_tokens=item.num_new_tokens,
-                                                new_block_ids=item.new_block_ids)
+                                                new_block_ids=item.new_block_ids,
+                                                token_bitmask=item.token_bitmask)
                    for item in order.scheduled],
         finished_seq_ids=order.finished_seq_ids,
         kv_sends=[send_order_to_proto(send) for send in order.kv_sends],

@@ -58,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "blocks of a lost worker's sends are held this long (plus a lease)")
     add_flag(parser, "--lease-ms", type=int, default=3000,
              help="a worker silent for this long is declared dead")
+    add_flag(parser, "--model", default=None,
+             help="the workers' model (directory, .gguf or cached HF repo id): structured "
+                  "output compiles grammars for its tokenizer (default: SmolLM2-135M)")
+    add_flag(parser, "--structured-outputs-backend", choices=["llguidance", "xgrammar"],
+             default="llguidance", help="grammar backend for structured output and tools")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
     add_flag(parser, "--log-level", default="info")
 
@@ -80,7 +85,8 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens or None,
         shared_prefill_max_num_batched_tokens=args.shared_prefill_max_num_batched_tokens or None,
         shared_compute_steps=args.shared_compute_steps,
-        transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport)
+        transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport,
+        model=args.model, structured_outputs_backend=args.structured_outputs_backend)
     service = SchedulerService(config)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])

@@ -87,6 +87,9 @@ class ScheduledSequence:
     seq_id: str
     num_new_tokens: int
     new_block_ids: tuple[int, ...]
+    # In a step that samples a constrained sequence: its grammar's allowed tokens, packed as
+    # little-endian int32 words (engine/structured/backend.py). Empty: unconstrained.
+    token_bitmask: bytes = b""
 
 
 @dataclass(slots=True)

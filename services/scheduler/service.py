@@ -11,7 +11,9 @@ from services.common.log import bind_request_id, get_logger, request_id_from
 from services.scheduler import lease_reaper, scheduler_metrics
 from services.scheduler.cluster import ClusterScheduler, Unavailable
 from services.scheduler.config import SchedulerConfig
+from services.engine.structured.backend import GrammarError
 from services.scheduler.core_share import DomainGates
+from services.scheduler.grammars import scheduler_grammars
 from services.scheduler.edge import ROLE_TO_PROTO, worker_info_from_proto
 from services.scheduler.outputs import DeltaSink
 from services.scheduler.registry import WorkerRecord
@@ -32,6 +34,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.gates = DomainGates(config.shared_compute_steps,
                                  config.engine.long_prefill_token_threshold,
                                  self.cluster.has_work)
+        self.grammars = scheduler_grammars(config, self.cluster.registry)
 
     def _wake(self, worker: WorkerRecord) -> None:
         link = self.links.get(worker.worker_id)
@@ -45,12 +48,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             params = params_from_proto(request.params,
                                        self.cluster.default_max_tokens(len(prompt)))
+            grammar = None
+            if params.structured_outputs is not None:  # compiled before the request queues
+                grammar = await self.grammars.compile_async(params.structured_outputs)
             self.cluster.submit(request.request_id, request.gateway_id, prompt, params,
-                                request.priority)
-        except ValueError as exc:
+                                request.priority, grammar)
+        except (ValueError, GrammarError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RuntimeError as exc:  # the grammar backend cannot be built here
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"structured output is unavailable: {exc}")
         log.debug("submitted", num_prompt_tokens=len(prompt), n=params.n)
         return scheduler_pb2.SubmitResponse()
 

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
+from services.engine.structured.backend import next_token_bitmask
 from services.scheduler.cluster import ClusterScheduler
 from services.scheduler.deltas import token_delta
 from services.scheduler.messages import (PREFILL, NewSequence, ScheduledSequence, StepOrder,
@@ -59,8 +60,11 @@ def _add_item(cluster: ClusterScheduler, worker: WorkerRecord, order: StepOrder,
             eos_token_ids=tuple(request.eos_token_ids), child_index=sample.index,
             num_prompt_tokens=request.num_prompt_tokens))
         known = len(item.block_ids)
+    bitmask = b""
+    if item.samples and request.grammar is not None:  # the matcher's state after its last token
+        bitmask = next_token_bitmask(request.grammar, worker.info.vocab_size).tobytes()
     order.scheduled.append(ScheduledSequence(seq_id, item.num_new_tokens,
-                                             tuple(item.block_ids[known:])))
+                                             tuple(item.block_ids[known:]), bitmask))
     worker.known_blocks[seq_id] = len(item.block_ids)
     if worker.role is PREFILL and item.samples:
         return cluster.reserve_decode(cluster.samples[seq_id], during_step=True)

@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--shared-compute-steps", choices=("serialize", "split", "overlap"),
              default=None, help="how workers on the same cores step: serialize, split "
                                 "(the scheduler's default) or overlap (`kvrelay scheduler --help`)")
+    add_flag(parser, "--structured-outputs-backend", choices=("llguidance", "xgrammar"),
+             default=None, help="grammar backend for structured output (default: llguidance)")
     add_flag(parser, "--threads-per-worker", type=int, default=None,
              help="torch threads per worker (default: every core for up to two workers, "
                   "else the cores split between them)")

@@ -1,7 +1,9 @@
 """Runs one step of the scheduler's plan on this worker: varlen forward pass, then sampling."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from services.api.kvrelay.v1 import worker_pb2
 from services.wire import logprob_to_proto
@@ -18,6 +20,8 @@ class PreparedStep:
     step_id: int
     items: list[ScheduledRequest]
     num_threads: int = 0  # 0: all of the worker's
+    # seq id -> its grammar's allowed tokens this step (the scheduler's bitmask, as sent)
+    bitmasks: dict[str, bytes] = field(default_factory=dict)
 
 
 class StepExecutor:
@@ -33,12 +37,14 @@ class StepExecutor:
             self.table.forget(seq_id)
         for new in request.new_sequences:
             self.table.add(new)
-        items = []
+        items, bitmasks = [], {}
         for scheduled in request.scheduled:
             sequence = self.table.update(scheduled)
             items.append(ScheduledRequest(sequence, scheduled.num_new_tokens,
                                           self.table.block_ids[scheduled.seq_id]))
-        return PreparedStep(request.step_id, items, request.num_threads)
+            if scheduled.token_bitmask:
+                bitmasks[scheduled.seq_id] = scheduled.token_bitmask
+        return PreparedStep(request.step_id, items, request.num_threads, bitmasks)
 
     def execute(self, step: PreparedStep, on_layer_done=None) -> list[worker_pb2.SampledToken]:
         """The forward pass and sampling (heavy; runs in the compute thread)."""
@@ -50,16 +56,21 @@ class StepExecutor:
         logits = self.runner.execute(step_input, on_layer_done)  # [S, vocab]
         sampled = []
         if step_input.sample_rows:
-            sampled = self._sample(logits, [step.items[row] for row in step_input.sample_rows])
+            sampled = self._sample(logits, [step.items[row] for row in step_input.sample_rows],
+                                   step.bitmasks)
         for item in step.items:
             item.request.num_computed_tokens += item.num_new_tokens
         return sampled
 
-    def _sample(self, logits, items: list[ScheduledRequest]) -> list[worker_pb2.SampledToken]:
+    def _sample(self, logits, items: list[ScheduledRequest],
+                bitmasks: dict[str, bytes]) -> list[worker_pb2.SampledToken]:
         sequences = [item.request for item in items]
         rows = [SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
                             output_token_ids=seq.output_token_ids, generator=seq.generator,
-                            banned_token_ids=banned_token_ids(seq)) for seq in sequences]
+                            banned_token_ids=banned_token_ids(seq),
+                            token_bitmask=_bitmask_row(bitmasks.get(seq.request_id),
+                                                       logits.shape[1]))
+                for seq in sequences]
         result = self.sampler(logits, rows)
         sampled = []
         for seq, token_id, entry, rank in zip(sequences, result.token_ids, result.logprobs,
@@ -71,3 +82,13 @@ class StepExecutor:
                                                           seq.params.logprobs))
             sampled.append(message)
         return sampled
+
+
+def _bitmask_row(packed: bytes | None, vocab_size: int) -> torch.Tensor | None:
+    """The scheduler's packed bitmask -> int32 [W]; a wrong size is the scheduler's bug."""
+    if not packed:
+        return None
+    words = (vocab_size + 31) // 32
+    if len(packed) != 4 * words:
+        raise ValueError(f"token bitmask of {len(packed)} bytes for a vocabulary of {vocab_size}")
+    return torch.frombuffer(bytearray(packed), dtype=torch.int32)

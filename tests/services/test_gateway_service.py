@@ -121,11 +121,14 @@ def test_error_names_the_parameter_and_returns_the_request_id(gateway):
     assert response.headers["x-request-id"] == "my-id-1"
 
 
-def test_unknown_fields_are_ignored(gateway):
-    body = {**GOOD_CHAT, "frobnicate": True, "messages": [
+def test_unknown_fields_are_refused_by_name(gateway):
+    error = assert_openai_error(post(gateway, "/v1/chat/completions",
+                                     {**GOOD_CHAT, "frobnicate": True}))
+    assert error["param"] == "frobnicate" and "frobnicate is not supported" in error["message"]
+    body = {**GOOD_CHAT, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hi"}], "extra": 1}]}
-    # valid, so it gets as far as the absent scheduler
-    assert_openai_error(post(gateway, "/v1/chat/completions", body), 503)
+    error = assert_openai_error(post(gateway, "/v1/chat/completions", body))
+    assert "messages.0.extra" in error["message"]
 
 
 def test_valid_requests_fail_fast_without_a_scheduler(gateway):

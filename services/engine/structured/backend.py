@@ -1,0 +1,57 @@
+"""The grammar backend interface: a spec compiles once into a grammar; each sequence gets its
+own matcher from it, advanced with every token the sequence accepts.
+
+A bitmask row is int32 [ceil(vocab / 32)], little-endian bit i of word w allowing token
+32 * w + i, the layout llguidance and xgrammar both write.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from services.engine.structured.spec import StructuredOutputs
+
+
+class GrammarError(ValueError):
+    """The spec does not compile: the request is at fault (a 400, with the backend's message)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def next_token_bitmask(matcher: "GrammarMatcher", vocab_size: int) -> np.ndarray:
+    """The tokens the matcher allows next: int32 [bitmask_words(vocab_size)]."""
+    row = np.zeros(bitmask_words(vocab_size), dtype=np.int32)
+    matcher.fill_bitmask(row)
+    return row
+
+
+class GrammarMatcher(Protocol):
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False where the grammar does not allow it."""
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        """Write the tokens allowed next into row (int32 [words], C-contiguous)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens accepted tokens."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and allows nothing but the end of the sequence."""
+
+
+class CompiledGrammar(Protocol):
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start."""
+
+
+class GrammarBackend(Protocol):
+    name: str
+    vocab_size: int
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """Raises GrammarError for a spec that does not compile. May take a while: call it off
+        the event loop (compiler.py does)."""

@@ -1,0 +1,97 @@
+"""The default grammar backend: llguidance (Rust, no torch; JSON schemas compile in about a
+millisecond and masks are computed lazily, token by token)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from services.engine.structured.backend import GrammarError
+from services.engine.structured.spec import StructuredOutputs
+
+# Compact JSON: a flexible-whitespace grammar lets a small model emit whitespace until
+# max_tokens runs out (separators stay ", " and ": ", as json.dumps writes them).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class LlguidanceMatcher:
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher  # llguidance.LLMatcher
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.consume_token(token_id))
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"]:
+            raise ValueError("a bitmask row is int32 and C-contiguous")
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"grammar matcher cannot roll back {num_tokens} tokens")
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error() if self._matcher.is_error() else ""
+
+
+class LlguidanceGrammar:
+    def __init__(self, template) -> None:
+        self._template = template  # an LLMatcher at the start: copied, never advanced
+
+    def matcher(self) -> LlguidanceMatcher:
+        return LlguidanceMatcher(self._template.deep_copy())
+
+
+class LlguidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        import llguidance
+
+        self._llguidance = llguidance
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                 eos_token=list(eos_token_ids) or None)
+
+    def compile(self, spec: StructuredOutputs) -> LlguidanceGrammar:
+        grammar = self._grammar_text(spec)
+        error = self._llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise GrammarError(f"invalid {spec.kind}: {error.strip()}")
+        template = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"invalid {spec.kind}: {template.get_error().strip()}")
+        return LlguidanceGrammar(template)
+
+    def _grammar_text(self, spec: StructuredOutputs) -> str:
+        matcher = self._llguidance.LLMatcher
+        try:
+            if spec.kind == "json":
+                return matcher.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+            if spec.kind == "json_object":
+                return matcher.grammar_from_json_schema('{"type": "object"}',
+                                                        defaults=_JSON_OPTIONS)
+            if spec.kind == "regex":
+                return matcher.grammar_from_regex(spec.value)
+            if spec.kind == "choice":
+                # JSON string literals are Lark string literals: quotes and escapes survive.
+                alternatives = " | ".join(json.dumps(choice) for choice in spec.choices)
+                return matcher.grammar_from_lark(f"start: {alternatives}")
+            return matcher.grammar_from_lark(self._as_lark(spec.value))
+        except (ValueError, TypeError, RuntimeError) as exc:  # schema-level errors raise here
+            raise GrammarError(f"invalid {spec.kind}: {exc}") from None
+
+    def _as_lark(self, grammar: str) -> str:
+        """GBNF (llama.cpp's `root ::= ...`) is converted; anything else is read as Lark."""
+        if "::=" in grammar:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            try:
+                return gbnf_to_lark(grammar)
+            except Exception as exc:  # noqa: BLE001 - the converter raises plain Exceptions
+                raise GrammarError(f"invalid grammar (GBNF): {exc}") from None
+        return grammar
