@@ -6,12 +6,14 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from services.gateway.errors import GatewayError
 from services.gateway.openai_logprobs import chat_logprobs
 from services.gateway.openai_params import chat_params
 from services.gateway.openai_protocol import ChatCompletionRequest
 from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
                                              collect_choices, served_model, sse, sse_error,
                                              unless_disconnected, usage)
+from services.gateway.openai_structured import blame_constraint
 from services.gateway.request_group import RequestGroup
 
 
@@ -21,7 +23,10 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     params = chat_params(body)
     messages = [{"role": message.role, "content": message.text()} for message in body.messages]
     prompt = await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
-    group = await core.generate(request_id, [prompt], params, body.priority)
+    try:
+        group = await core.generate(request_id, [prompt], params, body.priority)
+    except GatewayError as error:
+        raise blame_constraint(error, body) from None
     header = {"id": request_id, "created": int(time.time()), "model": model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

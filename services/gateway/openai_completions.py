@@ -7,13 +7,14 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from services.gateway.errors import invalid
+from services.gateway.errors import GatewayError, invalid
 from services.gateway.openai_logprobs import CompletionLogprobs
 from services.gateway.openai_params import completion_params
 from services.gateway.openai_protocol import CompletionRequest
 from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
                                              collect_choices, served_model, sse, sse_error,
                                              unless_disconnected, usage)
+from services.gateway.openai_structured import blame_constraint
 from services.gateway.request_group import RequestGroup
 
 
@@ -23,7 +24,10 @@ async def create_completion(core, http_request: Request, body: CompletionRequest
     params = completion_params(body)
     prompts = await _prompt_token_ids(core, body.prompt, request_id)
     echoes = await _echo_texts(core, body.prompt, prompts, request_id) if body.echo else None
-    group = await core.generate(request_id, prompts, params, body.priority)
+    try:
+        group = await core.generate(request_id, prompts, params, body.priority)
+    except GatewayError as error:
+        raise blame_constraint(error, body) from None
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
               "model": model}
     want_logprobs = params.logprobs is not None

@@ -3,7 +3,7 @@ structured_outputs and its older guided_* fields (one of them), and logit_bias."
 from __future__ import annotations
 
 from services.engine.structured.spec import StructuredOutputs, from_vllm_fields
-from services.gateway.errors import invalid
+from services.gateway.errors import GatewayError, invalid
 from services.gateway.openai_protocol import SamplingFields
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -19,8 +19,25 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputs | None:
     return given[0][1] if given else None
 
 
+def constraint_field(request: SamplingFields) -> str | None:
+    """The request field its output constraint came from (for the param of a compile error)."""
+    for name, _ in _candidates(request):
+        if name != "response_format" or request.response_format.type != "text":
+            return name
+    return None
+
+
+def blame_constraint(error: GatewayError, request: SamplingFields) -> GatewayError:
+    """The scheduler's compile errors ("invalid json: ...") name the request field at fault."""
+    if error.kind == "invalid_request" and error.param is None \
+            and error.message.startswith("invalid "):
+        error.param = constraint_field(request)
+    return error
+
+
 def _candidates(request: SamplingFields):
-    yield "response_format", _from_response_format(request)
+    if request.response_format is not None:
+        yield "response_format", _from_response_format(request)
     if request.structured_outputs is not None:
         fields = request.structured_outputs.model_dump(by_alias=True)
         yield "structured_outputs", _checked(lambda: from_vllm_fields(fields),
