@@ -1,6 +1,7 @@
 """An async client for kvrelay's public gRPC API (the `Generation` service of the gateway)."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Unpack
@@ -114,10 +115,30 @@ def _params(sampling: SamplingOptions) -> common_pb2.SamplingParams:
     values = {name: value for name, value in sampling.items() if value is not None}
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
+    if "structured_outputs" in values:
+        values["structured_outputs"] = _structured(values["structured_outputs"])
+    if "allowed_token_ids" in values:
+        values["allowed_token_ids"] = common_pb2.TokenIdList(ids=values["allowed_token_ids"])
     try:
         return common_pb2.SamplingParams(**values)
     except (ValueError, TypeError) as exc:  # unknown names, wrong types, out of range
         raise ValueError(f"bad sampling option: {exc}") from None
+
+
+def _structured(spec: dict) -> common_pb2.StructuredOutputs:
+    """vLLM's {"kind": value} form -> the wire's oneof (the server checks the value)."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ValueError("structured_outputs takes one of json, regex, choice, grammar, "
+                         "json_object")
+    (kind, value), = spec.items()
+    if kind == "json":
+        return common_pb2.StructuredOutputs(
+            json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=list(value)))
+    if kind in ("regex", "grammar", "json_object"):
+        return common_pb2.StructuredOutputs(**{kind: value})
+    raise ValueError(f"unknown structured output kind {kind!r}")
 
 
 def _chat(messages: Messages, add_generation_prompt: bool) -> generation_pb2.ChatMessages:

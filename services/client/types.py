@@ -26,6 +26,11 @@ class SamplingOptions(TypedDict, total=False):
     repetition_penalty: float
     logprobs: int  # the sampled token's logprob plus this many alternatives
     skip_special_tokens: bool
+    # One output constraint, vLLM's spelling: {"json": schema}, {"regex": ...}, {"choice": [...]},
+    # {"grammar": lark_or_gbnf} or {"json_object": True}.
+    structured_outputs: dict
+    logit_bias: dict[int, float]  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,3 +180,25 @@ def test_an_aborted_constrained_stream_frees_everything(pd_stack, model_id):
         model=model_id, messages=ask("ok?"), max_tokens=5, temperature=0,
         extra_body={"guided_choice": ["ok"]}).choices[0]
     assert choice.message.content == "ok"
+
+
+def test_the_grpc_client_takes_constraints(pd_stack):
+    import asyncio
+
+    from services.client import KvrelayClient
+
+    async def ask_client():
+        async with KvrelayClient(pd_stack.grpc_address) as client:
+            chosen = await client.complete(messages=ask("Pick a color."), temperature=0,
+                                           max_tokens=20,
+                                           structured_outputs={"choice": ["cyan", "teal"]})
+            as_json = await client.complete(messages=ask("A number as JSON."), temperature=0,
+                                            max_tokens=40, structured_outputs={"json": {
+                                                "type": "object", "properties": {"n": {
+                                                    "type": "integer", "maximum": 99}},
+                                                "required": ["n"]}})
+            return chosen, as_json
+
+    chosen, as_json = asyncio.run(ask_client())
+    assert chosen.text in ("cyan", "teal")
+    assert isinstance(json.loads(as_json.text)["n"], int)
