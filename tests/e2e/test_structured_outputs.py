@@ -195,10 +195,13 @@ def test_the_grpc_client_takes_constraints(pd_stack):
             as_json = await client.complete(messages=ask("A number as JSON."), temperature=0,
                                             max_tokens=40, structured_outputs={"json": {
                                                 "type": "object", "properties": {"n": {
-                                                    "type": "integer", "maximum": 99}},
-                                                "required": ["n"]}})
+                                                    "type": "integer", "minimum": 0,
+                                                    "maximum": 99}},
+                                                "required": ["n"],
+                                                "additionalProperties": False}})
             return chosen, as_json
 
     chosen, as_json = asyncio.run(ask_client())
     assert chosen.text in ("cyan", "teal")
-    assert isinstance(json.loads(as_json.text)["n"], int)
+    assert as_json.finish_reason == "stop"
+    assert json.loads(as_json.text)["n"] in range(100)
