@@ -129,3 +129,29 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
     with pytest.raises(ValueError, match="out of range"):
         llm.generate({"prompt_token_ids": [1, 2]},
                      SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def xgrammar_llm():
+    pytest.importorskip("xgrammar")  # in requirements.txt; skipped only where not installed
+    return LLM(dtype="float32", num_kv_blocks=256, structured_outputs_backend="xgrammar")
+
+
+def test_the_xgrammar_backend_gives_the_same_kinds_of_valid_output(xgrammar_llm):
+    cases = [StructuredOutputs.json_schema(schema) for _, schema in SCHEMAS[:12]]
+    cases += [StructuredOutputs("choice", choices=("yes", "no")),
+              StructuredOutputs("regex", r"[0-9]{3}"),
+              StructuredOutputs("grammar", 'root ::= "go " ("north" | "south")')]
+    outputs = xgrammar_llm.chat([ask("Answer as asked.")] * len(cases),
+                                [constrained(spec) for spec in cases], use_tqdm=False)
+    for spec, output in zip(cases, outputs):
+        text = output.outputs[0].text
+        assert output.outputs[0].finish_reason == "stop", (spec, text)
+        if spec.kind == "json":
+            validate(json.loads(text), json.loads(spec.value))
+    assert outputs[-3].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{3}", outputs[-2].outputs[0].text)
+    assert outputs[-1].outputs[0].text in ("go north", "go south")
+    with pytest.raises(GrammarError):
+        xgrammar_llm.chat(ask("Hi"), constrained(StructuredOutputs("regex", "(ab")),
+                          use_tqdm=False)

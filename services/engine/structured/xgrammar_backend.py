@@ -1,0 +1,78 @@
+"""The optional grammar backend: xgrammar (C++, compiles grammars ahead into token-mask caches;
+imports torch, so a scheduler that uses it loads torch too). `pip install xgrammar`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from services.engine.structured.backend import GrammarError
+from services.engine.structured.spec import StructuredOutputs
+
+
+class XgrammarMatcher:
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher  # xgrammar.GrammarMatcher
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        import torch
+        if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"]:
+            raise ValueError("a bitmask row is int32 and C-contiguous")
+        self._matcher.fill_next_token_bitmask(torch.from_numpy(row)[None], 0)  # writes into row
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XgrammarGrammar:
+    def __init__(self, xgrammar, compiled) -> None:
+        self._xgrammar, self._compiled = xgrammar, compiled
+
+    def matcher(self) -> XgrammarMatcher:
+        return XgrammarMatcher(self._xgrammar.GrammarMatcher(self._compiled))
+
+
+class XgrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer_json_path: Path, vocab_size: int,
+                 eos_token_ids: list[int]) -> None:
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        self._xgrammar = xgrammar
+        self.vocab_size = vocab_size
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_json_path.parent)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, spec: StructuredOutputs) -> XgrammarGrammar:
+        compiler = self._compiler
+        try:
+            if spec.kind == "json":
+                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False)
+            elif spec.kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}',
+                                                        any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.value)
+            elif spec.kind == "choice":
+                alternatives = " | ".join(json.dumps(choice) for choice in spec.choices)
+                compiled = compiler.compile_grammar(f"root ::= {alternatives}")
+            elif "::=" in spec.value:  # GBNF / EBNF, xgrammar's own format
+                compiled = compiler.compile_grammar(spec.value)
+            else:
+                compiled = compiler.compile_lark(spec.value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(f"invalid {spec.kind}: {exc}") from None
+        return XgrammarGrammar(self._xgrammar, compiled)
