@@ -14,35 +14,64 @@ from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStream
                                              collect_choices, served_model, sse, sse_error,
                                              unless_disconnected, usage)
 from services.gateway.openai_structured import blame_constraint
+from services.gateway.openai_tools import (ToolCallStream, parse_reply, render_messages,
+                                           tool_choice_mode, tool_grammar)
 from services.gateway.request_group import RequestGroup
 
 
 async def create_chat_completion(core, http_request: Request, body: ChatCompletionRequest,
                                  request_id: str):
     model = served_model(core, body.model)
-    params = chat_params(body)
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    tools_mode = tool_choice_mode(body.tools, body.tool_choice)
+    grammar = tool_grammar(body.tools, tools_mode, body.parallel_tool_calls) \
+        if tools_mode is not None else None
+    params = chat_params(body, grammar)
+    messages = render_messages(body.messages, body.tools, tools_mode)
     prompt = await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
     try:
         group = await core.generate(request_id, [prompt], params, body.priority)
     except GatewayError as error:
+        if grammar is not None and error.param is None and error.kind == "invalid_request":
+            error.param = "tools"  # a tool's parameters schema did not compile
         raise blame_constraint(error, body) from None
     header = {"id": request_id, "created": int(time.time()), "model": model}
+    uses_tools = tools_mode is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(group, header, params.n, include_usage), group)
+        return EventStreamResponse(_stream(group, header, params.n, include_usage, uses_tools),
+                                   group)
     with group:
         choices = await unless_disconnected(http_request, collect_choices(group, params.n))
         return JSONResponse({**header, "object": "chat.completion", "choices": [
-            {"index": index, "message": {"role": "assistant", "content": choice.text},
+            {"index": index, **_message_and_reason(choice, uses_tools),
              "logprobs": ({"content": chat_logprobs(choice.logprobs)}
                           if params.logprobs is not None else None),
-             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+             "stop_reason": choice.stop_reason}
             for index, choice in enumerate(choices)], "usage": usage(group)})
 
 
-async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool):
-    """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE]."""
+def _message_and_reason(choice, uses_tools: bool) -> dict:
+    if not uses_tools:
+        return {"message": {"role": "assistant", "content": choice.text},
+                "finish_reason": choice.finish_reason}
+    reply = parse_reply(choice.text)
+    message = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    return {"message": message, "finish_reason": _tools_reason(choice.finish_reason,
+                                                               bool(reply.tool_calls))}
+
+
+def _tools_reason(finish_reason: str | None, called: bool) -> str | None:
+    """A reply that ended by itself after calling tools ends with "tool_calls", as OpenAI's."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool,
+                  uses_tools: bool = False):
+    """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE].
+    With tools, each choice's text goes through a ToolCallStream: content as it comes, each
+    tool call whole once its block closes."""
     chunk = {**header, "object": "chat.completion.chunk"}
     if include_usage:
         chunk["usage"] = None
@@ -50,13 +79,18 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
     for index in range(n):
         yield encoder.event({"index": index, "logprobs": None, "finish_reason": None,
                              "delta": {"role": "assistant", "content": ""}})
+    tool_streams = {index: ToolCallStream() for index in range(n)} if uses_tools else None
     async for _, deltas in group.steps():
         for delta in deltas:
             if delta.finish_reason == "error":
                 yield sse_error(delta.error or "generation failed")
                 yield SSE_DONE
                 return
-            if delta.text or delta.finish_reason or delta.logprobs:
+            if tool_streams is not None:
+                choice = _tool_chunk(delta, tool_streams[delta.index])
+                if choice is not None:
+                    yield encoder.event(choice)
+            elif delta.text or delta.finish_reason or delta.logprobs:
                 yield encoder.event(_choice_chunk(delta))
     if include_usage:
         yield sse({**chunk, "choices": [], "usage": usage(group)})
@@ -68,5 +102,25 @@ def _choice_chunk(delta) -> dict:
               "logprobs": {"content": chat_logprobs(delta.logprobs)} if delta.logprobs else None,
               "finish_reason": delta.finish_reason}
     if delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    return choice
+
+
+def _tool_chunk(delta, stream: ToolCallStream) -> dict | None:
+    """The choice chunk for this delta, or None while its text is held back."""
+    content, calls = stream.feed(delta.text)
+    finish_reason = delta.finish_reason
+    if finish_reason is not None:
+        content += stream.finish()
+        finish_reason = _tools_reason(finish_reason, stream.num_calls > 0)
+    body = {"content": content} if content else {}
+    if calls:
+        body["tool_calls"] = calls
+    if not body and finish_reason is None and not delta.logprobs:
+        return None
+    choice = {"index": delta.index, "delta": body,
+              "logprobs": {"content": chat_logprobs(delta.logprobs)} if delta.logprobs else None,
+              "finish_reason": finish_reason}
+    if finish_reason is not None:
         choice["stop_reason"] = delta.stop_reason
     return choice

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from services.engine.structured.spec import StructuredOutputs
 from services.gateway.errors import invalid, param_from_value_error
 from services.gateway.openai_structured import logit_bias, structured_outputs
 from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
@@ -13,7 +14,9 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_e
                 "skip_special_tokens", "allowed_token_ids")
 
 
-def chat_params(request: ChatCompletionRequest) -> SamplingParams:
+def chat_params(request: ChatCompletionRequest,
+                tool_grammar: StructuredOutputs | None = None) -> SamplingParams:
+    """tool_grammar: the grammar of the request's tools (openai_tools.py), if they are in play."""
     logprobs = None
     if request.logprobs:
         logprobs = request.top_logprobs or 0
@@ -24,7 +27,7 @@ def chat_params(request: ChatCompletionRequest) -> SamplingParams:
     max_tokens = request.max_completion_tokens
     if max_tokens is None:
         max_tokens = request.max_tokens
-    return _sampling_params(request, max_tokens, logprobs)
+    return _sampling_params(request, max_tokens, logprobs, tool_grammar)
 
 
 def completion_params(request: CompletionRequest) -> SamplingParams:
@@ -39,7 +42,8 @@ def completion_params(request: CompletionRequest) -> SamplingParams:
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
+                     logprobs: int | None,
+                     tool_grammar: StructuredOutputs | None = None) -> SamplingParams:
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options is only allowed with stream set to true", "stream_options")
     values = {name: value for name in _PASSTHROUGH
@@ -50,6 +54,11 @@ def _sampling_params(request: SamplingFields, max_tokens: int | None,
     values["max_tokens"] = max_tokens
     values["logprobs"] = logprobs
     values["structured_outputs"] = structured_outputs(request)
+    if tool_grammar is not None:
+        if values["structured_outputs"] is not None:
+            raise invalid("tools (unless tool_choice is none) cannot be combined with another "
+                          "output constraint", "tools")
+        values["structured_outputs"] = tool_grammar
     values["logit_bias"] = logit_bias(request)
     try:
         return SamplingParams.from_dict(values)

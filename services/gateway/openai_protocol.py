@@ -87,15 +87,57 @@ class TextPart(Strict):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(Strict):
+    name: FunctionName
+    arguments: Annotated[str, Field(max_length=1 << 20)]  # JSON text
+
+
+class AssistantToolCall(Strict):
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # honoured either way: calls are always held to the schema
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Strict):
     role: Annotated[str, Field(min_length=1)]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    refusal: str | None = None  # an earlier assistant refusal: rendered as its content
+    # What the SDK writes back when a reply is passed on as is: accepted only as null.
+    audio: None = None
+    function_call: None = None
+    annotations: Annotated[list, Field(max_length=0)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content or self.refusal or ""
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -107,6 +149,9 @@ class ChatCompletionRequest(SamplingFields):
     store: Literal[False] | None = None
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None  # caching is automatic
     safety_identifier: Annotated[str, Field(max_length=1024)] | None = None  # like user
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(le=UINT32)] | None = None

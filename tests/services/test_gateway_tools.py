@@ -1,0 +1,126 @@
+"""Tool calling's text side, without a model: the tool grammar compiles and holds calls to the
+schemas, replies parse into OpenAI tool calls, and streamed text splits into content and whole
+tool-call deltas however it is chunked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.engine.structured.backend import GrammarError
+from services.engine.structured.llguidance_backend import LlguidanceBackend
+from services.engine.model_loader import resolve_model_dir
+from services.gateway.errors import GatewayError
+from services.gateway.openai_protocol import ChatCompletionRequest
+from services.gateway.openai_tools import (ToolCallStream, parse_reply, render_messages,
+                                           tool_choice_mode, tool_grammar)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER, ADD], **fields})
+
+
+@pytest.fixture(scope="module")
+def backend():
+    tokenizer_json = resolve_model_dir(None) / "tokenizer.json"
+    return LlguidanceBackend(tokenizer_json.read_text(), 49152, [2])
+
+
+def accepts(backend, grammar, text: str) -> bool:
+    matcher = backend.compile(grammar).matcher()
+    tokens = backend._tokenizer.tokenize_str(text)
+    return all(matcher.accept(token) for token in tokens)
+
+
+def test_modes():
+    assert tool_choice_mode(None, None) is None
+    assert tool_choice_mode(request().tools, None) == "auto"
+    assert tool_choice_mode(request().tools, "none") is None
+    named = request(tool_choice={"type": "function", "function": {"name": "add"}})
+    assert tool_choice_mode(named.tools, named.tool_choice) == "add"
+    with pytest.raises(GatewayError, match="not among the tools"):
+        other = request(tool_choice={"type": "function", "function": {"name": "nope"}})
+        tool_choice_mode(other.tools, other.tool_choice)
+    with pytest.raises(GatewayError, match="needs tools"):
+        tool_choice_mode(None, "required")
+
+
+def test_the_grammars_hold_calls_to_the_schemas(backend):
+    tools = request().tools
+    call = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call>'
+    bad_args = '<tool_call>{"name":"get_weather","arguments":{"town":"Oslo"}}</tool_call>'
+    required = tool_grammar(tools, "required", parallel=True)
+    assert accepts(backend, required, call + call)
+    assert not accepts(backend, required, bad_args)
+    assert not accepts(backend, required, "Hello")
+    single = tool_grammar(tools, "required", parallel=False)
+    assert not accepts(backend, single, call + call)
+    named = tool_grammar(tools, "add", parallel=True)
+    assert not accepts(backend, named, call)
+    assert accepts(backend, named, '<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>')
+    auto = tool_grammar(tools, "auto", parallel=True)
+    assert accepts(backend, auto, "It is sunny.") and accepts(backend, auto, call)
+    assert not accepts(backend, auto, bad_args)
+
+
+def test_a_tool_schema_that_does_not_compile_is_refused(backend):
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    with pytest.raises(GrammarError):
+        backend.compile(tool_grammar(request(tools=[broken]).tools, "required", True))
+
+
+def test_parse_reply():
+    text = ('Let me check. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    reply = parse_reply(text)
+    assert reply.content == "Let me check."
+    assert [call["function"]["name"] for call in reply.tool_calls] == ["add", "get_weather"]
+    assert json.loads(reply.tool_calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert all(call["id"].startswith("call_") and call["type"] == "function"
+               for call in reply.tool_calls)
+    assert len({call["id"] for call in reply.tool_calls}) == 2
+    cut = parse_reply('<tool_call>{"name": "add", "argum')  # max_tokens cut it
+    assert cut.tool_calls == [] and cut.content.startswith("<tool_call>")
+    assert parse_reply("plain").content == "plain"
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1000])
+def test_streamed_calls_equal_the_whole_reply_however_chunked(chunk_size):
+    text = ('Sure <b>. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    stream, content, calls = ToolCallStream(), "", []
+    for start in range(0, len(text), chunk_size):
+        piece, new_calls = stream.feed(text[start:start + chunk_size])
+        content, calls = content + piece, calls + new_calls
+    content += stream.finish()
+    assert content == "Sure <b>. "
+    assert [call["index"] for call in calls] == [0, 1]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Rome"})]
+
+
+def test_rendering_lists_tools_and_replays_calls_and_results():
+    body = ChatCompletionRequest.model_validate({"tools": [WEATHER], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'}]})
+    messages = render_messages(body.messages, body.tools, "auto")
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert '"name": "get_weather"' in messages[0]["content"] and "<tools>" in messages[0]["content"]
+    assert messages[2]["content"] == \
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert messages[3] == {"role": "tool", "content": '{"temp_c": 3}'}
+    plain = render_messages(body.messages, body.tools, None)  # tool_choice none: no listing
+    assert "<tools>" not in plain[0]["content"]
