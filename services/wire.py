@@ -23,6 +23,7 @@ def params_from_proto(message: common_pb2.SamplingParams,
                             for token, bias in message.logit_bias.items()}
     if message.HasField("allowed_token_ids"):
         values["allowed_token_ids"] = list(message.allowed_token_ids.ids)
+    values["bad_words_token_ids"] = [list(word.ids) for word in message.bad_words_token_ids]
     values.setdefault("max_tokens", default_max_tokens)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -48,6 +49,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     message.logit_bias.update(params.logit_bias)
     if params.allowed_token_ids is not None:
         message.allowed_token_ids.ids.extend(params.allowed_token_ids)
+    message.bad_words_token_ids.extend(common_pb2.TokenIdList(ids=word)
+                                       for word in params.bad_words_token_ids)
     return message
 
 

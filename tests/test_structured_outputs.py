@@ -155,3 +155,26 @@ def test_the_xgrammar_backend_gives_the_same_kinds_of_valid_output(xgrammar_llm)
     with pytest.raises(GrammarError):
         xgrammar_llm.chat(ask("Hi"), constrained(StructuredOutputs("regex", "(ab")),
                           use_tqdm=False)
+
+
+def test_bad_words_ban_a_word_after_its_prefix(llm, tokenizer):
+    question = ask("What is the capital of France? Answer in one sentence.")
+    [plain] = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert "Paris" in plain.outputs[0].text
+    words = [tokenizer.encode(variant, add_special_tokens=False) for variant in ("Paris", " Paris")]
+    [banned] = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=20,
+                                                 bad_words_token_ids=words), use_tqdm=False)
+    output = banned.outputs[0].token_ids
+    for word in words:
+        assert not any(output[i:i + len(word)] == word for i in range(len(output)))
+
+
+def test_bad_word_bans_follow_the_output():
+    from services.engine.request import Request
+    from services.engine.stop_checker import banned_token_ids
+    request = Request("r", [1, 2], SamplingParams(bad_words_token_ids=[[7], [5, 6], [4, 5, 9]]))
+    assert banned_token_ids(request) == [7]
+    request.append_token(5)
+    assert banned_token_ids(request) == [7, 6]
+    request.output_token_ids[:] = [4, 5]
+    assert banned_token_ids(request) == [7, 6, 9]  # [5, 6] too: its prefix 5 ends it

@@ -8,6 +8,8 @@ from services.engine.structured.spec import StructuredOutputs, from_vllm_fields
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI takes 300; vLLM any number
 MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_TOKENS = 64
 # Below this a row is greedy (vLLM's threshold): dividing by a smaller temperature can overflow.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -35,6 +37,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
     allowed_token_ids: list[int] | None = None  # None: every token
+    # vLLM's bad_words as token sequences: the last token of one is banned wherever the
+    # tokens before it end the output so far (a one-token word: always).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,10 +98,19 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids needs 1 to {MAX_ALLOWED_TOKEN_IDS} ids")
             for token_id in self.allowed_token_ids:
                 _check_int("allowed_token_ids[]", token_id, low=0)
+        self.bad_words_token_ids = [list(word) for word in self.bad_words_token_ids or ()]
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words")
+        for word in self.bad_words_token_ids:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad_words: each word is 1 to {MAX_BAD_WORD_TOKENS} tokens")
+            for token_id in word:
+                _check_int("bad_words token id", token_id, low=0)
 
     def token_ids_used(self) -> list[int]:
         """Token ids named by the parameters, for a range check against the vocabulary."""
-        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
+        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ()),
+                *(token for word in self.bad_words_token_ids for token in word)]
 
     @property
     def constrains_tokens(self) -> bool:

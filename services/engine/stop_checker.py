@@ -39,12 +39,22 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
 
 def banned_token_ids(request: Request) -> list[int]:
-    """Tokens that must not be sampled yet: the stop tokens, until min_tokens are out."""
+    """Tokens that must not be sampled next: the stop tokens until min_tokens are out, and the
+    last token of each bad word whose other tokens end the output. (Where a grammar then
+    leaves nothing, the sampler drops the bans: sampler.py.)"""
     params = request.params
-    if request.num_output_tokens >= params.min_tokens:
-        return []
-    # (Under a grammar that allows only the end, the sampler drops this ban: sampler.py.)
-    banned = list(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned.extend(request.eos_token_ids)
+    banned = _bad_word_bans(request.output_token_ids, params.bad_words_token_ids)
+    if request.num_output_tokens < params.min_tokens:
+        banned.extend(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned.extend(request.eos_token_ids)
     return banned
+
+
+def _bad_word_bans(output: list[int], words: list[list[int]]) -> list[int]:
+    bans = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix == 0 or (prefix <= len(output) and output[-prefix:] == word[:-1]):
+            bans.append(word[-1])
+    return bans

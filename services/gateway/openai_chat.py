@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 
 from services.gateway.errors import GatewayError
 from services.gateway.openai_logprobs import chat_logprobs
-from services.gateway.openai_params import chat_params
+from services.gateway.openai_params import chat_params, with_bad_words
 from services.gateway.openai_protocol import ChatCompletionRequest
 from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
                                              collect_choices, served_model, sse, sse_error,
@@ -26,6 +26,7 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     grammar = tool_grammar(body.tools, tools_mode, body.parallel_tool_calls) \
         if tools_mode is not None else None
     params = chat_params(body, grammar)
+    params = await with_bad_words(core, params, body.bad_words, request_id)
     messages = render_messages(body.messages, body.tools, tools_mode)
     prompt = await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
     try:

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse
 
 from services.gateway.errors import GatewayError, invalid
 from services.gateway.openai_logprobs import CompletionLogprobs
-from services.gateway.openai_params import completion_params
+from services.gateway.openai_params import completion_params, with_bad_words
 from services.gateway.openai_protocol import CompletionRequest
 from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
                                              collect_choices, served_model, sse, sse_error,
@@ -22,6 +22,7 @@ async def create_completion(core, http_request: Request, body: CompletionRequest
                             request_id: str):
     model = served_model(core, body.model)
     params = completion_params(body)
+    params = await with_bad_words(core, params, body.bad_words, request_id)
     prompts = await _prompt_token_ids(core, body.prompt, request_id)
     echoes = await _echo_texts(core, body.prompt, prompts, request_id) if body.echo else None
     try:

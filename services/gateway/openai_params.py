@@ -1,6 +1,8 @@
 """OpenAI request fields to the engine's SamplingParams, with OpenAI's meaning of each field."""
 from __future__ import annotations
 
+import dataclasses
+
 from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from services.engine.structured.spec import StructuredOutputs
 from services.gateway.errors import invalid, param_from_value_error
@@ -12,6 +14,24 @@ from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionR
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                 "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                 "skip_special_tokens", "allowed_token_ids")
+
+
+async def with_bad_words(core, params: SamplingParams, words: list[str] | None,
+                         request_id: str) -> SamplingParams:
+    """vLLM's bad_words: each word tokenized as written and after a space (how it appears
+    mid-sentence), every distinct token sequence banned."""
+    if not words:
+        return params
+    sequences = []
+    for word in words:
+        for variant in (word.lstrip(), " " + word.lstrip()):
+            token_ids = await core.upstream.encode(variant, False, request_id)
+            if token_ids and token_ids not in sequences:
+                sequences.append(token_ids)
+    try:
+        return dataclasses.replace(params, bad_words_token_ids=sequences)
+    except ValueError as exc:
+        raise invalid(str(exc), "bad_words") from None
 
 
 def chat_params(request: ChatCompletionRequest,

@@ -205,3 +205,14 @@ def test_the_grpc_client_takes_constraints(pd_stack):
     assert chosen.text in ("cyan", "teal")
     assert as_json.finish_reason == "stop"
     assert json.loads(as_json.text)["n"] in range(100)
+
+
+def test_bad_words_through_the_gateway(pd_client, model_id):
+    question = ask("What is the capital of France? Answer in one sentence.")
+    plain = pd_client.chat.completions.create(model=model_id, messages=question, temperature=0,
+                                              max_tokens=20).choices[0].message.content
+    assert "Paris" in plain
+    banned = pd_client.chat.completions.create(
+        model=model_id, messages=question, temperature=0, max_tokens=20,
+        extra_body={"bad_words": ["Paris"]}).choices[0].message.content
+    assert banned != plain and "Paris" not in banned
