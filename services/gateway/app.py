@@ -11,6 +11,7 @@ from importlib import metadata
 
 from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -39,7 +40,32 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
     _add_generation_routes(app, auth)
     _add_model_routes(app, core, auth)
     _add_probe_routes(app, core)
+    _document_bodies(app)
     return app
+
+
+# Bodies are parsed by _parse (so that no path answers FastAPI's 422): /openapi.json gets each
+# route's body schema from the same pydantic models.
+_BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _document_bodies(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=_version(), routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in _BODIES.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {
+                        "$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _add_generation_routes(app: FastAPI, auth: list) -> None:
