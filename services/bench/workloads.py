@@ -14,7 +14,17 @@ from pathlib import Path
 from services.bench.prompts import chat64, shared_prefix, user_message
 
 DEFAULT_MAX_TOKENS = 128
-WORKLOADS = ("chat-64", "poisson", "shared-prefix", "long+short", "jsonl")
+WORKLOADS = ("chat-64", "chat-64-json", "poisson", "shared-prefix", "long+short", "jsonl")
+# chat-64-json: chat-64 with every request's output held to this schema (structured output's
+# cost at a full batch), on prompts other than chat-64's. The answer string is unbounded, so a request still runs to max_tokens
+# unless the model closes the object first.
+CHAT_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 60},
+                   "keywords": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                "maxItems": 5},
+                   "answer": {"type": "string", "minLength": 2000}},
+    "required": ["title", "keywords", "answer"], "additionalProperties": False}
 LONG_SHORT_DEFAULT_RATE = 4.0  # short requests per second; the long ones arrive among them
 
 
@@ -120,6 +130,13 @@ def build(name: str, seed: int = 0, rate: float | None = None, jsonl: str | None
     limit = max_tokens or DEFAULT_MAX_TOKENS
     if name == "chat-64":
         requests = chat_requests(chat64(seed), limit)
+    elif name == "chat-64-json":
+        # Prompts of their own (same distribution): run after chat-64 on one server, the same
+        # prompts would hit its prefix cache.
+        requests = chat_requests(chat64(seed + 7919), limit)
+        for request in requests:
+            request.extra = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": CHAT_JSON_SCHEMA}}}
     elif name == "poisson":
         if rate is None:
             raise ValueError("the poisson workload needs --rate (or --rates)")

@@ -71,3 +71,23 @@ def test_bad_shapes_are_rejected(ops):
         fused.rope(ops, torch.randn(4, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8))
     with pytest.raises(RuntimeError):  # float32 stays on torch's ops
         fused.silu_and_mul(ops, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 49152])  # 100: a word cut by the vocabulary's end
+def test_token_bitmask_matches_the_torch_unpacking(ops, vocab):
+    from services.engine.structured import bitmask
+    words = (vocab + 31) // 32
+    masks = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32)
+    masks[1] = -1  # everything allowed
+    masks[2, :] = 0
+    masks[2, 0] = 1 << 3  # one token allowed
+    logits = torch.randn(5, vocab)
+    rows = [4, 0, 2]
+    got = logits.clone()
+    ops.apply_token_bitmask(got, masks, torch.tensor(rows))
+    want = logits.clone()
+    want[rows] = want[rows].masked_fill(~bitmask.unpack(masks, vocab), float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.isfinite(got[2]).sum() == 1 and torch.isfinite(got[2, 3])
+    with pytest.raises(RuntimeError):
+        ops.apply_token_bitmask(got, masks, torch.tensor([0, 1, 9]))

@@ -26,9 +26,20 @@ def from_bytes(rows: list[bytes]) -> torch.Tensor:
 
 def apply_(logits: torch.Tensor, row_ids: list[int], bitmask: torch.Tensor) -> None:
     """logits [B, V] float32, edited in place: rows row_ids (one per bitmask row) keep only
-    their allowed tokens, the others become -inf."""
+    their allowed tokens, the others become -inf. On CPU one native pass over the bits
+    (kernels/csrc/cpu_elementwise.cpp) where it is built; else unpacked with torch."""
+    ops = _native_ops() if logits.device.type == "cpu" else None
+    if ops is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        ops.apply_token_bitmask(logits, bitmask.to(torch.int32).contiguous(),
+                                torch.tensor(row_ids, dtype=torch.long))
+        return
     allowed = unpack(bitmask, logits.shape[1])  # [R, V]
     index = torch.tensor(row_ids, device=logits.device)
     rows = logits.index_select(0, index)
     rows.masked_fill_(~allowed.to(logits.device), float("-inf"))
     logits.index_copy_(0, index, rows)
+
+
+def _native_ops():
+    from kernels.native_elementwise import elementwise_ops
+    return elementwise_ops()

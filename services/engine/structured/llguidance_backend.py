@@ -10,7 +10,7 @@ from services.engine.structured.backend import GrammarError
 from services.engine.structured.spec import StructuredOutputs
 
 # Compact JSON: a flexible-whitespace grammar lets a small model emit whitespace until
-# max_tokens runs out (separators stay ", " and ": ", as json.dumps writes them).
+# max_tokens runs out (no space after "," or ":" either).
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
