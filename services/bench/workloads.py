@@ -16,8 +16,9 @@ from services.bench.prompts import chat64, shared_prefix, user_message
 DEFAULT_MAX_TOKENS = 128
 WORKLOADS = ("chat-64", "chat-64-json", "poisson", "shared-prefix", "long+short", "jsonl")
 # chat-64-json: chat-64 with every request's output held to this schema (structured output's
-# cost at a full batch), on prompts other than chat-64's. The answer string is unbounded, so a request still runs to max_tokens
+# cost at a full batch). The answer string is unbounded, so a request still runs to max_tokens
 # unless the model closes the object first.
+JSON_SYSTEM_PROMPT = "You are a helpful assistant. Reply with one JSON object: a title, keywords and the answer."
 CHAT_JSON_SCHEMA = {
     "type": "object",
     "properties": {"title": {"type": "string", "maxLength": 60},
@@ -131,9 +132,12 @@ def build(name: str, seed: int = 0, rate: float | None = None, jsonl: str | None
     if name == "chat-64":
         requests = chat_requests(chat64(seed), limit)
     elif name == "chat-64-json":
-        # Prompts of their own (same distribution): run after chat-64 on one server, the same
-        # prompts would hit its prefix cache.
-        requests = chat_requests(chat64(seed + 7919), limit)
+        # chat-64's prompts behind a system message of their own: as long as with the default
+        # system prompt, but no block in common, so a run after chat-64 on the same server
+        # gets no prefix-cache hits.
+        conversations = [[{"role": "system", "content": JSON_SYSTEM_PROMPT}, *conversation]
+                         for conversation in chat64(seed)]
+        requests = chat_requests(conversations, limit)
         for request in requests:
             request.extra = {"response_format": {"type": "json_schema", "json_schema": {
                 "name": "answer", "schema": CHAT_JSON_SCHEMA}}}
