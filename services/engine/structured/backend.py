@@ -21,6 +21,12 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def check_bitmask_row(row: np.ndarray) -> None:
+    """Backends write through a raw pointer: the row must be exactly what they expect."""
+    if row.dtype != np.int32 or row.ndim != 1 or not row.flags["C_CONTIGUOUS"]:
+        raise ValueError("a bitmask row is 1-D int32 and C-contiguous")
+
+
 def next_token_bitmask(matcher: "GrammarMatcher", vocab_size: int) -> np.ndarray:
     """The tokens the matcher allows next: int32 [bitmask_words(vocab_size)]."""
     row = np.zeros(bitmask_words(vocab_size), dtype=np.int32)

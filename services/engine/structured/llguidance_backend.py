@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from services.engine.structured.backend import GrammarError
+from services.engine.structured.backend import GrammarError, check_bitmask_row
 from services.engine.structured.spec import StructuredOutputs
 
 # Compact JSON: a flexible-whitespace grammar lets a small model emit whitespace until
@@ -22,8 +22,7 @@ class LlguidanceMatcher:
         return bool(self._matcher.consume_token(token_id))
 
     def fill_bitmask(self, row: np.ndarray) -> None:
-        if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"]:
-            raise ValueError("a bitmask row is int32 and C-contiguous")
+        check_bitmask_row(row)
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def rollback(self, num_tokens: int) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.engine.structured.backend import GrammarError
+from services.engine.structured.backend import GrammarError, check_bitmask_row
 from services.engine.structured.spec import StructuredOutputs
 
 
@@ -20,8 +20,7 @@ class XgrammarMatcher:
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         import torch
-        if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"]:
-            raise ValueError("a bitmask row is int32 and C-contiguous")
+        check_bitmask_row(row)
         self._matcher.fill_next_token_bitmask(torch.from_numpy(row)[None], 0)  # writes into row
 
     def rollback(self, num_tokens: int) -> None:
