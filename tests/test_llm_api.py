@@ -191,3 +191,19 @@ def test_n_samples_share_the_prompt_blocks(enable_prefix_caching):
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.scheduler.kv.pool.num_blocks
     outputs = [child.output_token_ids for child in children]
     assert all(len(tokens) == 4 for tokens in outputs) and len(set(map(tuple, outputs))) > 1
+
+
+def test_a_discarded_llm_frees_its_engine():
+    # EngineCore freezes the GC at the end of its construction: a reference cycle through the
+    # engine would keep its weights and KV cache alive for good (tests and notebooks that make
+    # several LLMs run out of memory). Dropping the last reference must free it.
+    import gc
+    import weakref
+
+    from services.engine import LLM
+
+    llm = LLM(dtype="float32", num_kv_blocks=16)
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None

@@ -1,6 +1,7 @@
 """Scheduler + model runner + sampler: one `step()` advances every scheduled request."""
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from dataclasses import dataclass, field
@@ -55,7 +56,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
                                    attention_crossover(self.hf_config))
         self.sampler = Sampler()
-        self.grammars = GrammarCompiler(self._grammar_backend)
+        # A factory of plain values, not a bound method: a cycle through self would outlive
+        # the gc.freeze() below, and with it every tensor of a discarded engine.
+        self.grammars = GrammarCompiler(functools.partial(
+            make_backend, config.structured_outputs_backend, self.model_dir / "tokenizer.json",
+            self.hf_config.vocab_size, _eos_ids(self.hf_config)))
         self.load_info = LoadInfo(str(self.model_dir), time.perf_counter() - started)
         # torch and transformers leave ~200k objects that every full collection rescans
         # (~180 ms each); the step loop allocates enough to trigger one every few dozen steps.
@@ -78,12 +83,7 @@ class EngineCore:
             request.grammar = self.grammars.compile(spec).matcher()  # GrammarError: bad spec
         self.scheduler.add_request(request)
 
-    def _grammar_backend(self):
-        eos = self.hf_config.eos_token_id
-        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
-        return make_backend(self.config.structured_outputs_backend,
-                            self.model_dir / "tokenizer.json", self.hf_config.vocab_size,
-                            eos_ids)
+
 
     def abort(self, request_ids) -> list[Request]:
         return self.scheduler.abort(request_ids)
@@ -137,6 +137,11 @@ class EngineCore:
             updates.append(RequestUpdate(request, new_tokens, new_logprobs,
                                          request.request_id in finished))
         return updates
+
+
+def _eos_ids(hf_config) -> list[int]:
+    eos = hf_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
 
 
 def max_model_len_for(hf_config, requested: int | None) -> int:

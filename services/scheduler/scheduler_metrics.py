@@ -84,6 +84,19 @@ def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
     STEP_TOKENS.observe(plan.output.num_batched_tokens)
 
 
+def refresh_gauges(cluster: ClusterScheduler) -> None:
+    """Every worker's gauges from its state now, not from its last step: blocks freed after a
+    step (a transfer's pages landed, an abort, a worker's death) show, and an idle group reads
+    zero. A worker that left reads zero too, so a dashboard never keeps its last value."""
+    for worker in cluster.registry.workers.values():
+        name, core = worker.worker_id, worker.core
+        live = worker.alive
+        RUNNING.labels(name).set(len(core.running) if live else 0)
+        WAITING.labels(name).set(len(core.waiting) if live else 0)
+        KV_USAGE.labels(name).set(core.kv.usage if live else 0.0)
+    TRANSFERRING.set(cluster.transfers.num_open)
+
+
 def transfer_result(ok: bool) -> None:
     TRANSFERS_DONE.labels(str(ok).lower()).inc()
 

@@ -137,6 +137,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _after_sweep(self) -> None:
         scheduler_metrics.blocks_set_aside(self.cluster)
+        scheduler_metrics.refresh_gauges(self.cluster)
         self.cluster.sink.flush()
 
     async def drain(self) -> None:
