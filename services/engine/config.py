@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar")  # structured/compiler.py builds each
 
 
 @dataclass(slots=True)
@@ -55,8 +56,8 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, "
                              f"got {self.scheduling_policy!r}")
-        if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
-            raise ValueError("structured_outputs_backend must be llguidance or xgrammar, "
+        if self.structured_outputs_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, "
                              f"got {self.structured_outputs_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

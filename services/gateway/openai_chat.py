@@ -32,9 +32,7 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     try:
         group = await core.generate(request_id, [prompt], params, body.priority)
     except GatewayError as error:
-        if grammar is not None and error.param is None and error.kind == "invalid_request":
-            error.param = "tools"  # a tool's parameters schema did not compile
-        raise blame_constraint(error, body) from None
+        raise blame_constraint(error, body, from_tools=grammar is not None) from None
     header = {"id": request_id, "created": int(time.time()), "model": model}
     uses_tools = tools_mode is not None
     if body.stream:

@@ -21,17 +21,20 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputs | None:
 
 def constraint_field(request: SamplingFields) -> str | None:
     """The request field its output constraint came from (for the param of a compile error)."""
-    for name, _ in _candidates(request):
-        if name != "response_format" or request.response_format.type != "text":
-            return name
-    return None
+    if request.response_format is not None and request.response_format.type != "text":
+        return "response_format"
+    if request.structured_outputs is not None:
+        return "structured_outputs"
+    return next((name for name in _GUIDED if getattr(request, name) is not None), None)
 
 
-def blame_constraint(error: GatewayError, request: SamplingFields) -> GatewayError:
-    """The scheduler's compile errors ("invalid json: ...") name the request field at fault."""
+def blame_constraint(error: GatewayError, request: SamplingFields,
+                     from_tools: bool = False) -> GatewayError:
+    """The scheduler's compile errors ("invalid json: ...") name the request field at fault:
+    `tools` where the grammar was built from them (a parameters schema did not compile)."""
     if error.kind == "invalid_request" and error.param is None \
             and error.message.startswith("invalid "):
-        error.param = constraint_field(request)
+        error.param = "tools" if from_tools else constraint_field(request)
     return error
 
 

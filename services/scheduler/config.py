@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.config import EngineConfig
+from services.engine.config import GRAMMAR_BACKENDS, EngineConfig
 
 SHARED_COMPUTE_MODES = ("serialize", "split", "overlap")
 
@@ -35,7 +35,7 @@ class SchedulerConfig:
             raise ValueError(f"shared_compute_steps must be one of {SHARED_COMPUTE_MODES}")
         if self.kv_transport not in ("grpc", "shm"):
             raise ValueError(f"kv_transport must be grpc or shm, got {self.kv_transport!r}")
-        if self.structured_outputs_backend not in ("llguidance", "xgrammar"):
-            raise ValueError("structured_outputs_backend must be llguidance or xgrammar")
+        if self.structured_outputs_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")

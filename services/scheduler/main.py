@@ -10,7 +10,7 @@ from services.common.flags import add_flag
 from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import run_service
-from services.engine.config import EngineConfig
+from services.engine.config import GRAMMAR_BACKENDS, EngineConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--model", default=None,
              help="the workers' model (directory, .gguf or cached HF repo id): structured "
                   "output compiles grammars for its tokenizer (default: SmolLM2-135M)")
-    add_flag(parser, "--structured-outputs-backend", choices=["llguidance", "xgrammar"],
+    add_flag(parser, "--structured-outputs-backend", choices=GRAMMAR_BACKENDS,
              default="llguidance", help="grammar backend for structured output and tools")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
     add_flag(parser, "--log-level", default="info")

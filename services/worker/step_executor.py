@@ -11,6 +11,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import ScheduledRequest
 from services.engine.stop_checker import banned_token_ids
+from services.engine.structured.backend import bitmask_words
 from services.worker.sequences import SequenceTable
 from services.worker.step_threads import StepThreads
 
@@ -88,7 +89,6 @@ def _bitmask_row(packed: bytes | None, vocab_size: int) -> torch.Tensor | None:
     """The scheduler's packed bitmask -> int32 [W]; a wrong size is the scheduler's bug."""
     if not packed:
         return None
-    words = (vocab_size + 31) // 32
-    if len(packed) != 4 * words:
+    if len(packed) != 4 * bitmask_words(vocab_size):
         raise ValueError(f"token bitmask of {len(packed)} bytes for a vocabulary of {vocab_size}")
     return torch.frombuffer(bytearray(packed), dtype=torch.int32)

@@ -16,14 +16,6 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed
 
 
-def from_bytes(rows: list[bytes]) -> torch.Tensor:
-    """Bitmask rows as the wire carries them (little-endian int32) -> int32 [R, W]."""
-    words = len(rows[0]) // 4
-    if any(len(row) != 4 * words for row in rows):
-        raise ValueError("bitmask rows of one step must have one size")
-    return torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.int32).view(len(rows), words)
-
-
 def apply_(logits: torch.Tensor, row_ids: list[int], bitmask: torch.Tensor) -> None:
     """logits [B, V] float32, edited in place: rows row_ids (one per bitmask row) keep only
     their allowed tokens, the others become -inf. On CPU one native pass over the bits
