@@ -102,3 +102,11 @@ def test_groups_have_their_own_scheduler_and_workers_behind_every_gateway():
     ports = [int(flag(s, "--port")) for s in internal] + \
             [int(flag(s, "--metrics-port")) for s in internal]
     assert sorted(ports) == list(range(41000, 41000 + num_internal_ports(args)))
+
+
+def test_structured_output_flags_reach_the_scheduler():
+    specs = {s.name: s for s in plan_stack(parse(
+        "--model", "/models/x", "--structured-outputs-backend", "xgrammar"))}
+    assert flag(specs["scheduler"], "--model") == "/models/x"  # its tokenizer compiles grammars
+    assert flag(specs["scheduler"], "--structured-outputs-backend") == "xgrammar"
+    assert "--structured-outputs-backend" not in specs["decode-0"].argv
