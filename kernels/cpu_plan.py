@@ -3,12 +3,19 @@
 Decode rows (one query token) go to the native kernel as index tensors it reads directly; only
 if that kernel is unavailable does the torch path derive its padded gather groups from them (on
 first use, see cpu_decode_torch.py). Prefill rows (few, long) run one by one through SDPA.
+A sequence with a few query tokens (a speculative step's token and drafts) becomes that many
+decode rows, row j seeing the keys up to its own position: causal, and each token's attention
+computed exactly as a plain decode step would compute it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# Sequences with at most this many query tokens are planned as decode rows (1 + the most
+# speculative drafts, spec/config.py).
+MAX_DECODE_ROWS_PER_SEQ = 17
 
 
 @dataclass(slots=True)
@@ -58,7 +65,7 @@ def plan_cpu_attention(
     query_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     if bool((seq_lens < query_lens).any()):
         raise ValueError("seq_lens must include the new query tokens (seq_len >= query_len)")
-    prefill_seqs = (query_lens > 1).nonzero().squeeze(1).tolist()
+    prefill_seqs = (query_lens > MAX_DECODE_ROWS_PER_SEQ).nonzero().squeeze(1).tolist()
     prefills = [
         _plan_prefill(int(cu_seqlens_q[seq]), int(query_lens[seq]), int(seq_lens[seq]), block_tables[seq], block_size)
         for seq in prefill_seqs
@@ -73,17 +80,34 @@ def _decode_rows(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
 ) -> DecodeRows:
-    is_decode = query_lens == 1
-    if bool(is_decode.all()):  # a pure decode step, the common case: no row selection to copy
+    if bool((query_lens == 1).all()):  # a pure decode step, the common case: no row selection
         token_ids, lens, tables = cu_seqlens_q[:-1], seq_lens, block_tables
     else:
-        seqs = is_decode.nonzero().squeeze(1)
-        token_ids, lens, tables = cu_seqlens_q[seqs], seq_lens[seqs], block_tables[seqs]
+        token_ids, lens, tables = _short_query_rows(query_lens, cu_seqlens_q, seq_lens,
+                                                    block_tables)
     return DecodeRows(
         token_ids=token_ids.long(),
         seq_lens=lens.to(torch.int32).contiguous(),
         block_tables=tables.to(torch.int32).contiguous(),
     )
+
+
+def _short_query_rows(
+    query_lens: torch.Tensor,  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [rows] each, tables [rows, max_blocks]
+    """One decode row per query token of each short sequence: token j of a sequence with q
+    queries and s keys attends to its first s - q + 1 + j keys."""
+    seqs = (query_lens <= MAX_DECODE_ROWS_PER_SEQ).nonzero().squeeze(1)
+    counts = query_lens[seqs].long()  # [n]
+    seq_of_row = seqs.repeat_interleave(counts)  # [rows]
+    first_row = torch.cumsum(counts, 0) - counts  # [n]
+    offset = torch.arange(int(counts.sum())) - first_row.repeat_interleave(counts)  # [rows]
+    token_ids = cu_seqlens_q[seq_of_row].long() + offset
+    lens = seq_lens[seq_of_row].long() - query_lens[seq_of_row].long() + 1 + offset
+    return token_ids, lens, block_tables[seq_of_row]
 
 
 def slot_ids(

@@ -8,7 +8,8 @@ from services.engine.structured.spec import StructuredOutputs
 # proto field -> SamplingParams field, for the `optional` scalars (unset keeps the default)
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
              "repetition_penalty", "logprobs", "skip_special_tokens")
-_PLAIN = ("min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty")
+_PLAIN = ("min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty",
+          "disable_speculation")
 
 
 def params_from_proto(message: common_pb2.SamplingParams,
@@ -39,7 +40,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop=params.stop, ignore_eos=params.ignore_eos,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
-        skip_special_tokens=params.skip_special_tokens)
+        skip_special_tokens=params.skip_special_tokens,
+        disable_speculation=params.disable_speculation)
     for name in ("seed", "max_tokens", "logprobs"):
         value = getattr(params, name)
         if value is not None:

@@ -165,7 +165,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(eos_row=st.integers(0, 5))
     def step(self, eos_row):
         output = self.scheduler.schedule()
-        sampled = {item.request.request_id: (2 if row == eos_row else 3)
+        sampled = {item.request.request_id: [2 if row == eos_row else 3]
                    for row, item in enumerate(output.scheduled) if item.samples}
         for request in output.scheduled:
             request.request.eos_token_ids = frozenset({2})

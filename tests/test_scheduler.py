@@ -27,7 +27,7 @@ def _run(scheduler: Scheduler, token=3, max_steps=1000) -> list[Request]:
             return finished
         output = scheduler.schedule()
         assert output.num_batched_tokens <= scheduler.config.max_num_batched_tokens
-        sampled = {item.request.request_id: token for item in output.scheduled if item.samples}
+        sampled = {item.request.request_id: [token] for item in output.scheduled if item.samples}
         finished += scheduler.update_from_output(output, sampled)
     raise AssertionError("scheduler did not drain")
 
@@ -40,7 +40,7 @@ def test_token_budget_chunks_a_long_prompt():
     for _ in range(3):
         output = scheduler.schedule()
         sizes.append(output.scheduled[0].num_new_tokens)
-        scheduler.update_from_output(output, {"a": 3} if output.scheduled[0].samples else {})
+        scheduler.update_from_output(output, {"a": [3]} if output.scheduled[0].samples else {})
     assert sizes == [8, 8, 4] and request.num_output_tokens == 1
 
 
@@ -48,7 +48,7 @@ def test_long_prefill_threshold_lets_decodes_through():
     scheduler = _scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=4)
     short = _request("short", 3, max_tokens=5)
     scheduler.add_request(short)
-    scheduler.update_from_output(scheduler.schedule(), {"short": 3})
+    scheduler.update_from_output(scheduler.schedule(), {"short": [3]})
     scheduler.add_request(_request("long", 40, max_tokens=1))
     output = scheduler.schedule()
     assert {i.request.request_id: i.num_new_tokens for i in output.scheduled} == \
@@ -68,7 +68,7 @@ def test_a_long_prompt_takes_the_whole_budget_while_nothing_decodes():
 def test_one_long_prompt_advances_per_step_while_sequences_decode():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
     scheduler.add_request(_request("short", 3, max_tokens=20))
-    scheduler.update_from_output(scheduler.schedule(), {"short": 3})
+    scheduler.update_from_output(scheduler.schedule(), {"short": [3]})
     for index, name in enumerate(("long-a", "long-b", "tiny")):
         scheduler.add_request(_request(name, 5 if name == "tiny" else 40, max_tokens=1,
                                        arrival=float(index + 1)))
@@ -76,7 +76,7 @@ def test_one_long_prompt_advances_per_step_while_sequences_decode():
     # long-b may not start while long-a holds the one long slot; tiny, behind it, goes now.
     assert set(_sizes(output)) == {"short", "long-a", "tiny"}
     assert _sizes(output)["long-a"] == 8 and _sizes(output)["short"] == 1
-    scheduler.update_from_output(output, {"short": 3, "tiny": 3})
+    scheduler.update_from_output(output, {"short": [3], "tiny": [3]})
     assert _sizes(scheduler.schedule()) == {"short": 1, "long-a": 8}
     assert [request.request_id for request in [scheduler.waiting.peek()]] == ["long-b"]
 
@@ -122,7 +122,7 @@ def test_latest_arrival_is_preempted_first_under_fcfs():
         if output.preempted:
             assert output.preempted == [late]
             return
-        scheduler.update_from_output(output, {i.request.request_id: 3 for i in output.scheduled})
+        scheduler.update_from_output(output, {i.request.request_id: [3] for i in output.scheduled})
     raise AssertionError("no preemption happened")
 
 
@@ -143,7 +143,7 @@ def test_stop_conditions():
     for request in (eos, ignore, stop_id, min_tok):
         scheduler.add_request(request)
     output = scheduler.schedule()
-    scheduler.update_from_output(output, {"eos": EOS, "ignore": EOS, "stop_id": 3, "min": 3})
+    scheduler.update_from_output(output, {"eos": [EOS], "ignore": [EOS], "stop_id": [3], "min": [3]})
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_token_id == EOS
     assert stop_id.status == RequestStatus.FINISHED_STOPPED and stop_id.stop_token_id == 3
     assert ignore.status == RequestStatus.RUNNING
@@ -170,7 +170,7 @@ def test_abort_frees_blocks_in_every_state():
         scheduler.add_request(request)
     for _ in range(2):
         output = scheduler.schedule()
-        scheduler.update_from_output(output, {i.request.request_id: 3
+        scheduler.update_from_output(output, {i.request.request_id: [3]
                                               for i in output.scheduled if i.samples})
     assert chunking.num_computed_tokens > 0 and not chunking.output_token_ids
     scheduler.abort(["running", "chunking", "waiting"])
@@ -191,7 +191,7 @@ def test_prefix_cache_stats_count_each_admission_once():
                                       eos_token_ids=frozenset({EOS})))
     first_step = scheduler.schedule()
     assert [item.request.request_id for item in first_step.scheduled] == ["first"]
-    scheduler.update_from_output(first_step, {"first": 3})
+    scheduler.update_from_output(first_step, {"first": [3]})
     _run(scheduler)
     assert scheduler.kv.stats.queries == 40
     assert scheduler.kv.stats.hits == 12
@@ -201,7 +201,7 @@ def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
                            long_prefill_chunk_size=8)
     scheduler.add_request(_request("decoding", 3, max_tokens=20))
-    scheduler.update_from_output(scheduler.schedule(), {"decoding": 3})
+    scheduler.update_from_output(scheduler.schedule(), {"decoding": [3]})
     scheduler.add_request(_request("long", 40, max_tokens=1, arrival=1.0))
     scheduler.add_request(_request("short", 13, max_tokens=1, arrival=2.0))
     sizes = []
@@ -209,7 +209,7 @@ def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
         output = scheduler.schedule()
         sizes.append({i.request.request_id: i.num_new_tokens for i in output.scheduled
                       if i.request.request_id != "decoding"})
-        scheduler.update_from_output(output, {i.request.request_id: 3
+        scheduler.update_from_output(output, {i.request.request_id: [3]
                                               for i in output.scheduled if i.samples})
     # The short prompt (13 <= 16) goes whole; the long one in chunks of 8 to its end, even
     # once fewer than the threshold are left.
@@ -221,13 +221,13 @@ def test_a_new_short_prompt_goes_first_and_the_long_chunk_shrinks_by_it():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
                            long_prefill_chunk_size=12)
     scheduler.add_request(_request("decoding", 3, max_tokens=20))
-    scheduler.update_from_output(scheduler.schedule(), {"decoding": 3})
+    scheduler.update_from_output(scheduler.schedule(), {"decoding": [3]})
     long_request = Request("long", list(range(100, 140)), SamplingParams(max_tokens=1),
                            eos_token_ids=frozenset({EOS}), arrival_time=1.0)
     scheduler.add_request(long_request)
     output = scheduler.schedule()
     assert _sizes(output)["long"] == 12
-    scheduler.update_from_output(output, {"decoding": 3})
+    scheduler.update_from_output(output, {"decoding": [3]})
     short = Request("short", list(range(200, 210)), SamplingParams(max_tokens=1),
                     eos_token_ids=frozenset({EOS}), arrival_time=2.0)
     scheduler.add_request(short)

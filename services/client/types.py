@@ -31,6 +31,7 @@ class SamplingOptions(TypedDict, total=False):
     structured_outputs: dict
     logit_bias: dict[int, float]  # token id -> bias in [-100, 100]
     allowed_token_ids: list[int]
+    disable_speculation: bool  # plain decoding where the server speculates
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from services.engine.spec.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
@@ -35,6 +37,9 @@ class EngineConfig:
     int4_max_tokens: int = 4
     seed: int = 0  # for unseeded sampling
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (structured/compiler.py)
+    # Speculative decoding (spec/config.py): a SpeculativeConfig, or its dict or JSON text as
+    # vLLM's --speculative-config takes it. None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,6 +64,7 @@ class EngineConfig:
         if self.structured_outputs_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, "
                              f"got {self.structured_outputs_backend!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -15,10 +15,11 @@ from services.engine.model_loader import check_architecture, resolve_model_dir
 from services.engine.model_runner import ModelRunner
 from services.engine.prefill_chunks import attention_crossover
 from services.engine.request import Request
-from services.engine.sampler import Sampler, SamplingRow
+from services.engine.sampler import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.stop_checker import banned_token_ids
-from services.engine.structured.backend import next_token_bitmask
+from services.engine.spec.drafter import Drafter
+from services.engine.spec.verify import EmittedRun, sample_items
+from services.engine.structured.backend import step_bitmasks
 from services.engine.structured.compiler import GrammarCompiler, make_backend
 
 
@@ -53,8 +54,10 @@ class EngineCore:
                                   config.block_size, config.num_kv_blocks, config.kv_cache_memory,
                                   int4_max_tokens=config.int4_max_tokens)
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
+        drafter = None if config.speculative_config is None else \
+            Drafter(config.speculative_config)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
-                                   attention_crossover(self.hf_config))
+                                   attention_crossover(self.hf_config), drafter)
         self.sampler = Sampler()
         # A factory of plain values, not a bound method: a cycle through self would outlive
         # the gc.freeze() below, and with it every tensor of a discarded engine.
@@ -96,34 +99,28 @@ class EngineCore:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        sampled, logprobs = self._run(output)
+        runs = self._run(output)
         num_before = {item.request.request_id: item.request.num_output_tokens
                       for item in output.scheduled}
+        sampled = {request_id: run.token_ids for request_id, run in runs.items()}
         finished = {req.request_id for req in
                     self.scheduler.update_from_output(output, sampled)}
-        return self._updates(output, num_before, logprobs, finished)
+        return self._updates(output, num_before, runs, finished)
 
-    def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, dict]]:
+    def _run(self, output: SchedulerOutput) -> dict[str, EmittedRun]:
         step = self.runner.prepare(output.scheduled)
-        if not step.sample_rows:
-            self.runner.execute(step)
-            return {}, {}
         logits = self.runner.execute(step)  # [S, vocab]
-        requests = [output.scheduled[row].request for row in step.sample_rows]
+        if not step.sample_rows:
+            return {}
+        items = [output.scheduled[row] for row in dict.fromkeys(step.sample_rows)]
         vocab_size = self.hf_config.vocab_size
-        rows = [SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
-                            output_token_ids=req.output_token_ids, generator=req.generator,
-                            banned_token_ids=banned_token_ids(req),
-                            token_bitmask=None if req.grammar is None else torch.from_numpy(
-                                next_token_bitmask(req.grammar, vocab_size)))
-                for req in requests]
-        result = self.sampler(logits, rows)
-        sampled = {req.request_id: token for req, token in zip(requests, result.token_ids)}
-        logprobs = {req.request_id: (lp, rank) for req, lp, rank
-                    in zip(requests, result.logprobs, result.ranks) if lp is not None}
-        return sampled, logprobs
+        bitmasks = [None if item.request.grammar is None else torch.from_numpy(
+            step_bitmasks(item.request.grammar, item.draft_token_ids, vocab_size))
+            for item in items]
+        runs = sample_items(self.sampler, logits, items, bitmasks)
+        return {item.request.request_id: run for item, run in zip(items, runs)}
 
-    def _updates(self, output, num_before, logprobs, finished) -> list[RequestUpdate]:
+    def _updates(self, output, num_before, runs, finished) -> list[RequestUpdate]:
         updates = []
         for item in output.scheduled:
             request = item.request
@@ -131,12 +128,19 @@ class EngineCore:
             if not new_tokens and request.request_id not in finished:
                 continue
             new_logprobs = []
-            if request.request_id in logprobs and new_tokens:
-                request.output_logprobs.append(logprobs[request.request_id])
-                new_logprobs = [logprobs[request.request_id]]
+            run = runs.get(request.request_id)
+            if run is not None and new_tokens and run.logprobs[0] is not None:
+                # a stop inside an accepted run keeps only the tokens before it
+                new_logprobs = list(zip(run.logprobs, run.ranks))[:len(new_tokens)]
+                request.output_logprobs.extend(new_logprobs)
             updates.append(RequestUpdate(request, new_tokens, new_logprobs,
                                          request.request_id in finished))
         return updates
+
+    @property
+    def spec_decode_stats(self):
+        drafter = self.scheduler.drafter
+        return None if drafter is None else drafter.stats
 
 
 def _eos_ids(hf_config) -> list[int]:

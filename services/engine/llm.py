@@ -172,12 +172,18 @@ class _Tracker:
         """Return True when this update finished the sequence."""
         request = update.request
         if not update.finished and request.params.stop:
-            stop = self._find_stop_string(request, update.new_token_ids, tokenizer)
-            if stop is not None:
+            # Token by token: a speculative step emits several, and the output ends with the
+            # one that completes the stop string.
+            for count, token_id in enumerate(update.new_token_ids, start=1):
+                stop = self._find_stop_string(request, [token_id], tokenizer)
+                if stop is None:
+                    continue
                 engine.abort([request.request_id])
+                _drop_tokens_after(request, len(update.new_token_ids) - count)
                 request.status = RequestStatus.FINISHED_STOPPED
                 self.stop_strings[request.request_id] = stop
                 update.finished = True
+                break
         if update.finished:
             self.num_finished += 1
         return update.finished
@@ -217,6 +223,14 @@ class _Tracker:
                         in zip(request.output_logprobs, request.output_token_ids)]
         return CompletionOutput(index, text, list(request.output_token_ids),
                                 request.finish_reason, stop_reason, logprobs)
+
+
+def _drop_tokens_after(request: Request, num_extra: int) -> None:
+    """A finished request keeps no token past the one that ended it."""
+    if num_extra:
+        del request.output_token_ids[-num_extra:]
+        del request.all_token_ids[-num_extra:]
+        del request.output_logprobs[len(request.output_token_ids):]
 
 
 def _logprob_entry(entry: dict[int, float], rank: int, sampled: int,

@@ -26,8 +26,9 @@ class StepInput:
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
-    logits_indices: torch.Tensor  # [S] int64, last token of each sampling sequence
-    sample_rows: list[int]  # [S] index into the scheduled list
+    # [S] int64: the last token of each sampling sequence; a speculative one's drafts too
+    logits_indices: torch.Tensor
+    sample_rows: list[int]  # [S] index into the scheduled list (repeated for drafts)
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -114,15 +115,17 @@ class ModelRunner:
             block_ids = np.asarray(item.block_ids, dtype=np.int64)
             block_tables[row, :len(block_ids)] = block_ids
             positions = np.arange(start, end, dtype=np.int64)
-            token_chunks.append(request.all_token_ids[start:end])
+            token_chunks.append(request.all_token_ids[start:end] + item.draft_token_ids)
             position_chunks.append(positions)
             slot_chunks.append(block_ids[positions // self.block_size] * self.block_size
                                + positions % self.block_size)
             cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
             seq_lens.append(end)
             if item.samples:
-                logits_indices.append(cu_seqlens[-1] - 1)
-                sample_rows.append(row)
+                # a speculative item samples after its last token and after every draft
+                num_sampled = 1 + len(item.draft_token_ids)
+                logits_indices.extend(range(cu_seqlens[-1] - num_sampled, cu_seqlens[-1]))
+                sample_rows.extend([row] * num_sampled)
         return self._to_step_input(token_chunks, position_chunks, slot_chunks, cu_seqlens,
                                    seq_lens, block_tables, logits_indices, sample_rows)
 

@@ -10,6 +10,7 @@ from services.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:  # only an annotation: the scheduler process imports this and never needs torch
     import torch
 
+    from services.engine.spec.state import DraftState
     from services.engine.structured.backend import GrammarMatcher
 
 
@@ -57,6 +58,9 @@ class Request:
         # the scheduler. A copy of the request for another worker (PD) shares it: one sample,
         # one matcher, wherever the sample runs.
         self.grammar: GrammarMatcher | None = None
+        # Under speculative decoding: the proposer's index over this sample's tokens and its
+        # recent acceptance (spec/state.py); like the tokens, it survives preemption.
+        self.draft_state: DraftState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,8 @@ draw. Logprobs come from the raw logits (vLLM's default).
 Random rows draw by inverse CDF with one uniform per row: the cumulative sum runs along each
 row alone, so a seeded row's token depends only on its own logits and its own generator, which
 advances by exactly one draw per step whatever else is in the batch. On CPU this is far cheaper
-than an exponential race, which needs V random numbers per row.
+than an exponential race, which needs V random numbers per row. A row that verifies a
+speculative draft spends its uniform on the rejection rule instead (spec/rejection.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from services.engine.sampling_draw import (NUM_NUCLEUS_CANDIDATES, sample_from_p
 from services.engine.sampling_ops import (add_logit_bias_, apply_penalties_, ban_tokens_,
                                           keep_only_, top_logprobs)
 from services.engine.sampling_params import SamplingParams
+from services.engine.spec.rejection import rejection_sample_any
 from services.engine.structured import bitmask as token_bitmask
 
 _MASK64 = (1 << 64) - 1
@@ -35,11 +37,14 @@ class SamplingRow:
     banned_token_ids: list[int]  # their logits become -inf (e.g. EOS before min_tokens)
     # The grammar's allowed tokens this step: int32 [ceil(V / 32)] (structured/backend.py).
     token_bitmask: torch.Tensor | None = None
+    # Speculative verification: the draft token this row's sample accepts or refuses
+    # (spec/rejection.py); None: an ordinary draw.
+    draft_token_id: int | None = None
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    token_ids: list[int]  # [B]
+    token_ids: list[int]  # [B]; a row with a draft: the draft iff it was accepted
     logprobs: list[dict[int, float] | None]  # sampled token first, then the top params.logprobs
     ranks: list[int | None]  # 1 + tokens strictly more likely than the sampled one
 
@@ -84,6 +89,7 @@ class Sampler:
         with_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         edited = banned or penalized or constrained
+        # (A greedy row's draft needs nothing: it is accepted iff it is the argmax.)
         if len(greedy) == num_rows and not (edited or with_logprobs):
             return SamplerOutput(logits.float().max(-1).indices.tolist(),
                                  [None] * num_rows, [None] * num_rows)
@@ -172,7 +178,13 @@ class Sampler:
                 num_candidates=self.num_nucleus_candidates)
             dropped = self._buffer("dropped", len(row_ids), work, torch.bool)
             probs.masked_fill_(torch.lt(probs, cutoff[:, None], out=dropped), 0.0)
-        return sample_from_probs(probs, _uniforms([rows[i] for i in row_ids]).to(device))
+        uniforms = _uniforms([rows[i] for i in row_ids]).to(device)
+        drafts = [rows[i].draft_token_id for i in row_ids]
+        if any(draft is not None for draft in drafts):
+            draft_ids = torch.tensor([-1 if draft is None else draft for draft in drafts],
+                                     dtype=torch.long, device=device)
+            return rejection_sample_any(probs, draft_ids, uniforms)
+        return sample_from_probs(probs, uniforms)
 
     def _buffer(self, name: str, num_rows: int, like: torch.Tensor,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:

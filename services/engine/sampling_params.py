@@ -40,6 +40,9 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: the last token of one is banned wherever the
     # tokens before it end the output so far (a one-token word: always).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Opt out of speculative decoding where the server has it on (outputs are the same; a
+    # request may want the steadier per-token latency of plain decoding).
+    disable_speculation: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -13,6 +13,7 @@ from services.engine.block_pool import KVBlock
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.prefill_chunks import long_prefill_chunk
 from services.engine.request import Request, RequestStatus
+from services.engine.spec.drafter import Drafter
 from services.engine.stop_checker import advance_grammar, check_stop
 from services.engine.waiting_queue import WaitingQueue
 
@@ -20,13 +21,17 @@ from services.engine.waiting_queue import WaitingQueue
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the draft tokens included
     block_ids: list[int]
+    # Speculative decoding: tokens proposed to follow the request's last one, computed in
+    # this step after it and verified by sampling at every position (spec/verify.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the known tokens, so this step samples the next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens
+                == self.request.num_tokens + len(self.draft_token_ids))
 
 
 @dataclass(slots=True)
@@ -51,7 +56,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 attention_crossover: int = 0) -> None:
+                 attention_crossover: int = 0, drafter: Drafter | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         # The model's context length at which attention costs as much as the weight matmuls
@@ -62,6 +67,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # Speculative decoding: proposes drafts for decoding sequences (None: off).
+        self.drafter = drafter
         self.reserved: set[str] = set()  # decode-side requests waiting for their KV pages
         # This step's long-prompt chunking (see EngineConfig.long_prefill_token_threshold):
         # the threshold (0: off) and how many long prompts may still advance.
@@ -153,6 +160,13 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            drafts = self._drafts(request, budget) if num_new == 1 else []
+            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+                # (Drafts that fit only by preempting someone are not worth it: none then.)
+                output.scheduled.append(self._scheduled(request, 1 + len(drafts), drafts))
+                budget -= 1 + len(drafts)
+                index += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # tail: not yet scheduled in this step
                 self._preempt(victim)
@@ -210,8 +224,17 @@ class Scheduler:
             budget -= num_new
             self._step_prefill += num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id))
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        if self.drafter is None:
+            return []
+        # The drafts' KV positions and the tokens they may add stay inside the context.
+        room = min(budget - 1, self.max_model_len - request.num_tokens - 1)
+        return self.drafter.drafts(request, len(self.running), room)
+
+    def _scheduled(self, request: Request, num_new: int,
+                   drafts: list[int] | None = None) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id),
+                                drafts or [])
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -269,23 +292,41 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, finish what must stop; return finished ones."""
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish what must stop; return finished ones.
+        sampled: per request, the tokens the step emitted (a verified speculative step: its
+        accepted drafts, then the token sampled after them)."""
         finished = []
         for item in output.scheduled:
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_new_tokens
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
+            token_ids = sampled.get(request.request_id)
+            if not token_ids:
                 continue
-            request.append_token(token_id)
-            status = advance_grammar(request) or check_stop(request, self.max_model_len)
+            if item.draft_token_ids:
+                self._verified(request, item, len(token_ids) - 1)
+            status = self._append(request, token_ids)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    def _verified(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:
+        """The KV of rejected drafts is garbage: progress goes back to the last accepted one
+        (their slots stay allocated and are overwritten by the next step)."""
+        request.num_computed_tokens -= len(item.draft_token_ids) - num_accepted
+        self.drafter.record(request, len(item.draft_token_ids), num_accepted)
+
+    def _append(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """One token at a time, so a stop inside an accepted run drops what follows it."""
+        for token_id in token_ids:
+            request.append_token(token_id)
+            status = advance_grammar(request) or check_stop(request, self.max_model_len)
+            if status is not None:
+                return status
+        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
@@ -296,5 +337,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.grammar = None  # the matcher's memory goes with the sequence
+        if self.drafter is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.drafter.on_finished(request)
+        request.draft_state = None
         self.kv.forget(request)
         del self.requests[request.request_id]

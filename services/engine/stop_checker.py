@@ -38,13 +38,17 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     return None
 
 
-def banned_token_ids(request: Request) -> list[int]:
-    """Tokens that must not be sampled next: the stop tokens until min_tokens are out, and the
-    last token of each bad word whose other tokens end the output. (Where a grammar then
-    leaves nothing, the sampler drops the bans: sampler.py.)"""
+def banned_token_ids(request: Request, drafts: list[int] = ()) -> list[int]:
+    """Tokens that must not be sampled next (after `drafts`, where a speculative step verifies
+    them): the stop tokens until min_tokens are out, and the last token of each bad word whose
+    other tokens end the output. (Where a grammar then leaves nothing, the sampler drops the
+    bans: sampler.py.)"""
     params = request.params
-    banned = _bad_word_bans(request.output_token_ids, params.bad_words_token_ids)
-    if request.num_output_tokens < params.min_tokens:
+    output = request.output_token_ids
+    if drafts and params.bad_words_token_ids:
+        output = output + list(drafts)
+    banned = _bad_word_bans(output, params.bad_words_token_ids)
+    if request.num_output_tokens + len(drafts) < params.min_tokens:
         banned.extend(params.stop_token_ids)
         if not params.ignore_eos:
             banned.extend(request.eos_token_ids)

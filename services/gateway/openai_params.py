@@ -13,7 +13,7 @@ from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionR
 # Request fields passed through as they are unless null (null means the engine's default).
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                 "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                "skip_special_tokens", "allowed_token_ids")
+                "skip_special_tokens", "allowed_token_ids", "disable_speculation")
 
 
 async def with_bad_words(core, params: SamplingParams, words: list[str] | None,

@@ -61,6 +61,8 @@ class SamplingFields(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    # kvrelay's: plain decoding for this request where the server speculates
+    disable_speculation: bool = False
     min_tokens: Count = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -26,6 +26,26 @@ def token_delta(sample: SampleRecord, request: Request, num_new: int,
         stop_token_id=request.stop_token_id if finished else None)
 
 
+def token_deltas(sample: SampleRecord, request: Request, num_new: int,
+                 logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
+    """The step's new tokens as deltas: one, or one per token for a sample with stop strings,
+    so that its gateway, which matches them on text, ends it at the token that completes one
+    (a speculative step emits several tokens) and counts and returns nothing past it."""
+    whole = token_delta(sample, request, num_new, logprobs)
+    if num_new == 1 or not sample.parent.params.stop:
+        return [whole]
+    deltas = []
+    for position, token_id in enumerate(whole.new_token_ids):
+        last = position == num_new - 1
+        deltas.append(Delta(
+            request_id=whole.request_id, index=whole.index, new_token_ids=(token_id,),
+            logprobs=logprobs[position:position + 1],
+            num_cached_prompt_tokens=whole.num_cached_prompt_tokens if position == 0 else 0,
+            finish_reason=whole.finish_reason if last else None,
+            stop_token_id=whole.stop_token_id if last else None))
+    return deltas
+
+
 def finish_delta(sample: SampleRecord, reason: FinishReason, error: str = "") -> Delta:
     return Delta(request_id=sample.parent.request_id, index=sample.index,
                  finish_reason=reason, error=error)

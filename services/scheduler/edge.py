@@ -46,7 +46,8 @@ def step_to_proto(order: StepOrder) -> worker_pb2.StepRequest:
         scheduled=[worker_pb2.ScheduledSequence(seq_id=item.seq_id,
                                                 num_new_tokens=item.num_new_tokens,
                                                 new_block_ids=item.new_block_ids,
-                                                token_bitmask=item.token_bitmask)
+                                                token_bitmask=item.token_bitmask,
+                                                draft_token_ids=item.draft_token_ids)
                    for item in order.scheduled],
         finished_seq_ids=order.finished_seq_ids,
         kv_sends=[send_order_to_proto(send) for send in order.kv_sends],
@@ -72,8 +73,8 @@ def send_order_to_proto(order: SendOrder) -> worker_pb2.KvSendOrder:
 
 def outcome_from_proto(message: worker_pb2.StepResult) -> StepOutcome:
     return StepOutcome(step_id=message.step_id, sampled=tuple(
-        Sampled(token.seq_id, token.token_id,
-                _logprob_from_proto(token.logprob) if token.HasField("logprob") else None)
+        Sampled(token.seq_id, tuple(token.token_ids),
+                tuple(_logprob_from_proto(entry) for entry in token.logprobs))
         for token in message.sampled))
 
 

@@ -11,6 +11,7 @@ from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import run_service
 from services.engine.config import GRAMMAR_BACKENDS, EngineConfig
+from services.engine.spec.config import SpeculativeConfig
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
@@ -63,8 +64,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "output compiles grammars for its tokenizer (default: SmolLM2-135M)")
     add_flag(parser, "--structured-outputs-backend", choices=GRAMMAR_BACKENDS,
              default="llguidance", help="grammar backend for structured output and tools")
+    add_flag(parser, "--speculative-config", type=_speculative_config, default=None,
+             help="speculative decoding on the decode workers, as vLLM takes it: JSON such as "
+                  "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                  "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or method "
+                  "\"suffix\"; also disable_by_batch_size (default 8) and the suffix_decoding_* "
+                  "keys (default: off)")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
     add_flag(parser, "--log-level", default="info")
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +93,8 @@ async def serve(args: argparse.Namespace) -> None:
                           long_prefill_chunk_size=args.long_prefill_chunk_size,
                           max_long_partial_prefills=args.max_long_partial_prefills,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          scheduling_policy=args.scheduling_policy)
+                          scheduling_policy=args.scheduling_policy,
+                          speculative_config=args.speculative_config)
     config = SchedulerConfig(
         engine=engine, lease_s=args.lease_ms / 1000,
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens or None,

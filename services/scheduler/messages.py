@@ -89,7 +89,8 @@ class ScheduledSequence:
     new_block_ids: tuple[int, ...]
     # In a step that samples a constrained sequence: its grammar's allowed tokens, packed as
     # little-endian int32 words (engine/structured/backend.py). Empty: unconstrained.
-    token_bitmask: bytes = b""
+    token_bitmask: bytes = b""  # with drafts: one mask per sampled position, concatenated
+    draft_token_ids: tuple[int, ...] = ()  # speculative decoding: to verify after the last
 
 
 @dataclass(slots=True)
@@ -114,9 +115,10 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
+    """A step's tokens for one sequence: one, or its accepted drafts and the one after."""
     seq_id: str
-    token_id: int
-    logprob: TokenLogprob | None = None
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token where the request asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from services.engine.scheduler import Scheduler
+from services.engine.spec.drafter import Drafter
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.messages import BOTH, DECODE, PREFILL, Role, WorkerInfo
 
@@ -41,6 +42,10 @@ class WorkerRegistry:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.workers: dict[str, WorkerRecord] = {}
+        # Speculative decoding on the workers that decode: one drafter for all of them, so the
+        # suffix proposer's global tree learns from every worker's outputs.
+        spec_config = config.engine.speculative_config
+        self.drafter = None if spec_config is None else Drafter(spec_config)
 
     def register(self, info: WorkerInfo) -> WorkerRecord | None:
         """Adds the worker; returns the live record it replaces, if any (the caller ends what
@@ -51,7 +56,8 @@ class WorkerRegistry:
                                  f"{info.block_size}) does not match {other.worker_id}")
         replaced = self.workers.get(info.worker_id)
         core = Scheduler(self._engine_config(info), info.num_blocks, info.max_model_len,
-                         info.attention_crossover)
+                         info.attention_crossover,
+                         None if info.role is PREFILL else self.drafter)
         self.workers[info.worker_id] = WorkerRecord(info, core,
                                                     time.monotonic() + self.config.lease_s)
         return replaced if replaced is not None and replaced.alive else None

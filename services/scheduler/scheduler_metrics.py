@@ -35,6 +35,14 @@ SET_ASIDE_BLOCKS = metrics.gauge(
 STEPS = metrics.counter("worker_steps", "Steps run per worker", ("worker",))
 SPLIT_STEPS = metrics.counter("worker_split_steps", "Steps run on a share of the cores, beside "
                               "another worker's (--shared-compute-steps split)", ("worker",))
+# Speculative decoding (vLLM's names): a draft is one sequence's proposal for one step.
+SPEC_DRAFTS = metrics.counter("spec_decode_num_drafts", "Speculative drafts verified")
+SPEC_DRAFT_TOKENS = metrics.counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+SPEC_ACCEPTED_TOKENS = metrics.counter("spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted")
+SPEC_ACCEPTED_PER_POS = metrics.counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position",
+                                        ("position",))
 # The engine cores keep running totals; the counters advance by the change since last time.
 _last_totals: dict[tuple[str, str], int] = {}
 
@@ -81,6 +89,7 @@ def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
             QUEUE_TIME.observe(now - sample.parent.arrival)
     PROMPT_TOKENS.inc(num_prompt)
     GENERATION_TOKENS.inc(num_sampled)
+    _advance_spec(cluster.registry.drafter)
     STEP_TOKENS.observe(plan.output.num_batched_tokens)
 
 
@@ -107,3 +116,14 @@ def blocks_set_aside(cluster: ClusterScheduler) -> None:
         held[entry.worker.worker_id] = held.get(entry.worker.worker_id, 0) + len(entry.blocks)
     for worker_id, num_blocks in held.items():
         SET_ASIDE_BLOCKS.labels(worker_id).set(num_blocks)
+
+
+def _advance_spec(drafter) -> None:
+    if drafter is None:
+        return
+    stats = drafter.stats
+    _advance_total(SPEC_DRAFTS, "spec_drafts", stats.num_drafts)
+    _advance_total(SPEC_DRAFT_TOKENS, "spec_draft_tokens", stats.num_draft_tokens)
+    _advance_total(SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens", stats.num_accepted_tokens)
+    for position, total in enumerate(stats.accepted_per_pos):
+        _advance(SPEC_ACCEPTED_PER_POS, str(position), "spec_accepted_per_pos", total)

@@ -7,9 +7,9 @@ import itertools
 from dataclasses import dataclass
 
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
-from services.engine.structured.backend import next_token_bitmask
+from services.engine.structured.backend import step_bitmasks
 from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.deltas import token_delta
+from services.scheduler.deltas import token_deltas
 from services.scheduler.messages import (PREFILL, NewSequence, ScheduledSequence, StepOrder,
                                          StepOutcome)
 from services.scheduler.records import Phase
@@ -62,9 +62,11 @@ def _add_item(cluster: ClusterScheduler, worker: WorkerRecord, order: StepOrder,
         known = len(item.block_ids)
     bitmask = b""
     if item.samples and request.grammar is not None:  # the matcher's state after its last token
-        bitmask = next_token_bitmask(request.grammar, worker.info.vocab_size).tobytes()
+        bitmask = step_bitmasks(request.grammar, item.draft_token_ids,
+                                worker.info.vocab_size).tobytes()
     order.scheduled.append(ScheduledSequence(seq_id, item.num_new_tokens,
-                                             tuple(item.block_ids[known:]), bitmask))
+                                             tuple(item.block_ids[known:]), bitmask,
+                                             tuple(item.draft_token_ids)))
     worker.known_blocks[seq_id] = len(item.block_ids)
     if worker.role is PREFILL and item.samples:
         return cluster.reserve_decode(cluster.samples[seq_id], during_step=True)
@@ -74,16 +76,24 @@ def _add_item(cluster: ClusterScheduler, worker: WorkerRecord, order: StepOrder,
 def apply_result(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
                  outcome: StepOutcome) -> None:
     sampled = {token.seq_id: token for token in outcome.sampled}
-    token_ids = {seq_id: token.token_id for seq_id, token in sampled.items()}
-    worker.core.update_from_output(plan.output, token_ids)
+    num_before = {item.request.request_id: item.request.num_output_tokens
+                  for item in plan.output.scheduled}
+    worker.core.update_from_output(
+        plan.output, {seq_id: list(token.token_ids) for seq_id, token in sampled.items()})
     for item in plan.output.scheduled:
-        token = sampled.get(item.request.request_id)
-        sample = cluster.samples.get(item.request.request_id)
+        request = item.request
+        token = sampled.get(request.request_id)
+        sample = cluster.samples.get(request.request_id)
         if token is None or sample is None or sample.done:
             continue
-        logprobs = (token.logprob,) if token.logprob is not None else ()
-        delta = token_delta(sample, item.request, 1, logprobs)
-        if item.request.is_finished:
+        # fewer than the step emitted where a stop came inside an accepted run
+        num_new = request.num_output_tokens - num_before[request.request_id]
+        if num_new <= 0:
+            continue
+        *leading, delta = token_deltas(sample, request, num_new, token.logprobs[:num_new])
+        for earlier in leading:
+            cluster.sink.emit(sample.parent.gateway_id, earlier)
+        if request.is_finished:
             cluster.end_sample(sample, delta)
             continue
         cluster.sink.emit(sample.parent.gateway_id, delta)

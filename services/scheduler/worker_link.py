@@ -85,7 +85,8 @@ class WorkerLink:
         apply_result(self.cluster, self.worker, plan, outcome)
         self.cluster.retry_awaiting()
         self.cluster.sink.flush()
-        scheduler_metrics.after_step(self.cluster, self.worker, plan, len(outcome.sampled))
+        scheduler_metrics.after_step(self.cluster, self.worker, plan,
+                                     sum(len(token.token_ids) for token in outcome.sampled))
 
     async def _read(self, call) -> None:
         try:

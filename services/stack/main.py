@@ -12,11 +12,21 @@ import os
 from pathlib import Path
 
 from services.common.flags import add_flag, flag_env_names
+from services.engine.spec.config import SpeculativeConfig
 from services.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
 from services.stack.ports import busy_ports
 from services.stack.supervisor import Supervisor, say
 
 STATE_FILE_NAME = "stack.json"
+
+
+def _checked_speculative_config(text: str) -> str:
+    """Refused here, before any child starts, rather than by the scheduler's child."""
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "(the scheduler's default) or overlap (`kvrelay scheduler --help`)")
     add_flag(parser, "--structured-outputs-backend", choices=("llguidance", "xgrammar"),
              default=None, help="grammar backend for structured output (default: llguidance)")
+    add_flag(parser, "--speculative-config", type=_checked_speculative_config, default=None,
+             help="speculative decoding, as vLLM takes it (JSON; `kvrelay scheduler --help`)")
     add_flag(parser, "--threads-per-worker", type=int, default=None,
              help="torch threads per worker (default: every core for up to two workers, "
                   "else the cores split between them)")

@@ -8,9 +8,9 @@ import torch
 from services.api.kvrelay.v1 import worker_pb2
 from services.wire import logprob_to_proto
 from services.engine.model_runner import ModelRunner
-from services.engine.sampler import Sampler, SamplingRow
+from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledRequest
-from services.engine.stop_checker import banned_token_ids
+from services.engine.spec.verify import EmittedRun, sample_items
 from services.engine.structured.backend import bitmask_words
 from services.worker.sequences import SequenceTable
 from services.worker.step_threads import StepThreads
@@ -42,7 +42,8 @@ class StepExecutor:
         for scheduled in request.scheduled:
             sequence = self.table.update(scheduled)
             items.append(ScheduledRequest(sequence, scheduled.num_new_tokens,
-                                          self.table.block_ids[scheduled.seq_id]))
+                                          self.table.block_ids[scheduled.seq_id],
+                                          list(scheduled.draft_token_ids)))
             if scheduled.token_bitmask:
                 bitmasks[scheduled.seq_id] = scheduled.token_bitmask
         return PreparedStep(request.step_id, items, request.num_threads, bitmasks)
@@ -55,40 +56,38 @@ class StepExecutor:
             self.threads.use(step.num_threads)
         step_input = self.runner.prepare(step.items)
         logits = self.runner.execute(step_input, on_layer_done)  # [S, vocab]
-        sampled = []
-        if step_input.sample_rows:
-            sampled = self._sample(logits, [step.items[row] for row in step_input.sample_rows],
-                                   step.bitmasks)
         for item in step.items:
             item.request.num_computed_tokens += item.num_new_tokens
-        return sampled
+        if not step_input.sample_rows:
+            return []
+        items = [step.items[row] for row in dict.fromkeys(step_input.sample_rows)]
+        bitmasks = [_bitmask_rows(step.bitmasks.get(item.request.request_id),
+                                  1 + len(item.draft_token_ids), logits.shape[1])
+                    for item in items]
+        runs = sample_items(self.sampler, logits, items, bitmasks)
+        return [self._emit(item, run) for item, run in zip(items, runs)]
 
-    def _sample(self, logits, items: list[ScheduledRequest],
-                bitmasks: dict[str, bytes]) -> list[worker_pb2.SampledToken]:
-        sequences = [item.request for item in items]
-        rows = [SamplingRow(params=seq.params, prompt_token_ids=seq.prompt_token_ids,
-                            output_token_ids=seq.output_token_ids, generator=seq.generator,
-                            banned_token_ids=banned_token_ids(seq),
-                            token_bitmask=_bitmask_row(bitmasks.get(seq.request_id),
-                                                       logits.shape[1]))
-                for seq in sequences]
-        result = self.sampler(logits, rows)
-        sampled = []
-        for seq, token_id, entry, rank in zip(sequences, result.token_ids, result.logprobs,
-                                              result.ranks):
-            seq.append_token(token_id)
-            message = worker_pb2.SampledToken(seq_id=seq.request_id, token_id=token_id)
+    @staticmethod
+    def _emit(item: ScheduledRequest, run: EmittedRun) -> worker_pb2.SampledToken:
+        sequence = item.request
+        # Rejected drafts' KV is garbage: the next step recomputes from the last accepted one.
+        sequence.num_computed_tokens -= len(item.draft_token_ids) - (len(run.token_ids) - 1)
+        message = worker_pb2.SampledToken(seq_id=sequence.request_id, token_ids=run.token_ids)
+        for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks):
+            sequence.append_token(token_id)
             if entry is not None:
-                message.logprob.CopyFrom(logprob_to_proto(entry, rank, token_id,
-                                                          seq.params.logprobs))
-            sampled.append(message)
-        return sampled
+                message.logprobs.append(logprob_to_proto(entry, rank, token_id,
+                                                         sequence.params.logprobs))
+        return message
 
 
-def _bitmask_row(packed: bytes | None, vocab_size: int) -> torch.Tensor | None:
-    """The scheduler's packed bitmask -> int32 [W]; a wrong size is the scheduler's bug."""
+def _bitmask_rows(packed: bytes | None, num_rows: int, vocab_size: int) -> torch.Tensor | None:
+    """The scheduler's packed bitmasks -> int32 [num_rows, W]; a wrong size is the scheduler's
+    bug."""
     if not packed:
         return None
-    if len(packed) != 4 * bitmask_words(vocab_size):
-        raise ValueError(f"token bitmask of {len(packed)} bytes for a vocabulary of {vocab_size}")
-    return torch.frombuffer(bytearray(packed), dtype=torch.int32)
+    words = bitmask_words(vocab_size)
+    if len(packed) != 4 * words * num_rows:
+        raise ValueError(f"token bitmask of {len(packed)} bytes for {num_rows} positions and a "
+                         f"vocabulary of {vocab_size}")
+    return torch.frombuffer(bytearray(packed), dtype=torch.int32).view(num_rows, words)

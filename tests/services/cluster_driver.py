@@ -155,7 +155,7 @@ class ClusterDriver:
         for item in step.sampling:
             token_id = self._next_token(item.request)
             self.sampled[item.request.request_id].append(token_id)
-            sampled.append(Sampled(item.request.request_id, token_id))
+            sampled.append(Sampled(item.request.request_id, (token_id,)))
         worker = self.worker(worker_id)
         apply_result(self.cluster, worker, step.plan,
                      StepOutcome(step.plan.order.step_id, tuple(sampled)))

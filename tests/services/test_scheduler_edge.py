@@ -51,14 +51,14 @@ def test_a_step_order_goes_out_field_for_field():
 
 def test_a_step_result_and_a_delta_cross_the_edge_with_their_logprobs():
     result = worker_pb2.StepResult(step_id=3, sampled=[
-        worker_pb2.SampledToken(seq_id="r/0", token_id=9, logprob=common_pb2.TokenLogprob(
+        worker_pb2.SampledToken(seq_id="r/0", token_ids=[9], logprobs=[common_pb2.TokenLogprob(
             token_id=9, logprob=-0.5, rank=1, top=[common_pb2.TopLogprob(token_id=9,
-                                                                          logprob=-0.5)])),
-        worker_pb2.SampledToken(seq_id="r/1", token_id=4)])
+                                                                          logprob=-0.5)])]),
+        worker_pb2.SampledToken(seq_id="r/1", token_ids=[4, 7, 2])])
     outcome = edge.outcome_from_proto(result)
-    assert outcome.sampled[0].logprob == TokenLogprob(9, -0.5, 1, ((9, -0.5),))
-    assert outcome.sampled[1].logprob is None
-    message = edge.delta_to_proto(Delta("r", 0, (9,), (outcome.sampled[0].logprob,),
+    assert outcome.sampled[0].logprobs == (TokenLogprob(9, -0.5, 1, ((9, -0.5),)),)
+    assert outcome.sampled[1].token_ids == (4, 7, 2) and outcome.sampled[1].logprobs == ()
+    message = edge.delta_to_proto(Delta("r", 0, (9,), outcome.sampled[0].logprobs,
                                         FinishReason.STOP, stop_token_id=9))
     assert message.finish_reason == common_pb2.FINISH_REASON_STOP and message.stop_token_id == 9
     assert message.logprobs[0].top[0].token_id == 9

@@ -34,6 +34,19 @@ def next_token_bitmask(matcher: "GrammarMatcher", vocab_size: int) -> np.ndarray
     return row
 
 
+def step_bitmasks(matcher: "GrammarMatcher", draft_token_ids: list[int],
+                  vocab_size: int) -> np.ndarray:
+    """A speculative step's masks: int32 [1 + drafts, words], row i the tokens allowed after
+    the first i drafts (which the grammar accepts: spec/drafter.py checked them)."""
+    rows = np.zeros((1 + len(draft_token_ids), bitmask_words(vocab_size)), dtype=np.int32)
+    matcher.fill_bitmask(rows[0])
+    for position, token_id in enumerate(draft_token_ids, start=1):
+        matcher.accept(token_id)
+        matcher.fill_bitmask(rows[position])
+    matcher.rollback(len(draft_token_ids))
+    return rows
+
+
 class GrammarMatcher(Protocol):
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False where the grammar does not allow it."""
@@ -43,6 +56,10 @@ class GrammarMatcher(Protocol):
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last num_tokens accepted tokens."""
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids the grammar would accept in turn, without
+        accepting any (speculative drafts are checked this way)."""
 
     @property
     def is_terminated(self) -> bool:

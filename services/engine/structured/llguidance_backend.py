@@ -29,6 +29,9 @@ class LlguidanceMatcher:
         if num_tokens and not self._matcher.rollback(num_tokens):
             raise RuntimeError(f"grammar matcher cannot roll back {num_tokens} tokens")
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return int(self._matcher.validate_tokens(token_ids)) if token_ids else 0
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())

@@ -27,6 +27,16 @@ class XgrammarMatcher:
         if num_tokens:
             self._matcher.rollback(num_tokens)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        # A refused token leaves xgrammar's matcher unchanged; the accepted ones are undone.
+        accepted = 0
+        for token_id in token_ids:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            accepted += 1
+        self.rollback(accepted)
+        return accepted
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
