@@ -11,6 +11,8 @@ from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
+from services.engine.spec.config import SpeculativeConfig
+from services.engine.spec.drafter import Drafter
 
 BLOCK_SIZE = 4
 
@@ -195,3 +197,44 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    """The same, with n-gram drafts in the steps and a random number of them accepted: the
+    rejected drafts' progress goes back, no block leaks, only verified tokens are cached."""
+
+    def __init__(self):
+        super().__init__()
+        config = SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                   prompt_lookup_min=1, prompt_lookup_max=3,
+                                   disable_by_batch_size=0)
+        self.scheduler.drafter = Drafter(config)
+
+    @rule(eos_row=st.integers(0, 5), data=st.data())
+    def speculative_step(self, eos_row, data):
+        output = self.scheduler.schedule()
+        sampled = {}
+        for row, item in enumerate(output.scheduled):
+            if not item.samples:
+                continue
+            num_accepted = data.draw(st.integers(0, len(item.draft_token_ids)))
+            sampled[item.request.request_id] = (item.draft_token_ids[:num_accepted]
+                                                + [2 if row == eos_row else 3])
+            item.request.eos_token_ids = frozenset({2})
+        self.finished += self.scheduler.update_from_output(output, sampled)
+
+    @invariant()
+    def progress_and_cache_hold_only_verified_tokens(self):
+        kv = self.scheduler.kv
+        for request in self.scheduler.running:
+            if request.num_output_tokens:  # decoding: only its last token is not computed
+                assert request.num_computed_tokens == request.num_tokens - 1
+            held = len(kv.req_blocks.get(request.request_id, ()))
+            assert held <= -(-(request.num_tokens + 3) // BLOCK_SIZE)
+            assert kv.req_num_cached.get(request.request_id, 0) <= \
+                request.num_tokens // BLOCK_SIZE
+
+
+TestSpeculativeSchedulerMachine = SpeculativeSchedulerMachine.TestCase
+TestSpeculativeSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40,
+                                                    deadline=None)

@@ -6,6 +6,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.triton_paged_attention import _paged_attention_kernel
+from kernels.triton_rejection import _rejection_kernel
 from kernels.triton_store_kv import _store_kv_kernel, store_kv_triton
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -37,11 +38,19 @@ def compile_store(dtype: str):
     return triton.compile(ASTSource(_store_kv_kernel, signature, constexprs), target=HOPPER)
 
 
+def compile_rejection():
+    constexprs = dict(BLOCK=1024)
+    pointers = dict(probs_ptr="*fp32", draft_ptr="*i64", uniform_ptr="*fp64", out_ptr="*i64")
+    signature = _signature(_rejection_kernel, pointers, constexprs)
+    return triton.compile(ASTSource(_rejection_kernel, signature, constexprs), target=HOPPER)
+
+
 if __name__ == "__main__":
     bf16_prefill = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64)
     assert "wgmma" in bf16_prefill.asm["ptx"], "bf16 attention should use Hopper tensor cores"
     compile_attention("fp32", group_size=8, block_m=16, head_dim_padded=128)
     compile_store("bf16")
+    compile_rejection()
     try:  # compiled kernels cannot take CPU tensors: expect the explicit error, not a crash
         cache = torch.zeros(1, 16, 1, 64)
         store_kv_triton(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))

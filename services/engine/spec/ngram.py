@@ -1,6 +1,6 @@
 """N-gram (prompt lookup) proposer: the longest suffix of the sequence, between
 prompt_lookup_min and prompt_lookup_max tokens, that occurred earlier proposes the tokens that
-followed its latest occurrence.
+followed it (of equal matches, a recent one with enough tokens after it).
 
 The index maps each prompt_lookup_min-gram to the positions right after its occurrences and
 grows with the sequence, so a step costs a few dictionary lookups, not a scan of the context.
@@ -48,11 +48,13 @@ class NgramProposer:
         index.extend(tokens, length)
         key = tuple(tokens[length - self.min_n:])
         candidates = index.positions.get(key, ())
-        best_start, best_len = -1, 0
+        # The longest match wins; between equal ones, the one with more tokens after it
+        # (a match near the end has few), then the latest.
+        best_start, best_score = -1, (0, 0)
         for start in reversed(candidates[-_MAX_CANDIDATES:]):
-            match_len = self._match_length(tokens, start, length)
-            if match_len > best_len:
-                best_start, best_len = start, match_len
+            score = (self._match_length(tokens, start, length), min(max_drafts, length - start))
+            if score > best_score:
+                best_start, best_score = start, score
         if best_start < 0:
             return [], index
         return tokens[best_start:best_start + max_drafts], index

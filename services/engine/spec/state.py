@@ -22,9 +22,10 @@ class DraftState:
 
     @property
     def num_drafts(self) -> int:
-        """One more than recent steps accepted, within [1, max]: a sequence whose drafts keep
-        failing probes with one token a step, one whose drafts hold goes to the maximum."""
-        return max(1, min(self.max_drafts, int(self.mean_accepted + 0.999) + 1))
+        """One more than recent steps accepted (rounded), within [1, max]: a sequence whose
+        drafts keep failing probes with one token a step, one whose drafts hold goes to the
+        maximum."""
+        return max(1, min(self.max_drafts, int(self.mean_accepted + 0.5) + 1))
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted:
