@@ -39,10 +39,20 @@ SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "vllm-cpu", "llama-server",
                   "transformers-serve")
 ALL_SYSTEMS = SERVER_SYSTEMS + ("hf-static",)
 WORKLOADS = ("chat-64", "single-stream", "poisson", "shared-prefix", "long+short",
-             "chat-64-json")
-DEFAULT_WORKLOADS = WORKLOADS[:5]  # chat-64-json (every request under a JSON schema) on demand
+             "chat-64-json", "grounded", "grounded-single")
+# On demand: chat-64-json (every request under a JSON schema), grounded (passages to copy or
+# quote, 8 at a time) and grounded-single (the same, one at a time): speculative decoding's.
+DEFAULT_WORKLOADS = WORKLOADS[:5]
 # single-stream: chat-64's first prompts one at a time, as one user typing at a chat would
 SINGLE_STREAM_REQUESTS = 8
+GROUNDED_CONCURRENCY = 8
+GROUNDED_REQUESTS = 16
+DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, '
+                              '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+
+
+# compare's workloads that are `bench serve` workloads under another concurrency
+BENCH_WORKLOAD = {"single-stream": "chat-64", "grounded-single": "grounded"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=64,
                         help="untimed requests to each server first")
+    parser.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG,
+                        help="what a system named with a +spec suffix (kvrelay-pd+spec, "
+                             "vllm-cpu+spec) is started with")
     parser.add_argument("--max-requests", type=int, default=None, help="per run (a quick look)")
     parser.add_argument("--max-tokens", type=int, default=None, help="override 128")
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
@@ -77,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     args.workloads = [w for w in args.workloads.split(",") if w]
-    bases = {system_variant(s)[0] for s in args.systems}
+    bases = {system_variant(s)[0].removesuffix("+spec") for s in args.systems}
     unknown = bases - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
     if any("@" in s and not s.startswith("kvrelay-") for s in args.systems):
         parser.error("only kvrelay systems take flags after @")
@@ -118,15 +131,18 @@ def _is_free(port: int) -> bool:
 
 def launch(name: str, args, port: int, log_dir: Path) -> Server:
     base, up_flags = system_variant(name)
+    if base.endswith("+spec"):
+        base = base.removesuffix("+spec")
+        up_flags = [*up_flags, "--speculative-config", args.speculative_config]
     if base in ("kvrelay-pd", "kvrelay-colocated"):
         return kvrelay_stack.launch(base.removeprefix("kvrelay-"), port, log_dir, args.dtype,
                                     args.threads, args.startup_timeout, up_flags)
-    if name == "llama-server":
+    if base == "llama-server":
         return llama_server.launch(port, log_dir / "server.log", args.home,
                                    args.llama_parallel, args.threads, args.startup_timeout)
-    if name == "vllm-cpu":
+    if base == "vllm-cpu":
         return vllm_cpu.launch(port, log_dir / "server.log", args.home, args.dtype,
-                               args.threads, args.startup_timeout)
+                               args.threads, args.startup_timeout, up_flags)
     return hf_transformers.launch_serve(port, log_dir / "server.log", args.home, args.dtype,
                                         args.threads, args.startup_timeout)
 
@@ -134,16 +150,24 @@ def launch(name: str, args, port: int, log_dir: Path) -> Server:
 def bench_command(server: Server, workload: str, args, out: Path, warmup: int) -> list[str]:
     command = [sys.executable, "-m", "services.cli", "bench", "serve",
                "--base-url", server.base_url, "--backend", server.backend,
-               "--workload", "chat-64" if workload == "single-stream" else workload,
+               "--workload", BENCH_WORKLOAD.get(workload, workload),
                "--seed", str(args.seed), "--label", server.name,
                "--time-limit", str(args.time_limit), "--slo-ttft", str(args.slo_ttft),
                "--slo-tpot", str(args.slo_tpot), "--warmup", str(warmup), "--out", str(out)]
+    for url in server.metrics_urls:
+        command += ["--metrics-url", url]
     if workload == "poisson":
         command += ["--rates", args.rates]
     if workload == "long+short":
         command += ["--rate", str(args.long_short_rate)]
     max_requests = args.max_requests
     if workload == "single-stream":
+        command += ["--max-concurrency", "1"]
+        max_requests = min(max_requests or SINGLE_STREAM_REQUESTS, SINGLE_STREAM_REQUESTS)
+    if workload == "grounded":
+        command += ["--max-concurrency", str(GROUNDED_CONCURRENCY)]
+        max_requests = min(max_requests or GROUNDED_REQUESTS, GROUNDED_REQUESTS)
+    if workload == "grounded-single":
         command += ["--max-concurrency", "1"]
         max_requests = min(max_requests or SINGLE_STREAM_REQUESTS, SINGLE_STREAM_REQUESTS)
     for flag, value in (("--max-requests", max_requests),

@@ -7,7 +7,8 @@ Llama-3-8B's config (bfloat16; no checkpoint is read or downloaded).
 
 Measures, in order:
 1. paged attention (decode, whole prompts, chunked prefill, mixed; bf16, fp16, fp32; Llama-3-8B
-   and SmolLM2 head shapes) and the KV store against the references, on fresh random inputs;
+   and SmolLM2 head shapes), the KV store and the speculative rejection kernel against the
+   references, on fresh random inputs;
 2. the device's copy bandwidth (one large device-to-device copy, read + write bytes);
 3. the decode attention kernel's achieved bandwidth, batch 1-128 x context 1k-32k;
 4. one decode step of the whole model against its roofline (every weight and every
@@ -39,7 +40,8 @@ def run(device: torch.device, smoke: bool, max_kv_gib: float) -> dict:
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu", "torch": torch.__version__}
     report["checks"] = (cuda_kernels.check_attention(device, smoke)
-                        + cuda_kernels.check_store_kv(device, smoke))
+                        + cuda_kernels.check_store_kv(device, smoke)
+                        + cuda_kernels.check_rejection(device, smoke))
     bandwidth = cuda_kernels.copy_bandwidth(device, smoke)
     report["copy_bytes_per_s"] = bandwidth
     report["attention"] = cuda_kernels.attention_bandwidth(device, smoke, bandwidth,

@@ -134,6 +134,30 @@ def check_store_kv(device: torch.device, smoke: bool) -> list[dict]:
     return rows
 
 
+def check_rejection(device: torch.device, smoke: bool) -> list[dict]:
+    """The speculative rejection kernel against its torch reference (run on the CPU), on
+    fresh random target rows: the tokens must agree but for draws within rounding of a CDF
+    boundary, and acceptance must agree everywhere."""
+    from kernels.triton_rejection import rejection_sample_triton
+    from services.engine.spec.rejection import rejection_sample
+    num_rows, vocab_size = (9, 300) if smoke else (4096, 128256)
+    probs = torch.rand(num_rows, vocab_size) ** 4
+    drafts = torch.randint(0, vocab_size, (num_rows,))
+    drafts[::3] = -1
+    drafts[1::3] = probs.argmax(-1)[1::3]
+    uniforms = torch.rand(num_rows, dtype=torch.float64)
+    want = rejection_sample(probs, drafts, uniforms)
+    got = rejection_sample_triton(probs.to(device), drafts.to(device), uniforms.to(device)).cpu()
+    accept_same = torch.equal(got == drafts, want == drafts)
+    num_differ = int((got != want).sum())
+    seconds = device_timer(device, lambda: rejection_sample_triton(
+        probs.to(device), drafts.to(device), uniforms.to(device)), repeats=3 if smoke else 20)
+    ok = accept_same and num_differ <= max(1, num_rows // 1000)
+    return [{"kernel": "spec rejection", "heads": f"vocab {vocab_size}", "dtype": "float32",
+             "case": f"{num_rows} rows, {seconds * 1e3:.2f} ms",
+             "max_abs_error": float(num_differ), "ok": ok}]
+
+
 def copy_bandwidth(device: torch.device, smoke: bool) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     num_bytes = (16 << 20) if smoke else (2 << 30)

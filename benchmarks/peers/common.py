@@ -89,6 +89,8 @@ class Server:
     backend: str        # `kvrelay bench serve --backend`: how it takes ignore_eos
     command: list[str]
     info: dict = field(default_factory=dict)  # version, dtype, threads
+    # Prometheus endpoints with its spec_decode counters (`bench serve --metrics-url`)
+    metrics_urls: list[str] = field(default_factory=list)
 
 
 def start_process(command: list[str], log_path: Path, env: dict | None = None):

@@ -58,6 +58,9 @@ def launch(topology: str, port: int, log_dir: Path, dtype: str | None = None,
                     command, {"version": version(), "dtype": resolved_dtype(dtype),
                               "threads": f"{threads or 'default'} per worker"})
     _wait_ready(process, state_file, timeout_s, log_dir)
+    services = json.loads(state_file.read_text()).get("services", {})
+    server.metrics_urls = [entry["metrics_url"] for entry in services.values()
+                           if entry.get("kind") == "scheduler" and entry.get("metrics_url")]
     return server
 
 

@@ -76,13 +76,14 @@ def serve_command(python: Path, port: int, dtype: str, home=None) -> list[str]:
 
 
 def launch(port: int, log_path: Path, home=None, dtype: str = "bfloat16", threads: int = 2,
-           timeout_s: float = 900) -> Server:
+           timeout_s: float = 900, extra_flags: list[str] = ()) -> Server:
     python = install(home)
-    command = serve_command(python, port, dtype, home)
+    command = [*serve_command(python, port, dtype, home), *extra_flags]
     process = start_process(command, log_path, serve_env(threads))
-    server = Server("vLLM CPU", process, f"http://127.0.0.1:{port}", "openai", command,
+    server = Server(" ".join(["vLLM CPU", *extra_flags]), process, f"http://127.0.0.1:{port}", "openai", command,
                     {"version": versions(python), "dtype": dtype, "threads": threads})
     wait_until_serving(process, f"{server.base_url}/v1/models", timeout_s, log_path)
+    server.metrics_urls = [f"{server.base_url}/metrics"]
     return server
 
 

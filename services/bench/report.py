@@ -60,6 +60,13 @@ def notes(result: dict) -> list[str]:
         lines.append(f"long+short: ITL p99 of the short requests with the long prompts / "
                      f"without them = {ratio:.2f}x.")
     for run in result["runs"]:
+        spec = run.get("spec_decode")
+        if spec and spec["drafts"]:
+            lines.append(f"{run['label']}: speculative decoding accepted "
+                         f"{spec['acceptance_rate']:.0%} of {spec['draft_tokens']:.0f} draft "
+                         f"tokens; mean acceptance length {spec['mean_acceptance_length']:.2f} "
+                         f"tokens per verified step.")
+    for run in result["runs"]:
         for error in run["summary"]["errors"]:
             lines.append(f"{run['label']}: error: {error}")
     return lines

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.bench import report, workloads
+from services.bench import report, spec_metrics, workloads
 from services.bench.outputs import command_line, write_outputs
 from services.bench.client import BACKENDS, ServerOptions, discover_model
 from services.bench.metrics import Slo, max_rate_meeting, summarize
@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="untimed requests first (the workload drawn with seed+1)")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--metrics-url", action="append", default=[],
+                        help="a Prometheus endpoint with the server's spec_decode counters "
+                             "(kvrelay's scheduler, vLLM's /metrics; repeatable): the report "
+                             "gives each run's draft acceptance")
     parser.add_argument("--label", default=None, help="name of the system in the table")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -124,9 +128,13 @@ async def _benchmark(args, plans: list[PlannedRun]) -> tuple[dict, list]:
     runs, all_records = [], []
     for plan in plans:
         total = min(len(plan.requests), args.max_requests or len(plan.requests))
+        before = await spec_metrics.scrape(args.metrics_url) if args.metrics_url else None
         outcome = await run_workload(plan.requests, options, limits,
                                      Progress(plan.label, total, not args.quiet))
         runs.append(_run_entry(plan, outcome, Slo(args.slo_ttft, args.slo_tpot)))
+        if args.metrics_url:
+            after = await spec_metrics.scrape(args.metrics_url)
+            runs[-1]["spec_decode"] = spec_metrics.acceptance(before, after)
         all_records.append((plan.label, outcome.records))
     return _result(args, options, runs), all_records
 

@@ -11,10 +11,12 @@ import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from services.bench.grounded import grounded
 from services.bench.prompts import chat64, shared_prefix, user_message
 
 DEFAULT_MAX_TOKENS = 128
-WORKLOADS = ("chat-64", "chat-64-json", "poisson", "shared-prefix", "long+short", "jsonl")
+WORKLOADS = ("chat-64", "chat-64-json", "grounded", "poisson", "shared-prefix", "long+short",
+             "jsonl")
 # chat-64-json: chat-64 with every request's output held to this schema (structured output's
 # cost at a full batch). The answer string is unbounded, so a request still runs to max_tokens
 # unless the model closes the object first.
@@ -141,6 +143,9 @@ def build(name: str, seed: int = 0, rate: float | None = None, jsonl: str | None
         for request in requests:
             request.extra = {"response_format": {"type": "json_schema", "json_schema": {
                 "name": "answer", "schema": CHAT_JSON_SCHEMA}}}
+    elif name == "grounded":
+        # passages to copy or quote (grounded.py): where speculative decoding pays
+        requests = chat_requests(grounded(seed), limit)
     elif name == "poisson":
         if rate is None:
             raise ValueError("the poisson workload needs --rate (or --rates)")

@@ -34,7 +34,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Steps of at most this many tokens multiply the checkpoint's own 4-bit weights (a GGUF
     # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. 0: never.
-    int4_max_tokens: int = 4
+    int4_max_tokens: int = 8
     seed: int = 0  # for unseeded sampling
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (structured/compiler.py)
     # Speculative decoding (spec/config.py): a SpeculativeConfig, or its dict or JSON text as

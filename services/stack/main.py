@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="per worker")
     add_flag(parser, "--int4-max-tokens", type=int, default=None,
              help="workers' steps of at most this many tokens use the checkpoint's 4-bit "
-                  "weights (default: the worker's, 4; 0: never)")
+                  "weights (default: the worker's, 8; 0: never)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=None)
     add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
     add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--device", choices=["auto", "cpu", "cuda"], default="auto")
     add_flag(parser, "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
-    add_flag(parser, "--int4-max-tokens", type=int, default=4,
+    add_flag(parser, "--int4-max-tokens", type=int, default=8,
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
                   "weights (GGUF Q4_0/Q4_1, bf16 on CPU), a quarter of the bytes (0: never)")
     add_flag(parser, "--block-size", type=int, default=16)

@@ -30,7 +30,7 @@ class SuffixProposer:
         context = tokens[-(self.max_depth - 1):] if self.max_depth > 1 else []
         best, best_score = [], 0.0
         for source in (tree, self.global_tree):
-            node, match_len = source.deepest_match(context)
+            node, match_len = source.deepest_match(context, max_drafts)
             if node is None:
                 continue
             limit = min(max_drafts, max(1, math.ceil(self.spec_factor * match_len)))

@@ -75,11 +75,12 @@ class SuffixTree:
                 node = child
 
     # ---- matching ---------------------------------------------------------------------------
-    def deepest_match(self, context: list[int]) -> tuple[Node | None, int]:
-        """The longest suffix of `context` (at most max_depth - 1 tokens, so something can
-        follow) whose node has continuations; (None, 0) if none has."""
+    def deepest_match(self, context: list[int], room: int = 1) -> tuple[Node | None, int]:
+        """The longest suffix of `context` whose node has continuations, at most
+        max_depth - room tokens long so that `room` tokens can follow it in the tree;
+        (None, 0) if none has."""
         best, best_len = None, 0
-        limit = min(len(context), self.max_depth - 1)
+        limit = min(len(context), max(1, self.max_depth - room))
         for length in range(1, limit + 1):
             node = self.root
             for token in context[len(context) - length:]:
