@@ -15,17 +15,28 @@ def _int32(values):
 def test_metadata_computes_maxima_and_splits_decode_from_prefill():
     # Rows: decode, prefill without context, decode, chunked prefill with context.
     meta = build_attention_metadata(
-        _int32([0, 1, 6, 7, 10]), _int32([9, 5, 40, 12]), torch.zeros(4, 3, dtype=torch.int32), block_size=16
+        _int32([0, 1, 21, 22, 40]), _int32([9, 20, 40, 40]), torch.zeros(4, 3, dtype=torch.int32), block_size=16
     )
-    assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_seqs) == (5, 40, 4)
+    assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_seqs) == (20, 40, 4)
     plan = meta.cpu_plan
-    assert plan.decode.token_ids.tolist() == [0, 6]
+    assert plan.decode.token_ids.tolist() == [0, 21]
     assert plan.decode.seq_lens.tolist() == [9, 40]
     assert plan.decode.block_tables.dtype == torch.int32 and plan.decode.block_tables.shape == (2, 3)
     assert plan.padded_decode_groups is None  # built only by the torch decode path, on first use
-    assert [(p.token_start, p.query_len) for p in plan.prefills] == [(1, 5), (7, 3)]
+    assert [(p.token_start, p.query_len) for p in plan.prefills] == [(1, 20), (22, 18)]
     assert plan.prefills[0].causal_mask is None  # no context: SDPA's own causal mask
-    assert plan.prefills[1].causal_mask.shape == (3, 12)
+    assert plan.prefills[1].causal_mask.shape == (18, 40)
+
+
+def test_a_few_query_tokens_become_causal_decode_rows():
+    # A speculative step: 1 + 3 queries over 12 keys, beside a plain decode row.
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    meta = build_attention_metadata(_int32([0, 4, 5]), _int32([12, 7]), tables, block_size=16)
+    plan = meta.cpu_plan
+    assert plan.prefills == []
+    assert plan.decode.token_ids.tolist() == [0, 1, 2, 3, 4]
+    assert plan.decode.seq_lens.tolist() == [9, 10, 11, 12, 7]  # each sees up to itself
+    assert plan.decode.block_tables.tolist() == [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]]
 
 
 def test_pure_decode_step_hands_the_kernel_its_own_tensors():
