@@ -7,7 +7,8 @@ share of the cores, while a long prompt is being prefilled and another worker ha
 decode step is memory-bound and loses little on one core (86 against 55 ms for 32 sequences
 here), while waiting for each of the long prompt's chunks on both cores costs it the whole chunk
 step. Short prompts still take every core in turn: a burst of them prefills (compute-bound)
-twice as fast that way, and its first tokens come sooner (BENCHMARKS.md).
+twice as fast that way, and its first tokens come sooner (BENCHMARKS.md). Nor is a decode
+worker that speculates split off: its steps verify drafts and are compute-bound.
 
 Sharing is counted in CPUs: a step takes as many as its worker has threads, so workers whose
 threads fit the domain's CPUs together (e.g. 2 + 2 threads on 8 CPUs) step at the same time
@@ -114,7 +115,8 @@ class CoreShare:
         active = [m for m in self.members.values()
                   if m is worker or id(m) in self.held or (m.alive and self.has_work(m))]
         if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
-                or not any(self._prefills_long_prompt(m) for m in active)):
+                or not any(self._prefills_long_prompt(m) for m in active)
+                or any(_speculates(m) for m in active)):
             return own
         return max(1, min(own, self.capacity // len(active)))
 
@@ -124,6 +126,16 @@ class CoreShare:
         core = worker.core
         return any(request.num_tokens - request.num_computed_tokens > self.long_prompt_tokens
                    for request in chain(core.running, core.waiting))
+
+
+def _speculates(worker: WorkerRecord) -> bool:
+    """A decode worker whose next steps verify drafts: they carry several tokens a sequence
+    and are compute-bound, so a share of the cores slows them as much as a prefill's (grounded
+    workload, 8 at a time: 130 tok/s split against 180 serialized; BENCHMARKS.md)."""
+    core = worker.core
+    drafter = core.drafter
+    return (worker.role is DECODE and drafter is not None and bool(core.running)
+            and drafter.config.allows_batch(len(core.running)))
 
 
 def domain_cpus(domain: str) -> int | None:

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="speculative decoding on the decode workers, as vLLM takes it: JSON such as "
                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or method "
-                  "\"suffix\"; also disable_by_batch_size (default 8) and the suffix_decoding_* "
+                  "\"suffix\"; also disable_by_batch_size (default 16) and the suffix_decoding_* "
                   "keys (default: off)")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
     add_flag(parser, "--log-level", default="info")

@@ -84,6 +84,19 @@ def test_split_steps_run_side_by_side_on_a_core_each_while_both_workers_have_wor
     assert _turns_at_once(_share(driver, split=True), driver) == [("d0", 1), ("p0", 1)]
 
 
+def test_a_decode_worker_that_speculates_is_not_split_off():
+    from services.engine.spec.config import SpeculativeConfig
+    from services.engine.spec.drafter import Drafter
+
+    driver = _decoding_pair()
+    driver.worker("d0").core.drafter = Drafter(SpeculativeConfig(disable_by_batch_size=4))
+    # its verify steps are compute-bound: the steps take turns with every core instead
+    assert _turns_at_once(_share(driver, split=True), driver) == [("p0", 0)]
+    # above disable_by_batch_size it decodes plainly again, and splits
+    driver.worker("d0").core.drafter = Drafter(SpeculativeConfig(disable_by_batch_size=1))
+    assert _turns_at_once(_share(driver, split=True), driver) == [("d0", 1), ("p0", 1)]
+
+
 def test_a_split_step_takes_every_core_while_the_other_worker_has_nothing_to_do():
     async def scenario():
         driver = _pair()

@@ -18,7 +18,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # No speculation while this many sequences or more run on the worker (0: never off): a
     # big batch is compute bound, and every draft costs a token of compute.
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 16
     # Suffix decoding (vLLM's names): the trees' depth, how many finished requests' outputs
     # the global tree keeps, drafts up to factor x the matched length, and the probability
     # below which a continuation is not proposed.
