@@ -184,7 +184,10 @@ def _authorizer(api_key: str):
 
 def _add_error_handlers(app: FastAPI) -> None:
     async def gateway_error(request: Request, exc: GatewayError):
-        return _error_response(request, exc.http_status, exc.body())
+        response = _error_response(request, exc.http_status, exc.body())
+        if exc.retry_after_s is not None:
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     async def http_error(request: Request, exc: HTTPException):
         kind = "not_found" if exc.status_code == 404 else "invalid_request"

@@ -14,6 +14,8 @@ KINDS = {
     "authentication": (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
     "not_found": (404, "not_found_error", grpc.StatusCode.NOT_FOUND),
     "unavailable": (503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
+    # too much work waits: 503 with Retry-After, RESOURCE_EXHAUSTED on the gRPC API
+    "overloaded": (503, "service_unavailable", grpc.StatusCode.RESOURCE_EXHAUSTED),
     "internal": (500, "internal_server_error", grpc.StatusCode.INTERNAL),
 }
 
@@ -21,7 +23,8 @@ KINDS = {
 _INVALID_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                   grpc.StatusCode.FAILED_PRECONDITION}
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+                      grpc.StatusCode.CANCELLED}
+RETRY_AFTER_S = 1  # what an overloaded answer tells the client to wait
 
 
 class GatewayError(Exception):
@@ -34,6 +37,10 @@ class GatewayError(Exception):
     @property
     def http_status(self) -> int:
         return KINDS[self.kind][0]
+
+    @property
+    def retry_after_s(self) -> int | None:
+        return RETRY_AFTER_S if self.kind == "overloaded" else None
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -54,6 +61,8 @@ def from_rpc_error(exc: grpc.RpcError, service: str) -> GatewayError:
     code, details = exc.code(), exc.details() or ""
     if code in _INVALID_CODES:
         return GatewayError("invalid_request", details, _param_in(details))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return GatewayError("overloaded", f"the {service} is overloaded: {details}")
     if code in _UNAVAILABLE_CODES:
         return GatewayError("unavailable", f"the {service} is unavailable: {details or code.name}")
     return GatewayError("internal", f"the {service} failed: {code.name} {details}".strip())

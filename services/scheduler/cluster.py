@@ -27,6 +27,10 @@ class Unavailable(Exception):
     """No worker can take the request now (gRPC UNAVAILABLE)."""
 
 
+class Overloaded(Unavailable):
+    """Too much work waits already (gRPC RESOURCE_EXHAUSTED: retry later)."""
+
+
 class Sink(Protocol):
     def emit(self, gateway_id: str, delta: Delta) -> None: ...
 
@@ -112,6 +116,7 @@ class ClusterScheduler:
             raise Unavailable("no workers are registered yet")
         worker = self._place(prompt)
         self._check_prompt(prompt, params, worker)
+        self._check_load(len(prompt), params.n)
         record = RequestRecord(request_id, gateway_id, len(prompt), params)
         # With prefix caching off, the samples of one request still share the prompt's blocks.
         salt = None if self.config.engine.enable_prefix_caching else request_id
@@ -128,6 +133,30 @@ class ClusterScheduler:
             self.samples[seq_id] = sample
         self.requests[request_id] = record
         self.wake(worker)
+
+    def queued_work(self) -> tuple[int, int]:
+        """Samples waiting for their first (or, preempted, next) step on any worker, and their
+        tokens to compute."""
+        num_samples = num_tokens = 0
+        for worker in self.registry.workers.values():
+            if worker.alive:
+                num_samples += len(worker.core.waiting)
+                num_tokens += sum(request.num_tokens for request in worker.core.waiting)
+        return num_samples, num_tokens
+
+    def _check_load(self, num_prompt_tokens: int, n: int) -> None:
+        max_requests = self.config.max_queued_requests
+        max_tokens = self.config.max_queued_prompt_tokens
+        if not max_requests and not max_tokens:
+            return
+        num_samples, num_tokens = self.queued_work()
+        if max_requests and num_samples + n > max_requests:
+            raise Overloaded(f"overloaded: {num_samples} requests are waiting (limit "
+                             f"{max_requests}); retry later")
+        # (a prompt bigger than the whole limit still runs when nothing else waits)
+        if max_tokens and num_samples and num_tokens + n * num_prompt_tokens > max_tokens:
+            raise Overloaded(f"overloaded: {num_tokens} prompt tokens are waiting (limit "
+                             f"{max_tokens}); retry later")
 
     def _place(self, prompt: list[int]) -> WorkerRecord:
         registry = self.registry

@@ -29,6 +29,11 @@ class SchedulerConfig:
     # model; None: the default one), and the backend that compiles them.
     model: str | None = None
     structured_outputs_backend: str = "llguidance"
+    # Overload: a request that would take the samples waiting for a first step past this many,
+    # or their prompt tokens past this many, is refused with RESOURCE_EXHAUSTED (the gateway's
+    # 503 with Retry-After) instead of queueing without bound. 0: no limit.
+    max_queued_requests: int = 1024
+    max_queued_prompt_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.shared_compute_steps not in SHARED_COMPUTE_MODES:
@@ -37,5 +42,7 @@ class SchedulerConfig:
             raise ValueError(f"kv_transport must be grpc or shm, got {self.kv_transport!r}")
         if self.structured_outputs_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}")
+        if self.max_queued_requests < 0 or self.max_queued_prompt_tokens < 0:
+            raise ValueError("max_queued_requests and max_queued_prompt_tokens must be >= 0")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")

@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or method "
                   "\"suffix\"; also disable_by_batch_size (default 16) and the suffix_decoding_* "
                   "keys (default: off)")
+    add_flag(parser, "--max-queued-requests", type=int, default=1024,
+             help="refuse a request (RESOURCE_EXHAUSTED; the gateway's 503 with Retry-After) "
+                  "while this many wait for their first step (0: no limit)")
+    add_flag(parser, "--max-queued-prompt-tokens", type=int, default=1 << 20,
+             help="the same for the prompt tokens of the waiting requests (0: no limit)")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
     add_flag(parser, "--log-level", default="info")
 
@@ -101,7 +106,9 @@ async def serve(args: argparse.Namespace) -> None:
         shared_prefill_max_num_batched_tokens=args.shared_prefill_max_num_batched_tokens or None,
         shared_compute_steps=args.shared_compute_steps,
         transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport,
-        model=args.model, structured_outputs_backend=args.structured_outputs_backend)
+        model=args.model, structured_outputs_backend=args.structured_outputs_backend,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens)
     service = SchedulerService(config)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])

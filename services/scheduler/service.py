@@ -9,7 +9,7 @@ import grpc
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.log import bind_request_id, get_logger, request_id_from
 from services.scheduler import lease_reaper, scheduler_metrics
-from services.scheduler.cluster import ClusterScheduler, Unavailable
+from services.scheduler.cluster import ClusterScheduler, Overloaded, Unavailable
 from services.scheduler.config import SchedulerConfig
 from services.engine.structured.backend import GrammarError
 from services.scheduler.core_share import DomainGates
@@ -55,6 +55,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                 request.priority, grammar)
         except (ValueError, GrammarError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RuntimeError as exc:  # the grammar backend cannot be built here

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              default=None, help="grammar backend for structured output (default: llguidance)")
     add_flag(parser, "--speculative-config", type=_checked_speculative_config, default=None,
              help="speculative decoding, as vLLM takes it (JSON; `kvrelay scheduler --help`)")
+    add_flag(parser, "--max-queued-requests", type=int, default=None,
+             help="requests waiting for a first step before new ones get 503 with Retry-After "
+                  "(default: the scheduler's, 1024; 0: no limit)")
     add_flag(parser, "--threads-per-worker", type=int, default=None,
              help="torch threads per worker (default: every core for up to two workers, "
                   "else the cores split between them)")
