@@ -13,6 +13,7 @@ from kernels.native_cpu import paged_decode_op
 from kernels.native_elementwise import elementwise_ops
 from services.engine.models import gguf_int4
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.no_init import skip_weight_init
 from services.engine.models.packed_linear import packing_supported
 from services.engine.models.weights import load_weights
 
@@ -65,7 +66,7 @@ class ModelRunner:
                 * element_size)
 
     def _load_model(self, hf_config, model_dir: Path | None) -> LlamaForCausalLM:
-        with torch.device("meta"):
+        with torch.device("meta"), skip_weight_init():
             model = LlamaForCausalLM(hf_config)
         if model_dir is None:
             # Random weights, made where they run (an 8B model's float32 copy on the host

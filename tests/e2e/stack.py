@@ -128,6 +128,13 @@ def stop_and_check(stack: RunningStack, expected_code: int = 0) -> None:
     assert code == expected_code, f"kvrelay up exited with {code}:\n{stack.up_log()}"
     assert stack.state["status"] == ("stopped" if expected_code == 0 else "failed")
     assert not stack.surviving_children(), stack.surviving_children()
+    assert_clean_logs(stack.log_dir)
+
+
+def assert_clean_logs(log_dir: Path) -> None:
+    """A clean exit prints only the services' own lines: no binding's leak report."""
+    for log in log_dir.glob("*.log"):
+        assert "nanobind: leaked" not in log.read_text(errors="replace"), log.name
 
 
 def process_running(pid: int) -> bool:
