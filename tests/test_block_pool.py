@@ -222,13 +222,16 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
                                                 + [2 if row == eos_row else 3])
             item.request.eos_token_ids = frozenset({2})
         self.finished += self.scheduler.update_from_output(output, sampled)
+        for item in output.scheduled:  # a verified step leaves only the last token to compute
+            if item.draft_token_ids and not item.request.is_finished:
+                assert item.request.num_computed_tokens == item.request.num_tokens - 1
 
     @invariant()
     def progress_and_cache_hold_only_verified_tokens(self):
         kv = self.scheduler.kv
         for request in self.scheduler.running:
-            if request.num_output_tokens:  # decoding: only its last token is not computed
-                assert request.num_computed_tokens == request.num_tokens - 1
+            # drafts never count as computed (a recomputing request may be further behind)
+            assert request.num_computed_tokens <= request.num_tokens - 1
             held = len(kv.req_blocks.get(request.request_id, ()))
             assert held <= -(-(request.num_tokens + 3) // BLOCK_SIZE)
             assert kv.req_num_cached.get(request.request_id, 0) <= \
