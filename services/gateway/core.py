@@ -45,6 +45,7 @@ class GatewayCore:
                                            self.router.on_detokenized,
                                            lambda message: self.router.fail_all(message, False))
         self.groups: dict[str, RequestGroup] = {}
+        self.draining = False  # SIGTERM: no new request, on REST or gRPC
         self.pending_aborts: list[str] = []
         self.abort_wakeup = asyncio.Event()
         self.tokenizer_serving = False
@@ -68,7 +69,8 @@ class GatewayCore:
         await self.upstream.close()
 
     async def drain(self) -> None:
-        """Wait until every request in flight has finished (SIGTERM)."""
+        """Refuse new requests and wait until every request in flight has finished (SIGTERM)."""
+        self.draining = True
         while self.groups:
             await asyncio.sleep(0.1)
 
@@ -120,6 +122,8 @@ class GatewayCore:
     async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                        priority: int = 0) -> RequestGroup:
         """Submit one scheduler request per prompt; their deltas come out of the group."""
+        if self.draining:
+            raise GatewayError("unavailable", "the gateway is shutting down")
         scheduler = least_loaded(self.upstream.groups)
         if scheduler is None:
             raise GatewayError("unavailable", "no scheduler group is ready")
