@@ -86,8 +86,6 @@ class EngineCore:
             request.grammar = self.grammars.compile(spec).matcher()  # GrammarError: bad spec
         self.scheduler.add_request(request)
 
-
-
     def abort(self, request_ids) -> list[Request]:
         return self.scheduler.abort(request_ids)
 

@@ -57,8 +57,8 @@ class Drafter:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
             return []
+        # (a proposer returns at most `limit` tokens)
         drafts, state.index = self.proposer.propose(request, state.index, limit)
-        drafts = drafts[:limit]
         if request.grammar is not None:
             drafts = drafts[:grammar_prefix(request.grammar, drafts)]
         return drafts
