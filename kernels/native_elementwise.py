@@ -19,7 +19,7 @@ ENV_SWITCH = "KVRELAY_NATIVE_CPU_ELEMENTWISE"  # 0: keep the torch ops
 
 @functools.cache
 def elementwise_ops():
-    """Module with rms_norm, rope and silu_and_mul, or None where unavailable."""
+    """Module with rms_norm, add_rms_norm, rope and silu_and_mul, or None where unavailable."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
@@ -42,6 +42,15 @@ def rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def add_rms_norm(ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x, residual [rows, hidden] bf16 contiguous; weight [hidden]. residual += x in place (the
+    decoder's skip connection, rounded as torch's bf16 add), returns RMSNorm(residual)."""
+    out = torch.empty_like(x)
+    ops.add_rms_norm(out, x, residual, weight, eps)
+    return out
+
+
 def rope(ops, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim] (rows may be strided); cos, sin [tokens, 1, head_dim]."""
     out = x.new_empty(x.shape)
@@ -53,4 +62,12 @@ def silu_and_mul(ops, gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [rows, 2 * inter] bf16 contiguous (gate | up) -> silu(gate) * up [rows, inter]."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     ops.silu_and_mul(out, gate_up)
+    return out
+
+
+def argmax_rows(ops, logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32 contiguous -> [B] int64: torch.max(-1).indices (first index on
+    ties, a NaN wins), at memory speed."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    ops.argmax_rows(out, logits)
     return out

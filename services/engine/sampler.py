@@ -19,7 +19,7 @@ import torch
 from services.engine.sampling_draw import (NUM_NUCLEUS_CANDIDATES, sample_from_probs,
                                            truncation_cutoffs)
 from services.engine.sampling_ops import (add_logit_bias_, apply_penalties_, ban_tokens_,
-                                          keep_only_, top_logprobs)
+                                          greedy_tokens, keep_only_, top_logprobs)
 from services.engine.sampling_params import SamplingParams
 from services.engine.spec.rejection import rejection_sample_any
 from services.engine.structured import bitmask as token_bitmask
@@ -91,7 +91,7 @@ class Sampler:
         edited = banned or penalized or constrained
         # (A greedy row's draft needs nothing: it is accepted iff it is the argmax.)
         if len(greedy) == num_rows and not (edited or with_logprobs):
-            return SamplerOutput(logits.float().max(-1).indices.tolist(),
+            return SamplerOutput(greedy_tokens(logits).tolist(),
                                  [None] * num_rows, [None] * num_rows)
 
         raw_logprobs = None  # [L, V] from the logits as the model gave them
@@ -108,7 +108,7 @@ class Sampler:
 
         tokens = torch.empty(num_rows, dtype=torch.long, device=work.device)  # [B]
         if greedy:
-            tokens[greedy] = _take_rows(work, greedy).max(-1).indices
+            tokens[greedy] = greedy_tokens(_take_rows(work, greedy))
         random_rows = [i for i in range(num_rows) if not rows[i].params.is_greedy]
         if random_rows:
             tokens[random_rows] = self._sample(work, rows, random_rows)

@@ -91,3 +91,45 @@ def test_token_bitmask_matches_the_torch_unpacking(ops, vocab):
     assert torch.isfinite(got[2]).sum() == 1 and torch.isfinite(got[2, 3])
     with pytest.raises(RuntimeError):
         ops.apply_token_bitmask(got, masks, torch.tensor([0, 1, 9]))
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (64, 576), (300, 100)])  # 100: a scalar tail
+def test_add_rms_norm_matches_torchs_add_then_norm(ops, rows, hidden):
+    x = (torch.randn(rows, hidden) * 3).to(torch.bfloat16)
+    residual = (torch.randn(rows, hidden) * 3).to(torch.bfloat16)
+    weight = torch.randn(hidden).to(torch.bfloat16)
+    want_residual = residual + x  # torch's bf16 add: each sum rounded to bf16
+    want = _torch_rms_norm(want_residual, weight, 1e-5)
+    got = fused.add_rms_norm(ops, x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # updated in place, bit for bit
+    assert torch.allclose(got.float(), want.float(), atol=0.07, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01
+
+
+def test_add_rms_norm_rejects_float32_and_mismatched_residuals(ops):
+    with pytest.raises(RuntimeError):
+        fused.add_rms_norm(ops, torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), 1e-5)
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        fused.add_rms_norm(ops, x, torch.randn(3, 8).to(torch.bfloat16), torch.randn(8).to(torch.bfloat16), 1e-5)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (64, 49152), (3, 37), (2, 5)])
+def test_argmax_rows_matches_torch_max(ops, rows, vocab):
+    logits = torch.randn(rows, vocab)
+    # ties (the first index wins), infinities, and a row that is all -inf
+    logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1
+    if rows > 1:
+        logits[1] = -float("inf")
+    if rows > 2:
+        logits[2, 3] = float("inf")
+    got = fused.argmax_rows(ops, logits)
+    assert torch.equal(got, logits.max(-1).indices)
+
+
+def test_argmax_rows_takes_torchs_nan_rule(ops):
+    logits = torch.randn(2, 1000)
+    logits[0, 700] = float("nan")
+    logits[0, 900] = float("nan")
+    logits[1, 999] = float("nan")  # in the scalar tail
+    assert fused.argmax_rows(ops, logits).tolist() == logits.max(-1).indices.tolist() == [700, 999]

@@ -35,6 +35,10 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Native ops only: residual += x in place; returns RMSNorm(residual)."""
+        return fused.add_rms_norm(self.native, x.contiguous(), residual, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, config) -> None:
@@ -96,6 +100,18 @@ class DecoderLayer(nn.Module):
                                          slot_mapping, attn_meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(self, rope, delta: torch.Tensor | None, residual: torch.Tensor, kv_cache,
+                      slot_mapping, attn_meta) -> torch.Tensor:
+        """The same layer with each skip connection's add fused into the norm after it (native
+        ops): the residual stream is `residual + delta` (delta None on the first layer), updated
+        in place; returns this layer's MLP output, the next delta."""
+        if delta is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed = self.input_layernorm.add_and_norm(delta, residual)
+        attn_out = self.self_attn(rope, normed, kv_cache, slot_mapping, attn_meta)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(attn_out, residual))
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config) -> None:
@@ -138,12 +154,27 @@ class LlamaForCausalLM(nn.Module):
         # starts pushing that layer while later layers compute).
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables_for(positions, hidden.dtype)
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(rope, hidden, kv_cache, slot_mapping, attn_meta)
-            if on_layer_done is not None:
-                on_layer_done(index)
-        hidden = self.norm(hidden[logits_indices])
+        if self.norm.native is not None:
+            hidden = self._layers_fused(rope, hidden, kv_caches, slot_mapping, attn_meta,
+                                        logits_indices, on_layer_done)
+        else:
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                hidden = layer(rope, hidden, kv_cache, slot_mapping, attn_meta)
+                if on_layer_done is not None:
+                    on_layer_done(index)
+            hidden = self.norm(hidden[logits_indices])
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, head).float()
+
+    def _layers_fused(self, rope, hidden, kv_caches, slot_mapping, attn_meta, logits_indices,
+                      on_layer_done) -> torch.Tensor:
+        """The layers with fused add + norm; returns the final norm of the sampled rows only
+        (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
+        residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            delta = layer.forward_fused(rope, delta, residual, kv_cache, slot_mapping, attn_meta)
+            if on_layer_done is not None:
+                on_layer_done(index)
+        return self.norm.add_and_norm(delta[logits_indices], residual[logits_indices])
