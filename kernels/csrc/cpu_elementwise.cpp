@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <algorithm>
+#include <type_traits>
 
 #include "fp32_lanes.h"  // widen / narrow: bf16 <-> fp32 with torch's rounding
 
@@ -137,22 +138,59 @@ void add_rms_norm_rows(uint16_t* out, const uint16_t* x, uint16_t* residual, con
 
 // x [tokens, heads, head_dim] rotated in place of a copy: out = x*cos + rotate_half(x)*sin.
 template <typename D>
+void rope_head(typename D::T* dst, const typename D::T* in, const typename D::T* c,
+               const typename D::T* s, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    float rotated = i < half ? -D::load(in, i + half) : D::load(in, i - half);
+    float first = D::round(D::load(in, i) * D::load(c, i));
+    float second = D::round(rotated * D::load(s, i));
+    D::store(dst, i, first + second);
+  }
+}
+
+// bf16 heads whose halves are whole vectors of 32: the same roundings, 32 dims at a time (a dim
+// and its rotation partner sit at the same lane of the two halves).
+void rope_head_bf16_vectors(uint16_t* dst, const uint16_t* in, const uint16_t* c,
+                            const uint16_t* s, int64_t head_dim) {
+  using kvrelay::Lanes;
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; i += 2 * kvrelay::kLanes) {
+    Lanes low_even, low_odd, high_even, high_odd, cos_low_even, cos_low_odd, cos_high_even,
+        cos_high_odd, sin_low_even, sin_low_odd, sin_high_even, sin_high_odd;
+    kvrelay::load_bf16_pairs(in + i, low_even, low_odd);
+    kvrelay::load_bf16_pairs(in + half + i, high_even, high_odd);
+    kvrelay::load_bf16_pairs(c + i, cos_low_even, cos_low_odd);
+    kvrelay::load_bf16_pairs(c + half + i, cos_high_even, cos_high_odd);
+    kvrelay::load_bf16_pairs(s + i, sin_low_even, sin_low_odd);
+    kvrelay::load_bf16_pairs(s + half + i, sin_high_even, sin_high_odd);
+    kvrelay::store_bf16_pairs(round_bf16(low_even * cos_low_even) + round_bf16(-high_even * sin_low_even),
+                              round_bf16(low_odd * cos_low_odd) + round_bf16(-high_odd * sin_low_odd), dst + i);
+    kvrelay::store_bf16_pairs(round_bf16(high_even * cos_high_even) + round_bf16(low_even * sin_high_even),
+                              round_bf16(high_odd * cos_high_odd) + round_bf16(low_odd * sin_high_odd),
+                              dst + half + i);
+  }
+}
+
+template <typename D>
 void rope_rows(typename D::T* out, const typename D::T* x, int64_t x_token_stride, const typename D::T* cos,
                const typename D::T* sin, int64_t tokens, int64_t heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  constexpr bool kBf16 = std::is_same_v<D, Bf16>;
+  const bool vectors = kBf16 && (head_dim / 2) % (2 * kvrelay::kLanes) == 0;
+  at::parallel_for(0, tokens, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t token = begin; token < end; ++token) {
       const typename D::T* c = cos + token * head_dim;
       const typename D::T* s = sin + token * head_dim;
       for (int64_t head = 0; head < heads; ++head) {
         const typename D::T* in = x + token * x_token_stride + head * head_dim;
         typename D::T* dst = out + (token * heads + head) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) {
-          float rotated = i < half ? -D::load(in, i + half) : D::load(in, i - half);
-          float first = D::round(D::load(in, i) * D::load(c, i));
-          float second = D::round(rotated * D::load(s, i));
-          D::store(dst, i, first + second);
+        if constexpr (kBf16) {
+          if (vectors) {
+            rope_head_bf16_vectors(dst, in, c, s, head_dim);
+            continue;
+          }
         }
+        rope_head<D>(dst, in, c, s, head_dim);
       }
     }
   });
