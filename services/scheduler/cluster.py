@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from services.common.log import get_logger
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.structured.backend import CompiledGrammar
@@ -19,8 +20,11 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.deltas import finish_delta
 from services.scheduler.messages import BOTH, DECODE, PREFILL, Delta, FinishReason, WorkerInfo
 from services.scheduler.records import Phase, RequestRecord, SampleRecord
+from services.scheduler.recovery import resumed_request
 from services.scheduler.registry import WorkerRecord, WorkerRegistry
 from services.scheduler.transfers import Transfer, TransferBook, TransferState
+
+log = get_logger(__name__)
 
 
 class Unavailable(Exception):
@@ -46,6 +50,10 @@ class ClusterScheduler:
         self.requests: dict[str, RequestRecord] = {}
         self.samples: dict[str, SampleRecord] = {}
         self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
+        # Recovered samples waiting for a live worker of the role they need (recovery.py).
+        self.stranded: list[SampleRecord] = []
+        self.no_decode_since: float | None = None  # a PD group has lost every decode worker
+        self.num_recoveries = 0
         self.accepting = True  # False while draining
 
     # ---- workers -------------------------------------------------------------------------------
@@ -54,6 +62,7 @@ class ClusterScheduler:
         replaced = self.registry.register(info)
         if replaced is not None:
             self.worker_died(replaced, "worker re-registered")
+        self._place_stranded()  # recovered samples may be waiting for this very role
         self.retry_awaiting()  # a new decode worker may be what they wait for
         return self.registry.workers[info.worker_id]
 
@@ -81,7 +90,8 @@ class ClusterScheduler:
         for sample in list(self.samples.values()):
             request = sample.request
             if (sample.worker is not worker or request.status is not RequestStatus.WAITING
-                    or request.num_computed_tokens or request.num_output_tokens):
+                    or request.num_computed_tokens or request.num_output_tokens
+                    or sample in self.stranded):
                 continue
             target = _best_placed(others, request.prompt_token_ids)
             worker.core.abort([sample.seq_id])
@@ -95,8 +105,8 @@ class ClusterScheduler:
     def holds_sequences(self, worker: WorkerRecord) -> bool:
         """Anything still queued, running, reserved or being sent on this worker (a prefill
         worker is done with a sample once its pages have landed)."""
-        return any(not s.done and s.worker is worker for s in self.samples.values()) \
-            or self.transfers.involves(worker)
+        return any(not s.done and s.worker is worker and s not in self.stranded
+                   for s in self.samples.values()) or self.transfers.involves(worker)
 
     def retire(self, worker: WorkerRecord) -> None:
         """A drained worker leaves the group; it holds nothing any more."""
@@ -252,7 +262,7 @@ class ClusterScheduler:
             self._release_orphan(effects.released)
         failed = [(self.samples[t.seq_id], message) for t, message in effects.failed]
         for sample, message in failed:
-            self.end_sample(sample, finish_delta(sample, FinishReason.ERROR, message))
+            self._recover(sample, message)  # its pages never landed: prefilled again
         if effects.group is not None:
             self._activate_ready(effects.group)  # this result may have been the last
         self.retry_awaiting()
@@ -299,6 +309,8 @@ class ClusterScheduler:
             return
         if sample in self.awaiting_decode:
             self.awaiting_decode.remove(sample)
+        if sample in self.stranded:
+            self.stranded.remove(sample)
         transfer = sample.transfer
         state = self.transfers.cancel(transfer) if transfer is not None else None
         # A send ordered in a step that is still running copies its pages out during that
@@ -359,8 +371,8 @@ class ClusterScheduler:
         for transfer, sample in lost:
             self._transfer_lost(transfer, sample, error)
         for sample in list(self.samples.values()):
-            if sample.worker is worker and not sample.done:
-                self.end_sample(sample, finish_delta(sample, FinishReason.ERROR, error))
+            if sample.worker is worker and not sample.done and sample not in self.stranded:
+                self._recover(sample, error)
         self.retry_awaiting()
 
     def _transfer_lost(self, transfer: Transfer, sample: SampleRecord, error: str) -> None:
@@ -375,7 +387,7 @@ class ClusterScheduler:
             self._free_source(sample)
             self._drop_if_done(sample.parent)
         else:
-            self.end_sample(sample, finish_delta(sample, FinishReason.ERROR, error))
+            self._recover(sample, error)
         self._activate_ready(transfer.step_id)  # it may have been its group's last send
 
     def _set_aside(self, transfer: Transfer) -> None:
@@ -394,6 +406,80 @@ class ClusterScheduler:
             self.wake(entry.worker)
         if due:
             self.retry_awaiting()
+
+    # ---- recovery (recovery.py) ---------------------------------------------------------------
+    def _recover(self, sample: SampleRecord, error: str) -> None:
+        """Start the sample over on a live worker, its tokens so far as the prompt; past its
+        retry budget, or with its pages still being copied out, it ends with the error."""
+        transfer = sample.transfer
+        in_flight = transfer is not None and transfer.state not in (
+            TransferState.FAILED, TransferState.CANCELLED)
+        if sample.retries >= self.config.max_request_retries or in_flight:
+            suffix = f" (after {sample.retries} retries)" if sample.retries else ""
+            self.end_sample(sample, finish_delta(sample, FinishReason.ERROR, error + suffix))
+            return
+        if sample in self.awaiting_decode:
+            self.awaiting_decode.remove(sample)
+        if transfer is not None:
+            self.transfers.cancel(transfer)
+            self._free_destination(transfer)
+            sample.transfer = None
+        self._free_source(sample)
+        request, num_folded = resumed_request(sample)
+        sample.request = request
+        sample.retries += 1
+        sample.resumed_outputs += num_folded
+        self.num_recoveries += 1
+        log.info("sample recovered", seq_id=sample.seq_id, retry=sample.retries,
+                 num_tokens=request.num_prompt_tokens, reason=error)
+        self._place_recovered(sample)
+
+    def _place_recovered(self, sample: SampleRecord) -> None:
+        target = self._recovery_target(sample.request.prompt_token_ids)
+        if target is None:  # none alive now: wait (bounded, expire_waits) for one to register
+            if sample not in self.stranded:
+                sample.stranded_since = time.monotonic()
+                self.stranded.append(sample)
+            return
+        if sample in self.stranded:
+            self.stranded.remove(sample)
+        sample.stranded_since = None
+        sample.worker = target
+        sample.move(Phase.PREFILL if target.role is PREFILL else Phase.COLOCATED)
+        target.core.add_request(sample.request)
+        self.wake(target)
+
+    def _recovery_target(self, prompt: list[int]) -> WorkerRecord | None:
+        """Where a recovered sample prefills: a prefill worker in a PD group, else a `both`."""
+        is_pd = any(w.role is PREFILL for w in self.registry.workers.values())
+        live = self.registry.live(PREFILL if is_pd else BOTH)
+        return _best_placed(live, prompt) if live else None
+
+    def _place_stranded(self) -> None:
+        for sample in list(self.stranded):
+            self._place_recovered(sample)
+
+    def expire_waits(self, now: float) -> None:
+        """Recovered samples end with an error once no worker of the role they need has come
+        back within worker_wait_s: stranded ones, and prefilled ones awaiting a decode worker
+        in a group that has none left."""
+        wait_s = self.config.worker_wait_s
+        for sample in list(self.stranded):
+            if now - sample.stranded_since >= wait_s:
+                self.end_sample(sample, finish_delta(
+                    sample, FinishReason.ERROR, f"no worker to continue on came back within "
+                                                f"{wait_s:.0f}s"))
+        is_pd = any(w.role is PREFILL for w in self.registry.workers.values())
+        if not is_pd or self.registry.live(DECODE):
+            self.no_decode_since = None
+            return
+        if self.no_decode_since is None:
+            self.no_decode_since = now
+        elif now - self.no_decode_since >= wait_s:
+            for sample in list(self.awaiting_decode):
+                self.end_sample(sample, finish_delta(
+                    sample, FinishReason.ERROR, f"no decode worker came back within "
+                                                f"{wait_s:.0f}s"))
 
     def expire_leases(self) -> list[WorkerRecord]:
         expired = self.registry.expired(time.monotonic())

@@ -34,6 +34,13 @@ class SchedulerConfig:
     # 503 with Retry-After) instead of queueing without bound. 0: no limit.
     max_queued_requests: int = 1024
     max_queued_prompt_tokens: int = 1 << 20
+    # A sample whose worker died (or whose KV transfer failed) is re-prefilled elsewhere, its
+    # tokens so far as the prompt, at most this many times (a poison request must not take
+    # down worker after worker); 0: it ends with the error at once.
+    max_request_retries: int = 2
+    # Such a sample waits at most this long for a live worker of the role it needs (one being
+    # restarted) before it ends with the error.
+    worker_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.shared_compute_steps not in SHARED_COMPUTE_MODES:
@@ -44,5 +51,7 @@ class SchedulerConfig:
             raise ValueError(f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}")
         if self.max_queued_requests < 0 or self.max_queued_prompt_tokens < 0:
             raise ValueError("max_queued_requests and max_queued_prompt_tokens must be >= 0")
+        if self.max_request_retries < 0 or self.worker_wait_s < 0:
+            raise ValueError("max_request_retries and worker_wait_s must be >= 0")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")

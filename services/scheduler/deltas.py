@@ -21,7 +21,8 @@ def token_delta(sample: SampleRecord, request: Request, num_new: int,
         logprobs=logprobs,
         # the first delta of the sample says how much of its prompt was a prefix hit
         num_cached_prompt_tokens=(request.num_cached_prompt_tokens
-                                  if request.num_output_tokens == num_new else 0),
+                                  if request.num_output_tokens == num_new
+                                  and not sample.resumed_outputs else 0),
         finish_reason=FINISH_REASONS[request.status] if finished else None,
         stop_token_id=request.stop_token_id if finished else None)
 

@@ -1,5 +1,6 @@
 """The scheduler's periodic sweep: declare workers whose lease ran out dead, free the decode
-blocks set aside for lost senders once their deadline passed.
+blocks set aside for lost senders once their deadline passed, end recovered samples that no
+live worker came back for.
 
 A lease measures a worker's silence, and only this event loop can hear it: while the loop is
 stalled (CPU starvation, a long pause), heartbeats that arrive wait behind the sweep's own
@@ -32,4 +33,5 @@ async def reap_leases(cluster: ClusterScheduler, period_s: float,
         for worker in cluster.expire_leases():
             on_expired(worker)
         cluster.release_set_aside(time.monotonic())
+        cluster.expire_waits(time.monotonic())
         after_sweep()

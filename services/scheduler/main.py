@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0,
              help="seconds a prefill worker has to push a sample's KV pages; the decode "
                   "blocks of a lost worker's sends are held this long (plus a lease)")
+    add_flag(parser, "--max-request-retries", type=int, default=2,
+             help="a request whose worker dies (or whose KV transfer fails) is re-prefilled on "
+                  "a live worker, its tokens so far as the prompt, this many times at most "
+                  "(0: it ends with the error)")
+    add_flag(parser, "--worker-wait-timeout", type=float, default=60.0,
+             help="seconds such a request waits for a live worker of the role it needs (e.g. "
+                  "the one being restarted) before it ends with the error")
     add_flag(parser, "--lease-ms", type=int, default=3000,
              help="a worker silent for this long is declared dead")
     add_flag(parser, "--model", default=None,
@@ -108,7 +115,8 @@ async def serve(args: argparse.Namespace) -> None:
         transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport,
         model=args.model, structured_outputs_backend=args.structured_outputs_backend,
         max_queued_requests=args.max_queued_requests,
-        max_queued_prompt_tokens=args.max_queued_prompt_tokens)
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        max_request_retries=args.max_request_retries, worker_wait_s=args.worker_wait_timeout)
     service = SchedulerService(config)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])

@@ -7,6 +7,8 @@ to end in one place.
 
     PREFILL --first token--> TRANSFER --pages landed--> DECODE --> DONE
     COLOCATED --> DONE;  any phase --ended (finished, aborted, failed)--> DONE
+    PREFILL, TRANSFER, DECODE --its worker died, or its transfer failed--> PREFILL (recovery:
+    re-prefilled with its tokens so far as the prompt);  COLOCATED --the same--> COLOCATED
 """
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ class Phase(enum.Enum):
 
 
 _NEXT: dict[Phase, frozenset[Phase]] = {
-    Phase.PREFILL: frozenset({Phase.TRANSFER, Phase.DONE}),
-    Phase.TRANSFER: frozenset({Phase.DECODE, Phase.DONE}),
-    Phase.DECODE: frozenset({Phase.DONE}),
-    Phase.COLOCATED: frozenset({Phase.DONE}),
+    Phase.PREFILL: frozenset({Phase.TRANSFER, Phase.PREFILL, Phase.DONE}),
+    Phase.TRANSFER: frozenset({Phase.DECODE, Phase.PREFILL, Phase.DONE}),
+    Phase.DECODE: frozenset({Phase.PREFILL, Phase.DONE}),
+    Phase.COLOCATED: frozenset({Phase.COLOCATED, Phase.DONE}),
     Phase.DONE: frozenset(),
 }
 
@@ -51,6 +53,13 @@ class SampleRecord:
     worker: WorkerRecord
     phase: Phase
     transfer: Transfer | None = None  # the handoff under way, or an orphaned one, or None
+    retries: int = 0  # recoveries so far (its worker died, or its transfer failed)
+    # Output tokens folded into the prompt of the engine request by recoveries: `request`
+    # counts only what it generated since.
+    resumed_outputs: int = 0
+    # Set while a recovered sample waits for a live worker of the role it needs (not on any
+    # worker's queue then): when it started waiting.
+    stranded_since: float | None = None
 
     def move(self, to: Phase) -> None:
         if to not in _NEXT[self.phase]:

@@ -84,7 +84,8 @@ def apply_result(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan
         request = item.request
         token = sampled.get(request.request_id)
         sample = cluster.samples.get(request.request_id)
-        if token is None or sample is None or sample.done:
+        # (a sample recovered while this step ran lives on in another engine request)
+        if token is None or sample is None or sample.done or sample.request is not request:
             continue
         # fewer than the step emitted where a stop came inside an accepted run
         num_new = request.num_output_tokens - num_before[request.request_id]

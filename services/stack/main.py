@@ -15,6 +15,7 @@ from services.common.flags import add_flag, flag_env_names
 from services.engine.spec.config import SpeculativeConfig
 from services.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
 from services.stack.ports import busy_ports
+from services.stack.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from services.stack.supervisor import Supervisor, say
 
 STATE_FILE_NAME = "stack.json"
@@ -82,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--startup-timeout", type=float, default=600.0, help="seconds")
     add_flag(parser, "--stop-timeout", type=float, default=40.0,
              help="seconds for a graceful stop before stragglers are killed")
+    add_flag(parser, "--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+             help="a crashed service is restarted with exponential backoff (1 s, 2 s, ... up "
+                  "to 30 s) this many times in a row; a service that serves for 60 s has its "
+                  "count reset; 0: a crash stops the whole stack")
     parser.set_defaults(env_names=list(flag_env_names(parser).values()))
 
 
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     state_path = (Path(args.state_file) if args.state_file
                   else log_dir / STATE_FILE_NAME if log_dir else None)
     supervisor = Supervisor(plan_stack(args), args.topology, log_dir, state_path,
-                            args.startup_timeout, args.stop_timeout, _child_env(args))
+                            args.startup_timeout, args.stop_timeout, _child_env(args),
+                            RestartPolicy(max_restarts=args.max_restarts))
     return supervisor.run()
 
 
@@ -105,6 +111,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
               args.gateways, args.tokenizers)
     if min(counts) < 1:
         return "worker, group, gateway and tokenizer counts must be >= 1"
+    if args.max_restarts < 0:
+        return "--max-restarts must be >= 0"
     internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))
     public = public_ports(args)
     if len(set(public)) < len(public) or set(public) & set(internal):

@@ -12,11 +12,13 @@ from pathlib import Path
 from services.stack.child import Child
 
 
-def stack_state(status: str, topology: str, children: list[Child], ready: set[str]) -> dict:
+def stack_state(status: str, topology: str, children: list[Child], ready: set[str],
+                restarts: dict[str, int] | None = None) -> dict:
     gateways = [child.spec for child in children if child.spec.kind == "gateway"]
     gateway = gateways[0]
     return {
-        "status": status,  # starting, ready, stopping, stopped, failed
+        # starting, ready, degraded (a crashed child is being restarted), stopping, stopped, failed
+        "status": status,
         "pid": os.getpid(),
         "topology": topology,
         "rest_url": gateway.rest_url,
@@ -33,6 +35,7 @@ def stack_state(status: str, topology: str, children: list[Child], ready: set[st
             "log": str(child.log_path) if child.log_path else None,
             "ready": child.name in ready,
             "exit_code": child.exit_code(),
+            "restarts": (restarts or {}).get(child.name, 0),
         } for child in children},
     }
 

@@ -1,7 +1,9 @@
-"""Runs the stack: start services as their dependencies become healthy, watch them, stop them.
+"""Runs the stack: start services as their dependencies become healthy, watch them, restart the
+ones that crash (restarts.py), stop them.
 
-One thread, one polling loop; signal handlers only count signals, so every decision (start, fail,
-stop) happens in the loop where the state is plain. A second Ctrl-C skips the graceful stop.
+One thread, one polling loop; signal handlers only count signals, so every decision (start,
+restart, fail, stop) happens in the loop where the state is plain. A second Ctrl-C skips the
+graceful stop.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from pathlib import Path
 from services.stack.child import Child
 from services.stack.health import HealthProbe
 from services.stack.plan import ServiceSpec
+from services.stack.restarts import RestartPolicy, RestartState
 from services.stack.state import stack_state, write_state
 
 POLL_S = 0.2
+RESTART_PROBE_EVERY_S = 1.0  # how often a restarted child's health is asked until it serves
 PROGRESS_EVERY_S = 10.0
 # Stop order: nothing new comes in, then the front services drain, then the workers go.
 STOP_STAGES = (("gateway",), ("tokenizer", "scheduler"), ("worker",))
@@ -23,8 +27,10 @@ STOP_STAGES = (("gateway",), ("tokenizer", "scheduler"), ("worker",))
 class Supervisor:
     def __init__(self, specs: list[ServiceSpec], topology: str, log_dir: Path | None,
                  state_path: Path | None, startup_timeout_s: float, stop_timeout_s: float,
-                 base_env: dict[str, str]) -> None:
+                 base_env: dict[str, str], restart_policy: RestartPolicy | None = None) -> None:
         self.children = [Child(spec, log_dir) for spec in specs]
+        policy = restart_policy or RestartPolicy()
+        self.restarts = {child.name: RestartState(policy) for child in self.children}
         self.topology = topology
         self.state_path = state_path
         self.startup_timeout_s = startup_timeout_s
@@ -106,6 +112,7 @@ class Supervisor:
             statuses[child.name] = probes[child.name].status()
             if statuses[child.name] == "SERVING":
                 self.ready.add(child.name)
+                self.restarts[child.name].serving(time.monotonic())
                 say(f"{child.name:<10} SERVING after {time.monotonic() - self.started_at:.1f}s")
                 self._publish("starting")
         return True
@@ -123,24 +130,75 @@ class Supervisor:
 
     # ---- running -------------------------------------------------------------------------------
     def _watch(self) -> int:
-        """Wait for a signal (0) or a child's death (1). A worker that exits cleanly was drained
-        (SIGTERM) and left its group on purpose; the stack serves on without it."""
+        """Serve until a signal (0) or a child that crashed more often than the restart policy
+        allows (1). A crashed child is restarted after its backoff while the rest serves on; a
+        worker that exits cleanly was drained (SIGTERM) and left its group on purpose."""
         retired: set[str] = set()
-        while not self.num_signals:
-            for child in self.children:
-                code = child.exit_code()
-                if code is None or child.name in retired:
-                    continue
-                if code == 0 and child.spec.kind == "worker":
-                    retired.add(child.name)
-                    say(f"{child.name} drained and left its group")
-                    self._publish("ready")
-                    continue
-                self._report_death(child, "while serving; stopping the stack")
-                return 1
-            time.sleep(POLL_S)
+        probes: dict[str, HealthProbe] = {}
+        next_probe = 0.0
+        try:
+            while not self.num_signals:
+                now = time.monotonic()
+                for child in self.children:
+                    if child.name in retired:
+                        continue
+                    if not self._check_child(child, now, retired):
+                        return 1
+                if now >= next_probe:
+                    self._probe_restarted(probes, now)
+                    next_probe = now + RESTART_PROBE_EVERY_S
+                time.sleep(POLL_S)
+        finally:
+            for probe in probes.values():
+                probe.close()
         say("stopping")
         return 0
+
+    def _check_child(self, child: Child, now: float, retired: set[str]) -> bool:
+        """Restart a child whose backoff is over, note a new death; False: give up."""
+        state = self.restarts[child.name]
+        if state.due(now):
+            child.kill_group()  # whatever the dead child left behind
+            child.start(self.base_env)
+            state.restarted()
+            say(f"{child.name:<10} restarted (pid {child.pid}, restart {state.total_restarts})")
+            self._publish("degraded")
+            return True
+        code = child.exit_code()
+        if code is None or state.restart_at is not None:
+            return True
+        if code == 0 and child.spec.kind == "worker":
+            retired.add(child.name)
+            self.ready.discard(child.name)
+            say(f"{child.name} drained and left its group")
+            self._publish(self._serving_status())
+            return True
+        self.ready.discard(child.name)
+        delay = state.crashed(now)
+        if delay is None:
+            self._report_death(child, f"while serving, {state.consecutive_crashes} times in a "
+                                      f"row; giving up and stopping the stack")
+            return False
+        self._report_death(child, f"while serving; restarting it in {delay:.0f}s")
+        self._publish("degraded")
+        return True
+
+    def _probe_restarted(self, probes: dict[str, HealthProbe], now: float) -> None:
+        """Mark restarted children SERVING again once their health says so."""
+        for child in self.children:
+            if child.name in self.ready or not child.alive():
+                continue
+            if child.name not in probes:
+                probes[child.name] = HealthProbe(child.spec.address, child.spec.rest_url)
+            if probes[child.name].status() == "SERVING":
+                self.ready.add(child.name)
+                self.restarts[child.name].serving(now)
+                say(f"{child.name:<10} SERVING again")
+                self._publish(self._serving_status())
+
+    def _serving_status(self) -> str:
+        down = [c for c in self.children if c.name not in self.ready and c.exit_code() != 0]
+        return "degraded" if down else "ready"
 
     def _print_endpoints(self) -> None:
         gateways = [child.spec for child in self.children if child.spec.kind == "gateway"]
@@ -175,8 +233,9 @@ class Supervisor:
 
     def _publish(self, status: str) -> None:
         if self.state_path is not None:
+            restarts = {name: state.total_restarts for name, state in self.restarts.items()}
             write_state(self.state_path, stack_state(status, self.topology, self.children,
-                                                     self.ready))
+                                                     self.ready, restarts))
 
 
 def say(message: str) -> None:

@@ -62,6 +62,7 @@ class InFlightSend:
     order: SendOrder
     prefill: WorkerRecord
     decode: WorkerRecord
+    prompt: tuple[int, ...]  # what the pages hold: a recovered sample's prompt has its outputs
 
 
 @dataclass
@@ -140,7 +141,9 @@ class ClusterDriver:
         for order in plan.order.kv_sends:
             self._check_order(order, worker, pushed_now)
             transfer = self.cluster.transfers.open[order.transfer_id]
-            self.sends[order.transfer_id] = InFlightSend(order, worker, transfer.destination)
+            self.sends[order.transfer_id] = InFlightSend(
+                order, worker, transfer.destination,
+                tuple(transfer.decode_request.prompt_token_ids))
         if worker.role == DECODE:
             for item in plan.output.scheduled:
                 self._read_pages(worker, item)
@@ -153,6 +156,8 @@ class ClusterDriver:
         step = self.steps.pop(worker_id)
         sampled = []
         for item in step.sampling:
+            if item.request.is_finished:  # ended (or recovered) while the step ran: the
+                continue  # scheduler drops whatever the worker sampled for it
             token_id = self._next_token(item.request)
             self.sampled[item.request.request_id].append(token_id)
             sampled.append(Sampled(item.request.request_id, (token_id,)))
@@ -205,7 +210,7 @@ class ClusterDriver:
 
     def _write_pages(self, send: InFlightSend, ok: bool) -> None:
         """What the push wrote: the prompt's pages, whole, or torn when it failed part way."""
-        prompt_ids = self.requests[send.order.seq_id.rsplit("/", 1)[0]].prompt
+        prompt_ids = send.prompt
         dst_block_ids = list(send.order.dst_block_ids)
         first = _num_blocks(len(prompt_ids)) - len(dst_block_ids)
         for index, block_id in enumerate(dst_block_ids, start=first):
@@ -283,6 +288,11 @@ class ClusterDriver:
             if not progressed and self.cluster.transfers.set_aside:
                 # What waits may wait for blocks a lost sender's deadline holds: time passes.
                 self.cluster.release_set_aside(math.inf)
+                continue
+            if not progressed and self.cluster.stranded:
+                # Recovered samples wait for a worker of their role: none comes, time passes.
+                self.cluster.expire_waits(math.inf)
+                self.flush()
                 continue
             if not progressed:
                 raise AssertionError(f"stuck with live requests: {self.describe()}")

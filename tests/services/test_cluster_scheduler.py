@@ -250,8 +250,26 @@ def test_colocated_abort_frees_everything(in_flight):
 
 # ---- failures ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("moment", ["before-step-result", "after-step-result"])
-def test_pd_failed_transfer_ends_the_sample_with_an_error(moment):
+def test_pd_failed_transfer_prefills_the_sample_again(moment):
     driver = pd_driver()
+    driver.submit("r", prompt(40), max_tokens=6)
+    driver.submit("other", prompt(20, first=40), max_tokens=3)
+    driver.start_step("p0")
+    transfer_id = next(t for t, s in driver.sends.items() if s.order.seq_id == "r/0")
+    if moment == "after-step-result":
+        driver.finish_step("p0")
+    driver.send_result(transfer_id, ok=False)
+    driver.check_accounting()
+    _finish(driver)
+    assert driver.final("r").finish_reason == LENGTH  # re-prefilled, then decoded to its end
+    assert len(driver.tokens("r")) == 6
+    assert driver.final("other").finish_reason == LENGTH
+    assert driver.cluster.num_recoveries == 1
+
+
+@pytest.mark.parametrize("moment", ["before-step-result", "after-step-result"])
+def test_pd_failed_transfer_without_retries_ends_the_sample_with_an_error(moment):
+    driver = pd_driver(scheduler_config={"max_request_retries": 0})
     driver.submit("r", prompt(40), max_tokens=6)
     driver.submit("other", prompt(20, first=40), max_tokens=3)
     driver.start_step("p0")
@@ -267,8 +285,23 @@ def test_pd_failed_transfer_ends_the_sample_with_an_error(moment):
 
 @pytest.mark.parametrize("dead", ["p0", "d0"])
 @pytest.mark.parametrize("phase", PD_PHASES)
-def test_pd_worker_death_in_each_phase_frees_everything(phase, dead):
+def test_pd_worker_death_in_each_phase_costs_no_request(phase, dead):
     driver = pd_driver(max_num_batched_tokens=16)
+    driver.submit("r", prompt(40), max_tokens=6)
+    _to_phase(driver, phase)
+    driver.kill(dead)
+    driver.check_accounting()
+    driver.register(worker_info(dead, driver.worker(dead).role, 16))  # its replacement
+    _finish(driver)
+    final = driver.final("r")
+    assert final.finish_reason == LENGTH, final  # re-prefilled where its worker died
+    assert len(driver.tokens("r")) == 6
+
+
+@pytest.mark.parametrize("dead", ["p0", "d0"])
+@pytest.mark.parametrize("phase", PD_PHASES)
+def test_pd_worker_death_without_retries_frees_everything(phase, dead):
+    driver = pd_driver(max_num_batched_tokens=16, scheduler_config={"max_request_retries": 0})
     driver.submit("r", prompt(40), max_tokens=6)
     _to_phase(driver, phase)
     driver.kill(dead)
@@ -282,6 +315,41 @@ def test_pd_worker_death_in_each_phase_frees_everything(phase, dead):
     assert final.finish_reason == (LENGTH if survives else ERROR), final
     if not survives:
         assert "failed" in final.error
+
+
+def test_a_recovered_sample_waits_for_a_worker_of_its_role_within_the_bound():
+    driver = pd_driver(max_num_batched_tokens=16, scheduler_config={"worker_wait_s": 30.0})
+    driver.submit("r", prompt(40), max_tokens=6)
+    _to_phase(driver, "decoding")
+    driver.kill("p0")
+    driver.kill("d0")  # nobody left to re-prefill it on
+    assert driver.cluster.stranded and not driver.requests["r"].deltas[0][-1].finish_reason
+    now = time.monotonic()
+    driver.cluster.expire_waits(now + 10)
+    assert driver.cluster.stranded  # within the bound: still waiting
+    driver.cluster.expire_waits(now + 31)
+    driver.flush()
+    assert driver.final("r").finish_reason == ERROR
+    assert "came back within 30s" in driver.final("r").error
+    driver.check_accounting()
+
+
+def test_a_poison_request_stops_after_its_retry_budget():
+    driver = pd_driver(max_num_batched_tokens=16, scheduler_config={"max_request_retries": 2})
+    driver.submit("r", prompt(40), max_tokens=6)
+    sample = driver.cluster.samples["r/0"]
+    for _ in range(3):  # it "kills" its decode worker each time it gets there
+        while sample.phase is not Phase.DECODE:
+            if driver.sends:
+                driver.deliver_sends()
+            else:
+                assert driver.step("p0")
+        driver.kill("d0")
+        driver.register(worker_info("d0", DECODE, 16))
+    driver.flush()
+    assert driver.final("r").finish_reason == ERROR
+    assert "after 2 retries" in driver.final("r").error
+    driver.check_accounting()
 
 
 def test_pd_worker_death_of_the_prefill_worker_with_an_aborted_sample_in_flight():
@@ -304,7 +372,7 @@ def test_pd_worker_death_of_the_prefill_worker_with_an_aborted_sample_in_flight(
 def test_pd_lost_prefill_workers_late_pages_land_in_no_one_elses_blocks():
     """A prefill worker declared dead may still be running and pushing (a partition, a
     stall). Its destination blocks go to no one until its orders' deadline has passed."""
-    driver = pd_driver(decode_blocks=3)  # one 40-token prompt fills the decode worker
+    driver = pd_driver(decode_blocks=3, scheduler_config={"max_request_retries": 0})  # one 40-token prompt fills the decode worker
     driver.submit("a", prompt(40), max_tokens=3)
     driver.start_step("p0")  # a's send is on its way
     driver.kill("p0", zombie=True)
@@ -324,7 +392,7 @@ def test_pd_lost_prefill_workers_late_pages_land_in_no_one_elses_blocks():
 
 
 def test_pd_replacement_decode_worker_takes_samples_that_waited_for_one():
-    driver = pd_driver(decode_blocks=4)
+    driver = pd_driver(decode_blocks=4, scheduler_config={"max_request_retries": 0})
     driver.submit("a", prompt(40), max_tokens=6)
     driver.submit("b", prompt(40, first=50), max_tokens=6)
     driver.step("p0")
@@ -337,13 +405,28 @@ def test_pd_replacement_decode_worker_takes_samples_that_waited_for_one():
     assert driver.tokens("b") == [FILLER] * 6
 
 
-def test_colocated_worker_death_ends_its_requests_with_an_error():
-    driver = colocated_driver()
+def test_colocated_worker_death_without_retries_ends_its_requests_with_an_error():
+    driver = colocated_driver(scheduler_config={"max_request_retries": 0})
     driver.submit("r", prompt(40), max_tokens=6, n=2)
     driver.step("c0")
     driver.kill("c0")
     driver.check_deltas(ended=True)
     assert {driver.final("r", i).finish_reason for i in range(2)} == {ERROR}
+    driver.assert_quiescent()
+
+
+def test_colocated_worker_death_continues_both_samples_on_its_replacement():
+    driver = colocated_driver()
+    driver.submit("r", prompt(40), max_tokens=6, n=2)
+    driver.step("c0")
+    driver.step("c0")
+    driver.kill("c0")
+    assert {s.seq_id for s in driver.cluster.stranded} == {"r/0", "r/1"}  # none to go to yet
+    driver.register(worker_info("c0", BOTH, 16))
+    _finish(driver)
+    driver.check_deltas(ended=True)
+    assert [len(driver.tokens("r", i)) for i in range(2)] == [6, 6]
+    assert {driver.final("r", i).finish_reason for i in range(2)} == {LENGTH}
     driver.assert_quiescent()
 
 
@@ -534,7 +617,7 @@ def test_pd_prefix_in_flight_is_shared_and_pushed_once_per_step():
 
 
 def test_pd_a_failed_push_of_a_shared_prefix_fails_who_relies_on_it():
-    driver = pd_driver(decode_blocks=5)
+    driver = pd_driver(decode_blocks=5, scheduler_config={"max_request_retries": 0})
     driver.submit("a", _shared_prompt(50), max_tokens=3)
     driver.submit("b", _shared_prompt(60), max_tokens=3)
     driver.start_step("p0")
@@ -548,7 +631,7 @@ def test_pd_a_failed_push_of_a_shared_prefix_fails_who_relies_on_it():
 
 def test_pd_prefix_shared_with_an_earlier_steps_transfer_is_pushed_again():
     """Only sends of one step land together; across steps each transfer pushes its blocks."""
-    driver = pd_driver(decode_blocks=5, max_num_batched_tokens=40)  # one prompt per step
+    driver = pd_driver(decode_blocks=5, max_num_batched_tokens=40, scheduler_config={"max_request_retries": 0})  # one prompt a step
     driver.submit("a", _shared_prompt(50), max_tokens=3)
     driver.submit("b", _shared_prompt(60), max_tokens=3)
     driver.step("p0")  # a, its send still in flight
@@ -564,7 +647,7 @@ def test_pd_prefix_shared_with_an_earlier_steps_transfer_is_pushed_again():
 
 
 def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
-    driver = pd_driver()
+    driver = pd_driver(scheduler_config={"max_request_retries": 0})
     driver.submit("a", _shared_prompt(50), max_tokens=2)
     driver.start_step("p0")
     driver.finish_step("p0")

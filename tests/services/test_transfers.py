@@ -6,7 +6,9 @@ import pytest
 
 from services.scheduler.records import IllegalPhase, Phase
 from services.scheduler.transfers import IllegalTransition, TransferState
-from tests.services.cluster_driver import ABORT, ERROR, FILLER, pd_driver, prompt
+from services.scheduler.messages import DECODE
+from tests.services.cluster_driver import (ABORT, ERROR, FILLER, LENGTH, pd_driver, prompt,
+                                          worker_info)
 
 S = TransferState
 
@@ -16,9 +18,9 @@ def _only_transfer(driver):
     return transfer
 
 
-def _sending(max_tokens: int):
+def _sending(max_tokens: int, **scheduler_config):
     """Request "r" in the prefill step that computes its prompt and carries its send."""
-    driver = pd_driver()
+    driver = pd_driver(scheduler_config=scheduler_config)
     driver.submit("r", prompt(40), max_tokens=max_tokens)
     driver.start_step("p0")
     return driver, _only_transfer(driver)
@@ -69,7 +71,7 @@ def test_a_sample_ended_in_flight_orphans_its_transfer_until_the_result():
 
 
 def test_a_lost_sender_sets_the_destination_blocks_aside():
-    driver, transfer = _sending(6)
+    driver, transfer = _sending(6, max_request_retries=0)
     driver.kill("p0", zombie=True)
     assert transfer.state is S.LOST and driver.final("r").finish_reason == ERROR
     [entry] = driver.cluster.transfers.set_aside
@@ -79,7 +81,7 @@ def test_a_lost_sender_sets_the_destination_blocks_aside():
 
 
 def test_a_lost_destination_drops_its_transfers():
-    driver, transfer = _sending(6)
+    driver, transfer = _sending(6, max_request_retries=0)
     driver.kill("d0")
     assert transfer.state is S.DROPPED and driver.final("r").finish_reason == ERROR
     driver.send_result(transfer.transfer_id, ok=False)  # late: nothing left to do
@@ -125,4 +127,17 @@ def test_an_illegal_sample_phase_raises():
     driver.run()
     with pytest.raises(IllegalPhase):
         sample.move(Phase.PREFILL)
+    driver.assert_quiescent()
+
+
+def test_a_lost_destination_sends_its_sample_to_be_prefilled_again():
+    driver, transfer = _sending(6)
+    driver.kill("d0")
+    assert transfer.state is S.DROPPED
+    sample = driver.cluster.samples["r/0"]
+    assert sample.retries == 1 and sample.phase is Phase.PREFILL  # queued on p0 again
+    driver.finish_step("p0")  # the old step's token is dropped: the sample starts over
+    driver.register(worker_info("d0", DECODE, 16))
+    driver.run()
+    assert driver.final("r").finish_reason == LENGTH and len(driver.tokens("r")) == 6
     driver.assert_quiescent()
