@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: test up bench protos venv clean
+.PHONY: test chaos up bench protos venv clean
 
 venv: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): requirements.txt pyproject.toml
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests
+
+# Real faults (SIGKILL, SIGSTOP, 1,000 disconnects) on a real stack under load: ~10 minutes.
+chaos: $(STAMP)
+	KVRELAY_CHAOS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/chaos
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/offline.py

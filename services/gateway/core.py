@@ -29,14 +29,18 @@ log = get_logger(__name__)
 STATS_POLL_S = 0.5
 SINGLE_GROUP_STATS_POLL_S = 2.0
 RECONNECT_DELAY_S = 0.5
+READY_POLL_S = 0.25  # while a request waits for a ready scheduler group
 # How long an Outputs stream must stay open, without initial metadata, to count as registered.
 REGISTER_GRACE_S = 1.0
 
 
 class GatewayCore:
     def __init__(self, upstream: Upstream, gateway_id: str,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, submit_wait_s: float = 0.0) -> None:
         self.upstream = upstream
+        # A request that finds no scheduler group ready (one restarting, or whose only decode
+        # worker is) waits this long for one before its 503: it has not started anywhere.
+        self.submit_wait_s = submit_wait_s
         self.gateway_id = gateway_id
         self.served_model_name_flag = served_model_name
         outbox: asyncio.Queue = asyncio.Queue()  # router -> tokenizer, in order
@@ -124,9 +128,7 @@ class GatewayCore:
         """Submit one scheduler request per prompt; their deltas come out of the group."""
         if self.draining:
             raise GatewayError("unavailable", "the gateway is shutting down")
-        scheduler = least_loaded(self.upstream.groups)
-        if scheduler is None:
-            raise GatewayError("unavailable", "no scheduler group is ready")
+        scheduler = await self._ready_group()
         if request_id in self.groups:
             raise GatewayError("invalid_request", f"request id {request_id!r} is in use")
         queue: asyncio.Queue = asyncio.Queue()
@@ -145,6 +147,16 @@ class GatewayCore:
             raise
         metrics.PROMPT_TOKENS.inc(sum(map(len, prompts)))
         return group
+
+    async def _ready_group(self) -> SchedulerGroup:
+        """The least loaded ready scheduler group, waiting up to submit_wait_s for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.submit_wait_s
+        while (scheduler := least_loaded(self.upstream.groups)) is None:
+            if self.draining or loop.time() >= deadline:
+                raise GatewayError("unavailable", "no scheduler group is ready")
+            await asyncio.sleep(READY_POLL_S)
+        return scheduler
 
     async def _submit_all(self, scheduler: SchedulerGroup, request_id: str,
                           states: list[RequestState], params: SamplingParams,

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="require 'Authorization: Bearer <key>' (REST) / authorization metadata (gRPC)")
     add_flag(parser, "--gateway-id", default=None,
              help="this gateway's id at the scheduler (default: random)")
+    add_flag(parser, "--submit-wait-timeout", type=float, default=10.0,
+             help="seconds a new request waits for a ready scheduler group (one restarting, "
+                  "or whose workers are) before the 503; 0: answer at once")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
 
 
@@ -51,7 +54,7 @@ async def serve(args: argparse.Namespace) -> None:
     schedulers = [address.strip() for address in args.scheduler_address.split(",")
                   if address.strip()]
     core = GatewayCore(Upstream(args.tokenizer_address, schedulers), gateway_id,
-                       args.served_model_name)
+                       args.served_model_name, submit_wait_s=args.submit_wait_timeout)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(core, args.api_key), server.server)

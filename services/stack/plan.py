@@ -162,7 +162,8 @@ def _gateway(args: Namespace, index: int, dial: str, tokenizer_address: str,
 def _scheduler_flags(args: Namespace) -> list[str]:
     flags = _optional(args, "--max-num-batched-tokens", "--kv-transport",
                       "--shared-compute-steps", "--model", "--structured-outputs-backend",
-                      "--speculative-config", "--max-queued-requests")
+                      "--speculative-config", "--max-queued-requests",
+                      "--prefill-max-num-batched-tokens", "--worker-wait-timeout")
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
     return flags

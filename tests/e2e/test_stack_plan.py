@@ -110,3 +110,14 @@ def test_structured_output_flags_reach_the_scheduler():
     assert flag(specs["scheduler"], "--model") == "/models/x"  # its tokenizer compiles grammars
     assert flag(specs["scheduler"], "--structured-outputs-backend") == "xgrammar"
     assert "--structured-outputs-backend" not in specs["decode-0"].argv
+
+
+def test_scheduling_and_recovery_flags_reach_the_scheduler_only():
+    specs = {s.name: s for s in plan_stack(parse(
+        "--prefill-max-num-batched-tokens", "2048", "--worker-wait-timeout", "15"))}
+    assert flag(specs["scheduler"], "--prefill-max-num-batched-tokens") == "2048"
+    assert flag(specs["scheduler"], "--worker-wait-timeout") == "15.0"
+    for name in ("prefill-0", "decode-0", "gateway", "tokenizer"):
+        assert "--worker-wait-timeout" not in specs[name].argv
+    defaults = {s.name: s for s in plan_stack(parse())}
+    assert "--prefill-max-num-batched-tokens" not in defaults["scheduler"].argv

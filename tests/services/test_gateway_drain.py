@@ -27,3 +27,35 @@ def test_generate_is_refused_once_the_core_drains():
             await upstream.close()
 
     asyncio.run(scenario())
+
+
+def test_a_new_request_waits_a_bounded_time_for_a_ready_scheduler_group():
+    from services.api.kvrelay.v1 import scheduler_pb2
+
+    async def scenario():
+        upstream = Upstream("127.0.0.1:9", ["127.0.0.1:9"])
+        core = GatewayCore(upstream, "gateway-test", submit_wait_s=0.6)
+        loop = asyncio.get_running_loop()
+        try:
+            started = loop.time()
+            with pytest.raises(GatewayError, match="no scheduler group is ready") as caught:
+                await core.generate("r1", [[1, 2, 3]], SamplingParams())
+            assert caught.value.http_status == 503 and loop.time() - started >= 0.55
+
+            async def comes_back():  # the group turns ready while the request waits
+                await asyncio.sleep(0.2)
+                group = upstream.groups[0]
+                group.outputs_connected = True
+                group.stats = scheduler_pb2.StatsResponse(ready=True)
+
+            started = loop.time()
+            back = asyncio.create_task(comes_back())
+            with pytest.raises(GatewayError, match="scheduler is unavailable"):
+                # it waited, then submitted: nothing listens on the port, so Submit fails
+                await core.generate("r2", [[1, 2, 3]], SamplingParams())
+            await back
+            assert loop.time() - started < 0.55
+        finally:
+            await upstream.close()
+
+    asyncio.run(scenario())

@@ -65,7 +65,8 @@ def gateway(tokenizer_address, tmp_path_factory):
     service = ServiceProcess("gateway", [
         "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
         "--tokenizer-address", tokenizer_address, "--scheduler-address", dead_scheduler,
-        "--served-model-name", MODEL, "--api-key", API_KEY, "--log-level", "warning"],
+        "--served-model-name", MODEL, "--api-key", API_KEY, "--log-level", "warning",
+        "--submit-wait-timeout", "0"],  # no scheduler will come: valid requests get 503 at once
         tmp_path_factory.mktemp("gateway") / "gateway.log")
     try:
         service.wait_for(lambda: grpc_health(f"127.0.0.1:{grpc_port}") != "UNREACHABLE",

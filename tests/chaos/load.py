@@ -1,0 +1,117 @@
+"""Load for the chaos suite: greedy streams checked against undisturbed references, a storm
+of disconnects, and the checks that the stack healed."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+HEAL_TIMEOUT_S = 240
+
+
+def _body(model: str, index: int, max_tokens: int, stream: bool) -> dict:
+    return {"model": model, "stream": stream, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"Write about topic number {index}."}]}
+
+
+class GreedyLoad:
+    """num_prompts greedy requests; their undisturbed texts are taken once, up front."""
+
+    def __init__(self, base_url: str, num_prompts: int, max_tokens: int) -> None:
+        self.base_url = base_url
+        with httpx.Client(timeout=120, trust_env=False) as http:
+            self.model = http.get(f"{base_url}/models").json()["data"][0]["id"]
+            self.bodies = [_body(self.model, i, max_tokens, True) for i in range(num_prompts)]
+            self.expected = [http.post(f"{base_url}/chat/completions",
+                                       json={**body, "stream": False})
+                             .json()["choices"][0]["message"]["content"]
+                             for body in self.bodies]
+
+    def start(self) -> "LoadRun":
+        return LoadRun(self)
+
+
+class LoadRun:
+    """Every prompt streamed at once, each on its own thread."""
+
+    def __init__(self, load: GreedyLoad) -> None:
+        self.load = load
+        self.texts: list[list[str]] = [[] for _ in load.bodies]
+        self.errors: list[object] = [None] * len(load.bodies)
+        self.threads = [threading.Thread(target=self._stream, args=(i,), daemon=True)
+                        for i in range(len(load.bodies))]
+        for thread in self.threads:
+            thread.start()
+
+    def _stream(self, index: int) -> None:
+        url = f"{self.load.base_url}/chat/completions"
+        try:
+            with httpx.Client(timeout=HEAL_TIMEOUT_S, trust_env=False) as http:
+                with http.stream("POST", url, json=self.load.bodies[index]) as response:
+                    if response.status_code != 200:
+                        self.errors[index] = f"HTTP {response.status_code}"
+                        return
+                    for line in response.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.errors[index] = event
+                            return
+                        piece = event["choices"][0]["delta"].get("content")
+                        if piece:
+                            self.texts[index].append(piece)
+        except httpx.HTTPError as exc:
+            self.errors[index] = exc
+
+    def check_exact(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a stream hung"
+        assert self.errors == [None] * len(self.errors), self.errors
+        got = ["".join(pieces) for pieces in self.texts]
+        assert got == self.load.expected
+
+
+def abort_storm(base_url: str, model: str, num_requests: int, concurrency: int,
+                rng: random.Random) -> None:
+    """num_requests streams, each dropped by its client after a random few chunks (or before
+    the first): the gateway must abort each one and free what it held."""
+    cut_after = [rng.randint(0, 6) for _ in range(num_requests)]
+
+    def one(index: int) -> None:
+        body = _body(model, index % 50, 200, True)
+        with httpx.Client(timeout=60, trust_env=False) as http:
+            with http.stream("POST", f"{base_url}/chat/completions", json=body) as response:
+                seen = 0
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                    if seen > cut_after[index]:
+                        return  # closing the response drops the connection
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(num_requests)))
+
+
+def wait_healed(stack, restarted: str | None) -> None:
+    """The stack reports ready (the victim restarted once more, where one was killed), every
+    worker's blocks are free, and nothing runs or waits."""
+    deadline = time.monotonic() + HEAL_TIMEOUT_S
+    while True:
+        state = stack.state
+        stats = stack.scheduler_stats()
+        busy = [(w.worker_id, w.num_free_blocks, w.num_blocks, w.num_running)
+                for w in stats.workers if w.num_free_blocks != w.num_blocks or w.num_running]
+        if state["status"] == "ready" and not busy:
+            break
+        assert time.monotonic() < deadline, (state["status"], busy)
+        time.sleep(0.5)
+    if restarted is not None:
+        assert state["services"][restarted]["restarts"] >= 1
