@@ -20,7 +20,7 @@ SEED = int(os.environ.get("KVRELAY_CHAOS_SEED", "0"))
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    running = start_stack("pd", tmp_path_factory.mktemp("chaos-stack"), "--lease-ms", "3000")
+    running = start_stack("pd", tmp_path_factory.mktemp("chaos-stack"))  # leases: 3 s
     yield running
     stop_and_check(running)
 
