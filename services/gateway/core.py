@@ -36,8 +36,10 @@ REGISTER_GRACE_S = 1.0
 
 class GatewayCore:
     def __init__(self, upstream: Upstream, gateway_id: str,
-                 served_model_name: str | None = None, submit_wait_s: float = 0.0) -> None:
+                 served_model_name: str | None = None, submit_wait_s: float = 0.0,
+                 request_timeout_s: float = 0.0) -> None:
         self.upstream = upstream
+        self.request_timeout_s = request_timeout_s  # 0: requests have no deadline
         # A request that finds no scheduler group ready (one restarting, or whose only decode
         # worker is) waits this long for one before its 503: it has not started anywhere.
         self.submit_wait_s = submit_wait_s
@@ -146,6 +148,9 @@ class GatewayCore:
             group.close()
             raise
         metrics.PROMPT_TOKENS.inc(sum(map(len, prompts)))
+        if self.request_timeout_s:
+            group.deadline_timer = asyncio.get_running_loop().call_later(
+                self.request_timeout_s, group.expire, self.request_timeout_s)
         return group
 
     async def _ready_group(self) -> SchedulerGroup:

@@ -17,6 +17,8 @@ KINDS = {
     # too much work waits: 503 with Retry-After, RESOURCE_EXHAUSTED on the gRPC API
     "overloaded": (503, "service_unavailable", grpc.StatusCode.RESOURCE_EXHAUSTED),
     "internal": (500, "internal_server_error", grpc.StatusCode.INTERNAL),
+    # ran past the gateway's --request-timeout: what it had was aborted
+    "timeout": (504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED),
 }
 
 # Upstream gRPC codes that mean the caller's input was wrong, versus the service being down.

@@ -40,7 +40,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 error = next((delta.error or "generation failed" for delta in deltas
                               if delta.finish_reason == "error"), None)
                 if error is not None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, error)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if group.timed_out
+                                        else grpc.StatusCode.UNAVAILABLE, error)
                 yield _response(group, request_id, deltas, prompt if first else None)
                 first = False
 

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--submit-wait-timeout", type=float, default=10.0,
              help="seconds a new request waits for a ready scheduler group (one restarting, "
                   "or whose workers are) before the 503; 0: answer at once")
+    add_flag(parser, "--request-timeout", type=float, default=0.0,
+             help="seconds a request may run; past it, what it has not finished is aborted and "
+                  "it ends with a timeout error (504; an SSE error event once streaming; gRPC "
+                  "DEADLINE_EXCEEDED). 0: no deadline")
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
 
 
@@ -54,7 +58,8 @@ async def serve(args: argparse.Namespace) -> None:
     schedulers = [address.strip() for address in args.scheduler_address.split(",")
                   if address.strip()]
     core = GatewayCore(Upstream(args.tokenizer_address, schedulers), gateway_id,
-                       args.served_model_name, submit_wait_s=args.submit_wait_timeout)
+                       args.served_model_name, submit_wait_s=args.submit_wait_timeout,
+                       request_timeout_s=args.request_timeout)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME])
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(core, args.api_key), server.server)

@@ -104,7 +104,8 @@ async def collect_choices(group: RequestGroup, n: int) -> list[ChoiceResult]:
             choices[prompt_index * n + delta.index].add(delta)
     for choice in choices:
         if choice.finish_reason == "error":
-            raise GatewayError("unavailable", choice.error or "generation failed")
+            raise GatewayError("timeout" if group.timed_out else "unavailable",
+                               choice.error or "generation failed")
     return choices
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from services.gateway import metrics
@@ -17,6 +18,8 @@ class RequestGroup:
         self.queue = queue
         self.num_open_samples = sum(len(state.samples) for state in states)
         self.closed = False
+        self.deadline_timer: asyncio.TimerHandle | None = None  # the gateway's --request-timeout
+        self.timed_out = False
         metrics.IN_FLIGHT.inc()
 
     async def steps(self) -> AsyncIterator[tuple[int, list[SampleDelta]]]:
@@ -34,6 +37,8 @@ class RequestGroup:
         if self.closed:
             return
         self.closed = True
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
         metrics.IN_FLIGHT.dec()
         self.core.groups.pop(self.request_id, None)
         unfinished = [state.request_id for state in self.states if state.num_unfinished]
@@ -41,6 +46,22 @@ class RequestGroup:
             self.core.abort_nowait(unfinished)
         for request_id in unfinished:
             self.core.router.drop(request_id)
+
+    def expire(self, timeout_s: float) -> None:
+        """The deadline passed: every unfinished sample ends with an error delta now, and the
+        scheduler is told to abort it (its blocks freed as for any abort)."""
+        if self.closed:
+            return
+        self.timed_out = True
+        message = f"the request ran past its deadline of {timeout_s:g} s (--request-timeout)"
+        for state in self.states:
+            unfinished = [sample for sample in state.samples if not sample.finished]
+            if not unfinished:
+                continue
+            self.core.abort_nowait([sample.stream_id for sample in unfinished])
+            self.core.router.drop(state.request_id)
+            state.publish([sample.error_delta(message) for sample in unfinished],
+                          time.monotonic())
 
     def __enter__(self) -> "RequestGroup":
         return self

@@ -14,9 +14,9 @@ class SchedulerConfig:
     # block count, block size and context length come from its registration.
     engine: EngineConfig = field(default_factory=EngineConfig)
     lease_s: float = 3.0  # a worker silent this long is declared dead
-    # A prefill-only worker's step budget (None: the engine's). It has no decodes whose
-    # inter-token latency a long step would hurt: bigger steps prefill the same prompts in
-    # fewer, more efficient passes.
+    # A prefill-only worker's step budget (None: the engine's). Bigger steps are not more
+    # efficient on CPU (a burst of 64 prompts: 1,960 tok/s in 2,048-token steps, 1,840 in
+    # 8,192-token ones), and each step's prompts get their first token only when it ends.
     prefill_max_num_batched_tokens: int | None = None
     # While a decode worker of its compute domain has sequences running, a prefill step this
     # big at most keeps their inter-token latency in check (None: no cap).

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "weights (default: the worker's, 8; 0: never)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=None)
     add_flag(parser, "--prefill-max-num-batched-tokens", type=int, default=None,
-             help="a prefill worker's step budget (default: the scheduler's, 8192)")
+             help="a prefill worker's step budget (default: the scheduler's, "
+                  "--max-num-batched-tokens)")
     add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
     add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)
     add_flag(parser, "--shared-compute-steps", choices=("serialize", "split", "overlap"),
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-queued-requests", type=int, default=None,
              help="requests waiting for a first step before new ones get 503 with Retry-After "
                   "(default: the scheduler's, 1024; 0: no limit)")
+    add_flag(parser, "--request-timeout", type=float, default=None,
+             help="the gateways' per-request deadline in seconds (default: none)")
     add_flag(parser, "--worker-wait-timeout", type=float, default=None,
              help="seconds a request whose worker died waits for a live one (default: the "
                   "scheduler's, 60)")

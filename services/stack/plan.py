@@ -151,7 +151,7 @@ def _gateway(args: Namespace, index: int, dial: str, tokenizer_address: str,
     argv = ["--host", args.host, "--log-level", args.log_level,
             "--port", str(rest_port), "--grpc-port", str(grpc_port),
             "--tokenizer-address", tokenizer_address, "--scheduler-address", scheduler_addresses,
-            *_optional(args, "--served-model-name", "--api-key")]
+            *_optional(args, "--served-model-name", "--api-key", "--request-timeout")]
     rest_url = f"http://{dial}:{rest_port}"
     return ServiceSpec(name=_numbered("gateway", index, args.gateways), kind="gateway",
                        argv=argv, address=f"{dial}:{grpc_port}",

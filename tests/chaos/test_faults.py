@@ -53,6 +53,17 @@ def test_a_stopped_decode_worker_past_its_lease_costs_no_request(stack, load):
     wait_healed(stack, None)
 
 
+def test_a_killed_scheduler_ends_its_streams_clearly_and_comes_back(stack, load):
+    """The scheduler holds the requests' state: those in flight end with an error event; the
+    restarted scheduler gets its workers back (they register again) and serves."""
+    run = load.start()
+    time.sleep(random.Random(SEED).uniform(0.5, 1.5))
+    os.kill(stack.service("scheduler")["pid"], signal.SIGKILL)
+    run.check_exact_or_clear_error(timeout_s=120)
+    wait_healed(stack, "scheduler")
+    load.start().check_exact(timeout_s=240)
+
+
 def test_a_thousand_disconnects_leak_nothing(stack, load):
     abort_storm(stack.base_url, load.model, num_requests=1000, concurrency=32,
                 rng=random.Random(SEED))

@@ -207,3 +207,35 @@ def test_leaving_early_frees_every_block(stack):
     stats = stack.wait_idle()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert all(w.num_free_blocks == w.num_blocks for w in stats.workers)
+
+
+def test_a_request_past_the_gateways_deadline_ends_with_a_timeout_and_frees_its_blocks(
+        stack, tokenizer_address, tmp_path):
+    """A second gateway on the same scheduler, with --request-timeout 1."""
+    rest_port, grpc_port = free_port(), free_port()
+    gateway = ServiceProcess("gateway", [
+        "--host", "127.0.0.1", "--log-level", "warning", "--port", str(rest_port),
+        "--grpc-port", str(grpc_port), "--tokenizer-address", tokenizer_address,
+        "--scheduler-address", stack.scheduler_address, "--request-timeout", "1"],
+        tmp_path / "gateway.log")
+    rest_url = f"http://127.0.0.1:{rest_port}"
+    try:
+        gateway.wait_for(lambda: _healthy(rest_url), "the gateway with a deadline", 60)
+        body = {"model": "unused", "messages": STORY, "max_tokens": 4000, "ignore_eos": True}
+        with httpx.Client(base_url=rest_url, timeout=60, trust_env=False) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            started = time.monotonic()
+            whole = http.post("/v1/chat/completions", json={**body, "model": model})
+            assert whole.status_code == 504, whole.text
+            assert "deadline of 1 s" in whole.json()["error"]["message"]
+            assert 1.0 <= time.monotonic() - started < 10
+            events = []
+            with http.stream("POST", "/v1/chat/completions",
+                             json={**body, "model": model, "stream": True}) as response:
+                assert response.status_code == 200
+                events = [line for line in response.iter_lines() if line.startswith("data: ")]
+            assert "deadline of 1 s" in events[-2] and events[-1] == "data: [DONE]"
+        stats = stack.wait_idle(timeout=10)
+        assert all(w.num_free_blocks == w.num_blocks for w in stats.workers), stats
+    finally:
+        gateway.stop()
