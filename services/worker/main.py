@@ -24,6 +24,7 @@ from services.worker.model_setup import load_worker_model
 from services.worker.registration import Registration
 from services.worker.step_executor import StepExecutor
 from services.worker.step_service import WorkerService
+from services.worker.warmup import needs_warm_up, warm_up
 
 log = get_logger(__name__)
 ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.WORKER_ROLE_DECODE,
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
                   "weights (GGUF Q4_0/Q4_1, bf16 on CPU), a quarter of the bytes (0: never)")
     add_flag(parser, "--block-size", type=int, default=16)
+    add_flag(parser, "--no-warmup", action="store_true", default=False,
+             help="register as soon as the model is loaded, without first running each step "
+                  "shape of the role once (bf16 on CPU; services/worker/warmup.py)")
     add_flag(parser, "--max-model-len", type=int, default=None)
     add_flag(parser, "--num-threads", type=int, default=None, help="torch threads")
     add_flag(parser, "--kv-transports", default="grpc,shm",
@@ -84,8 +88,12 @@ async def serve(args: argparse.Namespace) -> None:
     run_torch_ops_inline()
     loaded = await asyncio.get_running_loop().run_in_executor(service.compute, load_worker_model,
                                                               args, shm_path)
-    freeze_heap()  # the model's modules and tensors, too
     runner = loaded.runner
+    if not args.no_warmup and needs_warm_up(runner):
+        seconds = await asyncio.get_running_loop().run_in_executor(service.compute, warm_up,
+                                                                   runner, args.role)
+        log.info("warmed up", seconds=round(seconds, 2))
+    freeze_heap()  # the model's modules and tensors, too
     service.attach(StepExecutor(runner, loaded.num_threads),
                    KvSender(_transports(transports, runner), args.kv_transfer_timeout))
     instance_id = uuid.uuid4().hex

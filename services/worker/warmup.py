@@ -1,0 +1,73 @@
+"""A worker's first forward passes of each shape pay for oneDNN primitive creation, allocator
+growth and first-touch page faults: right after `kvrelay up` said ready, a Poisson sweep's first
+rate reached 30% goodput and the next ones 98-100%. So a worker runs the step shapes of its role
+once before it registers and reports SERVING (vLLM warms up before it serves, too).
+
+The passes write K/V into the first blocks of the cache, which no sequence holds yet: every
+real sequence writes a slot's K/V before anything reads it. Only bf16 on CPU warms up: its
+packed oneDNN matmuls JIT-compile a kernel per batch shape and its 4-bit path has its own; the
+float32 path (MKL's precompiled GEMMs, what the parity tests run) has nothing to compile.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.model_runner import ModelRunner
+from services.engine.sampling_ops import greedy_tokens
+
+DECODE_BATCHES = (1, 8, 64)  # the int4 path (<= 8 tokens) and the packed bf16 one
+DECODE_CONTEXT = 64
+PREFILL_CHUNKS = ((512,), (512, 512, 512, 512))  # one prompt; a 2,048-token step of four
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """What ModelRunner.prepare reads of a request."""
+    all_token_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class _Item:
+    request: _Sequence
+    num_new_tokens: int
+    block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
+    samples: bool = True
+
+
+def needs_warm_up(runner: ModelRunner) -> bool:
+    return runner.device.type == "cpu" and runner.dtype == torch.bfloat16
+
+
+def warm_up(runner: ModelRunner, role: str) -> float:
+    """Run the role's step shapes once; returns the seconds it took."""
+    started = time.perf_counter()
+    shapes = []
+    if role in ("prefill", "both"):
+        shapes += [[(0, length) for length in chunk] for chunk in PREFILL_CHUNKS]
+    if role in ("decode", "both"):
+        shapes += [[(DECODE_CONTEXT, 1)] * batch for batch in DECODE_BATCHES]
+    for shape in shapes:
+        items = _items(shape, runner.block_size, runner.num_blocks)
+        if items:
+            greedy_tokens(runner.execute(runner.prepare(items)))
+    return time.perf_counter() - started
+
+
+def _items(shape: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[_Item]:
+    """(context, new tokens) per sequence -> items on distinct blocks; [] if the cache is too
+    small for the shape (a tiny test cache)."""
+    items, next_block = [], 0
+    for context, num_new in shape:
+        total = context + num_new
+        count = -(-total // block_size)
+        if next_block + count > num_blocks:
+            return []
+        items.append(_Item(_Sequence([1] * total, context), num_new,
+                           list(range(next_block, next_block + count))))
+        next_block += count
+    return items

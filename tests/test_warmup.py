@@ -1,0 +1,48 @@
+"""A worker's warm-up runs its role's step shapes on the real model, and leaves the engine
+answering exactly as before (it only wrote K/V into blocks no sequence holds)."""
+from __future__ import annotations
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.worker import warmup
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", num_kv_blocks=512)  # room for the 64-sequence decode shape
+
+
+def _greedy(llm) -> list[int]:
+    return llm.generate({"prompt_token_ids": [1, 504, 3458, 282, 4649, 314]},
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+def test_warm_up_runs_the_roles_shapes_and_changes_no_answer(llm, role, monkeypatch):
+    before = _greedy(llm)
+    shapes = []
+    execute = llm.engine.runner.execute
+    monkeypatch.setattr(llm.engine.runner, "execute",
+                        lambda step, *a: shapes.append(len(step.sample_rows)) or execute(step))
+    assert warmup.warm_up(llm.engine.runner, role) > 0
+    prefill = [len(chunk) for chunk in warmup.PREFILL_CHUNKS]
+    decode = list(warmup.DECODE_BATCHES)
+    assert shapes == {"prefill": prefill, "decode": decode, "both": prefill + decode}[role]
+    monkeypatch.undo()
+    assert _greedy(llm) == before
+
+
+def test_a_cache_too_small_for_a_shape_skips_it():
+    assert warmup._items([(0, 512)] * 4, block_size=16, num_blocks=100) == []
+    items = warmup._items([(64, 1)] * 2, block_size=16, num_blocks=100)
+    assert [item.block_ids for item in items] == [list(range(0, 5)), list(range(5, 10))]
+
+
+def test_only_bf16_on_cpu_warms_up(llm):
+    runner = llm.engine.runner
+    assert not warmup.needs_warm_up(runner)  # float32: nothing to JIT-compile
+    bf16 = LLM(dtype="bfloat16", num_kv_blocks=512).engine.runner
+    assert warmup.needs_warm_up(bf16)
+    assert warmup.warm_up(bf16, "both") > 0
