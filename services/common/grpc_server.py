@@ -29,7 +29,15 @@ CHANNEL_OPTIONS = [
 ]
 # A `dns:///name:port` target that resolves to several replicas (a Kubernetes headless Service of
 # tokenizers) spreads calls over all of them; with one address it behaves like pick_first.
-CLIENT_ONLY_OPTIONS = [("grpc.lb_policy_name", "round_robin")]
+CLIENT_ONLY_OPTIONS = [
+    ("grpc.lb_policy_name", "round_robin"),
+    # gRPC shares subchannels (connections) among every channel of a process with the same
+    # target and arguments. A worker restarted on its old port would then be dialled through
+    # the dead one's subchannel, still in reconnect backoff, and a fresh channel's first call
+    # fail at once with UNAVAILABLE ("connections to all backends failing"): the chaos suite
+    # saw a recovered request burn its whole retry budget that way. Each channel its own.
+    ("grpc.use_local_subchannel_pool", 1),
+]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # gRPC sets SO_REUSEPORT by default: a second process on the same port would silently take
