@@ -50,8 +50,6 @@ class ClusterScheduler:
         self.requests: dict[str, RequestRecord] = {}
         self.samples: dict[str, SampleRecord] = {}
         self.awaiting_decode: list[SampleRecord] = []  # prefilled, no decode blocks free yet
-        # Recovered samples waiting for a live worker of the role they need (recovery.py).
-        self.stranded: list[SampleRecord] = []
         self.no_decode_since: float | None = None  # a PD group has lost every decode worker
         self.num_recoveries = 0
         self.accepting = True  # False while draining
@@ -91,7 +89,7 @@ class ClusterScheduler:
             request = sample.request
             if (sample.worker is not worker or request.status is not RequestStatus.WAITING
                     or request.num_computed_tokens or request.num_output_tokens
-                    or sample in self.stranded):
+                    or sample.stranded):
                 continue
             target = _best_placed(others, request.prompt_token_ids)
             worker.core.abort([sample.seq_id])
@@ -105,7 +103,7 @@ class ClusterScheduler:
     def holds_sequences(self, worker: WorkerRecord) -> bool:
         """Anything still queued, running, reserved or being sent on this worker (a prefill
         worker is done with a sample once its pages have landed)."""
-        return any(not s.done and s.worker is worker and s not in self.stranded
+        return any(not s.done and s.worker is worker and not s.stranded
                    for s in self.samples.values()) or self.transfers.involves(worker)
 
     def retire(self, worker: WorkerRecord) -> None:
@@ -309,8 +307,7 @@ class ClusterScheduler:
             return
         if sample in self.awaiting_decode:
             self.awaiting_decode.remove(sample)
-        if sample in self.stranded:
-            self.stranded.remove(sample)
+        sample.stranded_since = None
         transfer = sample.transfer
         state = self.transfers.cancel(transfer) if transfer is not None else None
         # A send ordered in a step that is still running copies its pages out during that
@@ -371,7 +368,7 @@ class ClusterScheduler:
         for transfer, sample in lost:
             self._transfer_lost(transfer, sample, error)
         for sample in list(self.samples.values()):
-            if sample.worker is worker and not sample.done and sample not in self.stranded:
+            if sample.worker is worker and not sample.done and not sample.stranded:
                 self._recover(sample, error)
         self.retry_awaiting()
 
@@ -437,12 +434,9 @@ class ClusterScheduler:
     def _place_recovered(self, sample: SampleRecord) -> None:
         target = self._recovery_target(sample.request.prompt_token_ids)
         if target is None:  # none alive now: wait (bounded, expire_waits) for one to register
-            if sample not in self.stranded:
+            if not sample.stranded:
                 sample.stranded_since = time.monotonic()
-                self.stranded.append(sample)
             return
-        if sample in self.stranded:
-            self.stranded.remove(sample)
         sample.stranded_since = None
         sample.worker = target
         sample.move(Phase.PREFILL if target.role is PREFILL else Phase.COLOCATED)
@@ -451,12 +445,19 @@ class ClusterScheduler:
 
     def _recovery_target(self, prompt: list[int]) -> WorkerRecord | None:
         """Where a recovered sample prefills: a prefill worker in a PD group, else a `both`."""
-        is_pd = any(w.role is PREFILL for w in self.registry.workers.values())
-        live = self.registry.live(PREFILL if is_pd else BOTH)
+        live = self.registry.live(PREFILL if self._is_pd_group() else BOTH)
         return _best_placed(live, prompt) if live else None
 
+    def _is_pd_group(self) -> bool:
+        return any(w.role is PREFILL for w in self.registry.workers.values())
+
+    @property
+    def stranded(self) -> list[SampleRecord]:
+        """Recovered samples waiting for a live worker of the role they need, in no queue."""
+        return [sample for sample in self.samples.values() if sample.stranded]
+
     def _place_stranded(self) -> None:
-        for sample in list(self.stranded):
+        for sample in self.stranded:
             self._place_recovered(sample)
 
     def expire_waits(self, now: float) -> None:
@@ -464,13 +465,12 @@ class ClusterScheduler:
         back within worker_wait_s: stranded ones, and prefilled ones awaiting a decode worker
         in a group that has none left."""
         wait_s = self.config.worker_wait_s
-        for sample in list(self.stranded):
+        for sample in self.stranded:
             if now - sample.stranded_since >= wait_s:
                 self.end_sample(sample, finish_delta(
                     sample, FinishReason.ERROR, f"no worker to continue on came back within "
                                                 f"{wait_s:.0f}s"))
-        is_pd = any(w.role is PREFILL for w in self.registry.workers.values())
-        if not is_pd or self.registry.live(DECODE):
+        if not self._is_pd_group() or self.registry.live(DECODE):
             self.no_decode_since = None
             return
         if self.no_decode_since is None:

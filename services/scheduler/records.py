@@ -71,6 +71,10 @@ class SampleRecord:
         return self.phase is Phase.DONE
 
     @property
+    def stranded(self) -> bool:
+        return self.stranded_since is not None
+
+    @property
     def holds_orphan(self) -> bool:
         """Ended, but its send is still out: its blocks stay held until the result."""
         return self.transfer is not None and self.transfer.state is TransferState.ORPHANED
