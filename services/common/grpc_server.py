@@ -51,8 +51,9 @@ log = get_logger(__name__)
 class ServiceServer:
     """Owns one grpc.aio server: add servicers, `start`, `set_serving`, `wait_for_termination`."""
 
-    def __init__(self, host: str, port: int, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, host: str, port: int, service_names: list[str],
+                 extra_options: list[tuple[str, object]] | None = None) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS + list(extra_options or []))
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
