@@ -16,6 +16,7 @@ COMMANDS = {
     "tokenizer": ("services.tokenizer.main", "chat templates, tokenization, detokenization"),
     "scheduler": ("services.scheduler.main", "the engine core: queues, KV blocks, PD handoff"),
     "worker": ("services.worker.main", "a model worker: --role prefill|decode|both"),
+    "certs": ("services.certs.main", "a CA and per-role certificates for mutual TLS"),
     "up": ("services.stack.main", "run all five services locally as child processes"),
     "bench": ("services.bench.main", "benchmarks: serve (any OpenAI server), latency, throughput"),
 }

@@ -16,11 +16,23 @@ Messages = list[dict[str, str]]
 
 
 class KvrelayClient:
-    """`async with KvrelayClient("127.0.0.1:50050") as client: ...`"""
+    """`async with KvrelayClient("127.0.0.1:50050") as client: ...`
+
+    TLS: `tls=True` checks the gateway's certificate against the system's roots, or against
+    `tls_ca` (PEM path) when given; `tls_cert` and `tls_key` add a client certificate for a
+    gateway that asks for one (--public-tls-client-ca). `server_name` overrides the name the
+    certificate must carry (default: the host of `address`)."""
 
     def __init__(self, address: str = "127.0.0.1:50050", api_key: str | None = None,
-                 timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+                 timeout: float | None = None, *, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 server_name: str | None = None) -> None:
+        if tls or tls_ca or tls_cert:
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            self.channel = grpc.aio.secure_channel(
+                address, _credentials(tls_ca, tls_cert, tls_key), options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.timeout = timeout  # seconds for a whole call; None: no limit
@@ -182,3 +194,16 @@ def _add_chunk(completion: Completion, chunk: GenerationChunk) -> None:
         choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
     if chunk.usage is not None:
         completion.usage = chunk.usage
+
+
+def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials:
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate needs both tls_cert and tls_key")
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as handle:
+            return handle.read()
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                        certificate_chain=read(cert))

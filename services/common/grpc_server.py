@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tls
 from services.common.log import get_logger
 
 # Internal messages (KV chunks, step batches) can be large; the KV connector chunks its own
@@ -49,21 +50,38 @@ log = get_logger(__name__)
 
 
 class ServiceServer:
-    """Owns one grpc.aio server: add servicers, `start`, `set_serving`, `wait_for_termination`."""
+    """Owns one grpc.aio server: add servicers, `start`, `set_serving`, `wait_for_termination`.
+
+    An internal server (the default) serves with the process's TLS identity when one is
+    installed (tls.py): peers need a certificate from the CA, and their role decides what they
+    may call (authz.py). The gateway's public server passes `public_credentials` instead (TLS
+    for API users, optionally mutual), or None for plaintext."""
 
     def __init__(self, host: str, port: int, service_names: list[str],
-                 extra_options: list[tuple[str, object]] | None = None) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS + list(extra_options or []))
+                 extra_options: list[tuple[str, object]] | None = None, public: bool = False,
+                 public_credentials: grpc.ServerCredentials | None = None) -> None:
+        internal_tls = None if public else tls.installed()
+        interceptors = []
+        if internal_tls is not None:
+            from services.common.authz import RoleInterceptor  # cryptography only with TLS on
+            interceptors.append(RoleInterceptor(internal_tls))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS + list(extra_options or []),
+                                      interceptors=interceptors)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                   reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        credentials = (tls.server_credentials(internal_tls) if internal_tls is not None
+                       else public_credentials)
+        self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials
+                     else self.server.add_insecure_port(f"{host}:{port}"))
+        self.tls = credentials is not None
         if self.port == 0:
             raise SystemExit(f"cannot bind {host}:{port}")
         self.stopping = asyncio.Event()
+        self.serving = False
 
     async def start(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -73,6 +91,7 @@ class ServiceServer:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._set_all(status)
+        self.serving = serving  # what the metrics port's /health answers
 
     async def _set_all(self, status) -> None:
         for name in ["", *self.service_names]:
@@ -99,5 +118,12 @@ class ServiceServer:
         log.info("stopped")
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + CLIENT_ONLY_OPTIONS)
+def channel(address: str, peer_role: str) -> grpc.aio.Channel:
+    """A channel to the internal service of `peer_role` at `address`: mutual TLS with this
+    process's identity when one is installed, checking the server holds that role."""
+    options = CHANNEL_OPTIONS + CLIENT_ONLY_OPTIONS
+    files = tls.installed()
+    if files is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(files),
+                                   options=options + tls.target_options(peer_role))

@@ -4,10 +4,15 @@ Exits 0 when the server answers SERVING for the service (default "": the whole s
 otherwise (NOT_SERVING while a model loads or the service drains, refused, timed out). Docker
 compose has no native gRPC probe and the image ships no grpc_health_probe binary, so this is what
 its healthchecks run. It imports only grpc: a probe every few seconds must stay cheap.
+
+With mutual TLS on (KVRELAY_TLS_CA, KVRELAY_TLS_CERT and KVRELAY_TLS_KEY set, as they are for
+the service it runs beside), it presents that service's own certificate and expects the server
+to hold the same role: a probe runs in the container of the service it checks.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -16,13 +21,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 def check(address: str, service: str = "", timeout_s: float = 3.0) -> bool:
     """True when `address` reports SERVING for `service` within `timeout_s`."""
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _channel(address: str) -> grpc.Channel:
+    paths = [os.environ.get(f"KVRELAY_TLS_{name}") for name in ("CA", "CERT", "KEY")]
+    if not all(paths):
+        return grpc.insecure_channel(address)
+    from services.common.authz import peer_role_of_pem
+    from services.common.tls import TlsFiles, channel_credentials, target_options
+    files = TlsFiles(*paths)
+    with open(files.cert, "rb") as handle:
+        own_role = peer_role_of_pem(handle.read())
+    return grpc.secure_channel(address, channel_credentials(files),
+                               options=target_options(own_role))
 
 
 def main(argv: list[str] | None = None) -> int:

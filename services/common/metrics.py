@@ -1,11 +1,12 @@
 """Prometheus metrics: vLLM's names where they exist, under the `kvrelay:` prefix.
 
-Every service exposes its registry over HTTP (`--metrics-port`); the gateway also serves it at
-`/metrics` on its REST port.
+Every service exposes its registry over HTTP on its own port (`--metrics-port`), never on a
+public one, with its health at /health beside it.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,11 +32,13 @@ def histogram(name: str, doc: str, labels: tuple[str, ...] = (),
     return Histogram(f"kvrelay:{name}", doc, labels, registry=REGISTRY, buckets=buckets)
 
 
-async def serve_metrics(port: int, host: str = "0.0.0.0") -> asyncio.Server | None:
-    """Expose REGISTRY on http://host:port/metrics (0: do not expose) from the running loop."""
+async def serve_metrics(port: int, host: str = "0.0.0.0",
+                        health: Callable[[], bool] | None = None) -> asyncio.Server | None:
+    """Expose REGISTRY on http://host:port/metrics (0: do not expose) from the running loop,
+    and `health()` on /health (200 or 503): probes that cannot speak mutual TLS use this."""
     if not port:
         return None
-    return await start_metrics_server(host, port, render_metrics)
+    return await start_metrics_server(host, port, render_metrics, health)
 
 
 def render_metrics() -> bytes:

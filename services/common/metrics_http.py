@@ -12,18 +12,20 @@ from collections.abc import Callable
 MAX_HEAD_BYTES = 16 << 10
 READ_TIMEOUT_S = 10.0
 METRICS_PATHS = ("/metrics", "/")
+HEALTH_PATH = "/health"
 # The text format generate_latest() writes (prometheus_client's CONTENT_TYPE_LATEST may name a
 # newer one it only writes on negotiation).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-async def start_metrics_server(host: str, port: int,
-                               render: Callable[[], bytes]) -> asyncio.Server:
-    """Answer `GET /metrics` (and `/`) with `render()`; one request per connection."""
+async def start_metrics_server(host: str, port: int, render: Callable[[], bytes],
+                               health: Callable[[], bool] | None = None) -> asyncio.Server:
+    """Answer `GET /metrics` (and `/`) with `render()` and `GET /health` with 200 when
+    `health()` holds (503 otherwise); one request per connection."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-            writer.write(_response(head, render))
+            writer.write(_response(head, render, health))
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError,
                 ConnectionError):
@@ -36,11 +38,15 @@ async def start_metrics_server(host: str, port: int,
     return await asyncio.start_server(handle, host, port, limit=MAX_HEAD_BYTES)
 
 
-def _response(head: bytes, render: Callable[[], bytes]) -> bytes:
+def _response(head: bytes, render: Callable[[], bytes],
+              health: Callable[[], bool] | None) -> bytes:
     method, _, rest = head.partition(b" ")
     path = rest.split(b" ", 1)[0].split(b"?", 1)[0].decode("latin-1")
     if method not in (b"GET", b"HEAD"):
         return _message(405, "Method Not Allowed", b"only GET\n", b"Allow: GET, HEAD\r\n")
+    if path == HEALTH_PATH and health is not None:
+        return (_message(200, "OK", b"serving\n") if health()
+                else _message(503, "Service Unavailable", b"not serving\n"))
     if path not in METRICS_PATHS:
         return _message(404, "Not Found", b"metrics are at /metrics\n")
     body = render()

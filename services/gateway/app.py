@@ -18,8 +18,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.common.log import bind_request_id, get_logger
-from services.common.metrics import render_metrics
-from services.common.metrics_http import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from services.gateway.errors import KINDS, GatewayError, invalid
 from services.gateway.openai_chat import create_chat_completion
 from services.gateway.openai_completions import create_completion
@@ -103,15 +101,12 @@ def _add_model_routes(app: FastAPI, core, auth: list) -> None:
 
 
 def _add_probe_routes(app: FastAPI, core) -> None:
-    """Health, metrics and version: never behind the API key (probes and scrapers)."""
+    """Health and version: never behind the API key (load balancers probe /health). Metrics
+    are not here: they live on the metrics port (--metrics-port), off the public one."""
     @app.get("/health")
     async def health():
         ready = core.ready and not app.state.draining
         return Response(status_code=200 if ready else 503)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/version")
     async def version():

@@ -8,6 +8,8 @@ import uuid
 
 from services.api.kvrelay.v1 import generation_pb2
 from services.common.flags import add_flag
+from services.common.tls import add_tls_flags, install, tls_files_from_args
+from services.gateway.public_tls import add_public_tls_flags, public_tls_from_args
 from services.common.log import get_logger
 from services.common.runtime import run_service
 
@@ -37,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="seconds a request may run; past it, what it has not finished is aborted and "
                   "it ends with a timeout error (504; an SSE error event once streaming; gRPC "
                   "DEADLINE_EXCEEDED). 0: no deadline")
+    add_flag(parser, "--metrics-port", type=int, default=9100,
+             help="Prometheus /metrics and /health, off the public ports (0: off)")
+    add_tls_flags(parser)
+    add_public_tls_flags(parser)
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
 
 
@@ -46,8 +52,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    install(tls_files_from_args(args))  # this process's identity on every internal hop
+    public_tls = public_tls_from_args(args)
     from services.api.kvrelay.v1 import generation_pb2_grpc
     from services.common.grpc_server import ServiceServer
+    from services.common.metrics import serve_metrics
     from services.gateway.app import build_app
     from services.gateway.core import GatewayCore
     from services.gateway.grpc_api import GenerationServicer
@@ -60,7 +69,8 @@ async def serve(args: argparse.Namespace) -> None:
     core = GatewayCore(Upstream(args.tokenizer_address, schedulers), gateway_id,
                        args.served_model_name, submit_wait_s=args.submit_wait_timeout,
                        request_timeout_s=args.request_timeout)
-    server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME])
+    server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME], public=True,
+                           public_credentials=public_tls and public_tls.grpc_credentials())
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(core, args.api_key), server.server)
     app = build_app(core, args.api_key)
@@ -77,7 +87,10 @@ async def serve(args: argparse.Namespace) -> None:
     server.install_signal_handlers()
     await server.start()
     await core.start()
-    http = RestServer(app, args.host, args.port)
+    metrics_server = await serve_metrics(
+        args.metrics_port, args.host, health=lambda: core.ready and not app.state.draining)
+    http = RestServer(app, args.host, args.port,
+                      public_tls.uvicorn_options() if public_tls else None)
     http_task = asyncio.create_task(http.serve())
     http_task.add_done_callback(lambda _: server.stopping.set())  # e.g. the port is taken
     log.info("gateway started", rest_port=args.port, grpc_port=server.port,
@@ -87,4 +100,6 @@ async def serve(args: argparse.Namespace) -> None:
     with contextlib.suppress(BaseException):
         await http_task
     await core.stop()
+    if metrics_server is not None:
+        metrics_server.close()
 

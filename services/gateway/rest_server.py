@@ -13,10 +13,10 @@ TICK_S = 1.0
 
 
 class RestServer(uvicorn.Server):
-    def __init__(self, app, host: str, port: int) -> None:
+    def __init__(self, app, host: str, port: int, tls_options: dict | None = None) -> None:
         super().__init__(uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off",
                                         log_config=None, access_log=False,
-                                        timeout_graceful_shutdown=5))
+                                        timeout_graceful_shutdown=5, **(tls_options or {})))
         self.exit_requested = asyncio.Event()
 
     @contextlib.contextmanager

@@ -19,7 +19,7 @@ CALL_TIMEOUT_S = 60.0  # a unary call that has not answered in this long will no
 class SchedulerGroup:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = channel(address)
+        self.channel = channel(address, "scheduler")
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.stats: scheduler_pb2.StatsResponse | None = None
         self.outputs_connected = False

@@ -19,7 +19,7 @@ WATCH_RETRY_S = 0.5
 
 class Upstream:
     def __init__(self, tokenizer_address: str, scheduler_addresses: list[str]) -> None:
-        self.tokenizer_channel = channel(tokenizer_address)
+        self.tokenizer_channel = channel(tokenizer_address, "tokenizer")
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
         self.tokenizer_health = health_pb2_grpc.HealthStub(self.tokenizer_channel)
         self.groups = [SchedulerGroup(address) for address in scheduler_addresses]

@@ -7,6 +7,7 @@ import asyncio
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common import metrics
 from services.common.flags import add_flag
+from services.common.tls import add_tls_flags, install, tls_files_from_args
 from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import run_service
@@ -85,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-queued-prompt-tokens", type=int, default=1 << 20,
              help="the same for the prompt tokens of the waiting requests (0: no limit)")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
+    add_tls_flags(parser)
     add_flag(parser, "--log-level", default="info")
 
 
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    install(tls_files_from_args(args))  # this process's identity on every internal hop
     engine = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -125,7 +128,8 @@ async def serve(args: argparse.Namespace) -> None:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server.server)
     server.install_signal_handlers()
     await server.start()
-    metrics_server = await metrics.serve_metrics(args.metrics_port, args.host)
+    metrics_server = await metrics.serve_metrics(args.metrics_port, args.host,
+                                                 health=lambda: server.serving)
     reaper = asyncio.create_task(service.reap_leases())
     # The scheduler itself is ready at once; `Stats.ready` tells whether workers are there.
     await server.set_serving(True)

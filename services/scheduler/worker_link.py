@@ -33,7 +33,7 @@ class WorkerLink:
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        chan = channel(self.worker.info.address)
+        chan = channel(self.worker.info.address, "worker")
         call = worker_pb2_grpc.WorkerStub(chan).Steps()
         reader = asyncio.create_task(self._read(call))
         try:

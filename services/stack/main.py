@@ -8,7 +8,9 @@ on their command lines instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from services.common.flags import add_flag, flag_env_names
@@ -82,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="torch threads per worker (default: every core for up to two workers, "
                   "else the cores split between them)")
     add_flag(parser, "--api-key", default=None, help="required bearer token for the API")
+    add_flag(parser, "--tls", action="store_true", default=False,
+             help="mutual TLS on every internal hop, with a throwaway CA and certificates made "
+                  "at start (in <log-dir>/tls, else a temporary directory removed at exit)")
+    add_flag(parser, "--tls-dir", default=None,
+             help="mutual TLS with the certificates in this directory (`kvrelay certs "
+                  "--out DIR` names them); made there if it has no ca.pem")
     add_flag(parser, "--log-level", default="info")
     add_flag(parser, "--log-dir", default=None,
              help="each service logs to <dir>/<name>.log (default: this terminal)")
@@ -108,10 +116,32 @@ def run(args: argparse.Namespace) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
     state_path = (Path(args.state_file) if args.state_file
                   else log_dir / STATE_FILE_NAME if log_dir else None)
-    supervisor = Supervisor(plan_stack(args), args.topology, log_dir, state_path,
-                            args.startup_timeout, args.stop_timeout, _child_env(args),
-                            RestartPolicy(max_restarts=args.max_restarts))
-    return supervisor.run()
+    with _tls_directory(args, log_dir) as tls_dir:
+        args.tls_dir = tls_dir
+        crl = Path(tls_dir) / "crl.pem" if tls_dir else None
+        args.tls_crl_file = str(crl) if crl and crl.exists() else None
+        supervisor = Supervisor(plan_stack(args), args.topology, log_dir, state_path,
+                                args.startup_timeout, args.stop_timeout, _child_env(args),
+                                RestartPolicy(max_restarts=args.max_restarts))
+        return supervisor.run()
+
+
+@contextlib.contextmanager
+def _tls_directory(args: argparse.Namespace, log_dir: Path | None):
+    """The certificates directory (None: TLS off), its CA and certificates made if absent."""
+    if not (args.tls or args.tls_dir):
+        yield None
+        return
+    from services.common.certs import write_bundle
+    if args.tls_dir or log_dir:
+        directory = Path(args.tls_dir) if args.tls_dir else log_dir / "tls"
+        if not (directory / "ca.pem").exists():
+            write_bundle(directory)
+        yield str(directory.resolve())
+        return
+    with tempfile.TemporaryDirectory(prefix="kvrelay-tls-") as temporary:
+        write_bundle(temporary)
+        yield temporary
 
 
 def _check_args(args: argparse.Namespace) -> str | None:

@@ -2,8 +2,8 @@
 
 Pure data and arithmetic, no processes, so `kvrelay up`'s topology is easy to read and test.
 Internal gRPC ports come first in one block from `--base-port` (tokenizers, schedulers, workers),
-their metrics ports right after; gateway i takes the public `--port` + i (REST) and
-`--grpc-port` + i. With `--groups G` each scheduler group has its own scheduler and workers
+their metrics ports right after, then each gateway's metrics port; gateway i takes the public
+`--port` + i (REST) and `--grpc-port` + i. With `--groups G` each scheduler group has its own scheduler and workers
 (`g<k>-` before their names) and every gateway sends requests to all groups.
 """
 from __future__ import annotations
@@ -27,6 +27,13 @@ class ServiceSpec:
     depends_on: tuple[str, ...] = ()  # start only once these are SERVING
     env: dict[str, str] = field(default_factory=dict)  # on top of the inherited environment
     rest_url: str = ""  # the gateway's REST base, also health-checked
+    tls_dir: str = ""  # certificates of the stack's mutual TLS (`up --tls`); "" when off
+
+    @property
+    def tls_role(self) -> str:
+        """The role whose certificate this service's internal gRPC server holds; "" when it
+        serves plaintext (TLS off, or the gateway, whose gRPC port is the public API)."""
+        return self.kind if self.tls_dir and self.kind != "gateway" else ""
 
     def command(self) -> list[str]:
         """The service as one would start it by hand: `up` runs exactly this, after a
@@ -85,8 +92,9 @@ def usable_cpus() -> int:
 
 
 def num_internal_ports(args: Namespace) -> int:
-    """How many consecutive ports from --base-port the stack uses (gRPC + metrics)."""
-    return 2 * len(internal_names(args))
+    """How many consecutive ports from --base-port the stack uses (gRPC + metrics, then the
+    gateways' metrics ports)."""
+    return 2 * len(internal_names(args)) + args.gateways
 
 
 def public_ports(args: Namespace) -> list[int]:
@@ -109,7 +117,8 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
                 "--metrics-port", str(metrics_ports[name])]
 
     def spec(name: str, kind: str, argv: list[str], **kwargs) -> ServiceSpec:
-        return ServiceSpec(name=name, kind=kind, argv=argv,
+        return ServiceSpec(name=name, kind=kind, argv=argv + tls_flags(args, kind),
+                           tls_dir=args.tls_dir or "",
                            address=f"{dial}:{grpc_ports[name]}",
                            metrics_url=f"http://{dial}:{metrics_ports[name]}/metrics", **kwargs)
 
@@ -139,24 +148,41 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
     scheduler_addresses = ",".join(f"{dial}:{grpc_ports[name]}" for name in schedulers)
     for index in range(args.gateways):
         tokenizer = tokenizers[index % len(tokenizers)]  # gateways spread over the tokenizers
+        metrics_port = args.base_port + 2 * len(names) + index
         services.append(_gateway(args, index, dial, f"{dial}:{grpc_ports[tokenizer]}",
-                                 scheduler_addresses, (tokenizer, *schedulers), one_thread))
+                                 scheduler_addresses, (tokenizer, *schedulers), one_thread,
+                                 metrics_port))
     return services
 
 
 def _gateway(args: Namespace, index: int, dial: str, tokenizer_address: str,
              scheduler_addresses: str, depends_on: tuple[str, ...],
-             env: dict[str, str]) -> ServiceSpec:
+             env: dict[str, str], metrics_port: int) -> ServiceSpec:
     rest_port, grpc_port = args.port + index, args.grpc_port + index
     argv = ["--host", args.host, "--log-level", args.log_level,
             "--port", str(rest_port), "--grpc-port", str(grpc_port),
+            "--metrics-port", str(metrics_port),
             "--tokenizer-address", tokenizer_address, "--scheduler-address", scheduler_addresses,
-            *_optional(args, "--served-model-name", "--api-key", "--request-timeout")]
+            *_optional(args, "--served-model-name", "--api-key", "--request-timeout"),
+            *tls_flags(args, "gateway")]
     rest_url = f"http://{dial}:{rest_port}"
     return ServiceSpec(name=_numbered("gateway", index, args.gateways), kind="gateway",
                        argv=argv, address=f"{dial}:{grpc_port}",
-                       metrics_url=f"{rest_url}/metrics", depends_on=depends_on,
-                       env=dict(env), rest_url=rest_url)
+                       metrics_url=f"http://{dial}:{metrics_port}/metrics",
+                       depends_on=depends_on, env=dict(env), rest_url=rest_url,
+                       tls_dir=args.tls_dir or "")
+
+
+def tls_flags(args: Namespace, role: str) -> list[str]:
+    """A service's mutual-TLS flags: the stack's CA and its role's certificate (certs.py
+    names the files)."""
+    if not args.tls_dir:
+        return []
+    flags = ["--tls-ca", os.path.join(args.tls_dir, "ca.pem"),
+             "--tls-cert", os.path.join(args.tls_dir, f"{role}.pem"),
+             "--tls-key", os.path.join(args.tls_dir, f"{role}-key.pem")]
+    crl = getattr(args, "tls_crl_file", None)  # set by `up` when the directory has crl.pem
+    return flags + (["--tls-crl", crl] if crl else [])
 
 
 def _scheduler_flags(args: Namespace) -> list[str]:

@@ -25,6 +25,8 @@ def stack_state(status: str, topology: str, children: list[Child], ready: set[st
         "openai_base_url": f"{gateway.rest_url}/v1",
         "grpc_address": gateway.address,
         "rest_urls": [spec.rest_url for spec in gateways],  # every gateway replica
+        # mutual TLS between the services: ca.pem and <role>.pem/-key.pem; admin.pem for tools
+        "tls_dir": gateway.tls_dir or None,
         "services": {child.name: {
             "kind": child.spec.kind,
             "role": child.spec.role,

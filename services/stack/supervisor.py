@@ -67,8 +67,7 @@ class Supervisor:
     # ---- start-up ------------------------------------------------------------------------------
     def _start_all(self) -> bool:
         """Start each child once its dependencies are SERVING; True when all are."""
-        probes = {child.name: HealthProbe(child.spec.address, child.spec.rest_url)
-                  for child in self.children}
+        probes = {child.name: _probe(child.spec) for child in self.children}
         deadline = self.started_at + self.startup_timeout_s
         next_progress = time.monotonic() + PROGRESS_EVERY_S
         statuses: dict[str, str] = {}
@@ -189,7 +188,7 @@ class Supervisor:
             if child.name in self.ready or not child.alive():
                 continue
             if child.name not in probes:
-                probes[child.name] = HealthProbe(child.spec.address, child.spec.rest_url)
+                probes[child.name] = _probe(child.spec)
             if probes[child.name].status() == "SERVING":
                 self.ready.add(child.name)
                 self.restarts[child.name].serving(now)
@@ -244,3 +243,7 @@ def say(message: str) -> None:
 
 def indent(text: str) -> str:
     return "\n".join(f"    | {line}" for line in text.splitlines())
+
+
+def _probe(spec: ServiceSpec) -> HealthProbe:
+    return HealthProbe(spec.address, spec.rest_url, spec.tls_dir, spec.tls_role)

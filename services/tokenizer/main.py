@@ -6,6 +6,7 @@ import asyncio
 
 from services.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.flags import add_flag
+from services.common.tls import add_tls_flags, install, tls_files_from_args
 from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.metrics import serve_metrics
@@ -22,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="Prometheus port (0: off)")
     add_flag(parser, "--model", default=None,
              help="model directory, .gguf file or cached HF repo id (default: SmolLM2-135M)")
+    add_tls_flags(parser)
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
 
 
@@ -38,6 +40,7 @@ def load_tokenizer(model: str | None):
 
 
 async def serve(args: argparse.Namespace) -> None:
+    install(tls_files_from_args(args))  # this process's identity on every internal hop
     from services.tokenizer.servicer import TokenizerServicer
 
     server = ServiceServer(args.host, args.port, [SERVICE_NAME])
@@ -45,7 +48,8 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
     server.install_signal_handlers()
     await server.start()
-    metrics_server = await serve_metrics(args.metrics_port, args.host)
+    metrics_server = await serve_metrics(args.metrics_port, args.host,
+                                         health=lambda: server.serving)
     log.info("tokenizer loading", port=server.port, model=args.model or "default")
     # Loading may convert a GGUF (many seconds): off the loop, so health answers meanwhile.
     servicer.load(await asyncio.to_thread(load_tokenizer, args.model))

@@ -13,6 +13,7 @@ from services.api.kvrelay.v1 import kv_transfer_pb2, scheduler_pb2, worker_pb2
 from services.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
 from services.common import metrics
 from services.common.flags import add_flag
+from services.common.tls import add_tls_flags, install, tls_files_from_args
 from services.common.grpc_server import ServiceServer
 from services.common.log import get_logger
 from services.common.runtime import freeze_heap, run_service
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--shm-dir", default="/dev/shm",
              help="where a decode worker maps its KV cache for the shm transport")
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
+    add_tls_flags(parser)
     add_flag(parser, "--log-level", default="info")
 
 
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    install(tls_files_from_args(args))  # this process's identity on every internal hop
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     transports = [name for name in args.kv_transports.split(",") if name]
     shm_path = _shm_path(args, worker_id, transports)
@@ -82,7 +85,8 @@ async def serve(args: argparse.Namespace) -> None:
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server.server)
     server.install_signal_handlers()
     await server.start()  # health answers NOT_SERVING while the model loads
-    metrics_server = await metrics.serve_metrics(args.metrics_port, args.host)
+    metrics_server = await metrics.serve_metrics(args.metrics_port, args.host,
+                                                 health=lambda: server.serving)
     # Only the compute thread runs torch's OpenMP work: it loads the model and runs every step,
     # and this loop thread's KV page copies run inline (omp_threads.py says why).
     run_torch_ops_inline()

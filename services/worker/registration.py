@@ -16,7 +16,7 @@ RETRY_S = 1.0
 
 class Registration:
     def __init__(self, scheduler_address: str, request: scheduler_pb2.RegisterWorkerRequest):
-        self.channel = channel(scheduler_address)
+        self.channel = channel(scheduler_address, "scheduler")
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.request = request
         self.draining = False

@@ -89,7 +89,8 @@ def start_stack(topology: str, log_dir: Path, *extra: str, num_internal_ports: i
     tokenizer, one scheduler and the topology's default workers)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     num_workers = 2 if topology == "pd" else 1
-    num_internal = num_internal_ports or 2 * (2 + num_workers)
+    # The internal block: gRPC and metrics of each service, then each gateway's metrics.
+    num_internal = (num_internal_ports or 2 * (2 + num_workers)) + num_gateways
     base = free_port_block(num_internal + 2 * num_gateways)
     command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
                "--base-port", str(base), "--port", str(base + num_internal),

@@ -26,11 +26,12 @@ def test_pd_plan_has_one_prefill_and_one_decode_worker_on_distinct_ports():
     assert [s.name for s in specs] == ["tokenizer", "scheduler", "prefill-0", "decode-0", "gateway"]
     assert [s.role for s in specs if s.kind == "worker"] == ["prefill", "decode"]
     internal = [s for s in specs if s.kind != "gateway"]
+    gateway = specs[-1]
     ports = [int(flag(s, "--port")) for s in internal] + \
-            [int(flag(s, "--metrics-port")) for s in internal]
+            [int(flag(s, "--metrics-port")) for s in [*internal, gateway]]
     assert sorted(ports) == list(range(40000, 40000 + len(ports)))
     assert len(ports) == num_internal_ports(parse())
-    gateway = specs[-1]
+    assert gateway.metrics_url == f"http://127.0.0.1:{40000 + len(ports) - 1}/metrics"
     assert flag(gateway, "--port") == "8000" and gateway.address == "127.0.0.1:50050"
     assert flag(gateway, "--tokenizer-address") == specs[0].address
     assert flag(gateway, "--scheduler-address") == specs[1].address
@@ -100,7 +101,7 @@ def test_groups_have_their_own_scheduler_and_workers_behind_every_gateway():
         assert flag(gateway, "--grpc-port") == str(50050 + index)
     internal = [s for s in specs.values() if s.kind != "gateway"]
     ports = [int(flag(s, "--port")) for s in internal] + \
-            [int(flag(s, "--metrics-port")) for s in internal]
+            [int(flag(s, "--metrics-port")) for s in specs.values()]
     assert sorted(ports) == list(range(41000, 41000 + num_internal_ports(args)))
 
 

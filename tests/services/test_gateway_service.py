@@ -60,10 +60,11 @@ BAD_COMPLETION_BODIES = {
 
 @pytest.fixture(scope="module")
 def gateway(tokenizer_address, tmp_path_factory):
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     dead_scheduler = f"127.0.0.1:{free_port()}"
     service = ServiceProcess("gateway", [
         "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port),
+        "--metrics-port", str(metrics_port),
         "--tokenizer-address", tokenizer_address, "--scheduler-address", dead_scheduler,
         "--served-model-name", MODEL, "--api-key", API_KEY, "--log-level", "warning",
         "--submit-wait-timeout", "0"],  # no scheduler will come: valid requests get 503 at once
@@ -75,6 +76,7 @@ def gateway(tokenizer_address, tmp_path_factory):
                           trust_env=False) as http:
             service.wait_for(lambda: _answers(http), "gateway REST")
             http.grpc_address = f"127.0.0.1:{grpc_port}"
+            http.metrics_base = f"http://127.0.0.1:{metrics_port}"
             yield http
     finally:
         service.stop()
@@ -147,9 +149,12 @@ def test_api_key_is_required_except_for_probes(gateway):
     bare = {"Authorization": ""}
     assert gateway.get("/health", headers=bare).status_code == 503  # no scheduler: not ready
     assert gateway.get("/version", headers=bare).status_code == 200
-    metrics = gateway.get("/metrics", headers=bare)
+    assert gateway.get("/metrics", headers=bare).status_code == 404  # not on the public port
+    metrics = httpx.get(f"{gateway.metrics_base}/metrics", timeout=10, trust_env=False)
     assert "kvrelay:time_to_first_token_seconds_bucket" in metrics.text
     assert "kvrelay:request_success_total" in metrics.text
+    health = httpx.get(f"{gateway.metrics_base}/health", timeout=10, trust_env=False)
+    assert health.status_code == 503  # the same readiness as the public /health
 
 
 def test_models_tokenize_detokenize(gateway, tokenizer):

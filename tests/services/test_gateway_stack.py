@@ -59,7 +59,8 @@ def stack(tokenizer_address, tmp_path_factory) -> Stack:
                        logs / "worker.log"),
         ServiceProcess("gateway", [*common, "--port", str(rest_port), "--grpc-port",
                                    str(grpc_port), "--tokenizer-address", tokenizer_address,
-                                   "--scheduler-address", scheduler_address],
+                                   "--scheduler-address", scheduler_address,
+                                   "--metrics-port", "0"],
                        logs / "gateway.log")]
     rest_url = f"http://127.0.0.1:{rest_port}"
     try:
@@ -216,7 +217,8 @@ def test_a_request_past_the_gateways_deadline_ends_with_a_timeout_and_frees_its_
     gateway = ServiceProcess("gateway", [
         "--host", "127.0.0.1", "--log-level", "warning", "--port", str(rest_port),
         "--grpc-port", str(grpc_port), "--tokenizer-address", tokenizer_address,
-        "--scheduler-address", stack.scheduler_address, "--request-timeout", "1"],
+        "--scheduler-address", stack.scheduler_address, "--request-timeout", "1",
+        "--metrics-port", "0"],
         tmp_path / "gateway.log")
     rest_url = f"http://127.0.0.1:{rest_port}"
     try:

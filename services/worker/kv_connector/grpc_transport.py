@@ -26,7 +26,7 @@ class GrpcKvTransport(KvTransport):
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         if address not in self.stubs:
-            chan = channel(address)
+            chan = channel(address, "worker")
             self.channels.append(chan)
             self.stubs[address] = kv_transfer_pb2_grpc.KvTransferStub(chan)
         return self.stubs[address]
