@@ -29,7 +29,11 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="package")
 def pd_stack(tmp_path_factory) -> RunningStack:
-    stack = start_stack("pd", tmp_path_factory.mktemp("pd-stack"))
+    # The default topology runs with mutual TLS on every internal hop, and KV pages pushed over
+    # gRPC (through TLS) rather than shm: every test on it checks the stack works that way, and
+    # the greedy parity tests compare it with the plaintext colocated stack and with HF.
+    stack = start_stack("pd", tmp_path_factory.mktemp("pd-stack"), "--tls",
+                        "--kv-transport", "grpc")
     yield stack
     stop_and_check(stack)
 

@@ -17,6 +17,8 @@ import grpc
 import httpx
 
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.tls import target_options
+from services.stack.health import admin_credentials
 from services.stack.ports import busy_ports
 
 STARTUP_TIMEOUT_S = 300
@@ -55,10 +57,18 @@ class RunningStack:
     def workers(self) -> dict[str, dict]:
         return {name: s for name, s in self.state["services"].items() if s["kind"] == "worker"}
 
-    def scheduler_stats(self) -> scheduler_pb2.StatsResponse:
-        with grpc.insecure_channel(self.service("scheduler")["address"]) as channel:
+    def scheduler_stats(self, scheduler: str = "scheduler") -> scheduler_pb2.StatsResponse:
+        with self.internal_channel(scheduler) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
+
+    def internal_channel(self, name: str) -> grpc.Channel:
+        """A channel to an internal service: with the stack's admin certificate under TLS."""
+        service, tls_dir = self.service(name), self.state.get("tls_dir")
+        if not tls_dir:
+            return grpc.insecure_channel(service["address"])
+        return grpc.secure_channel(service["address"], admin_credentials(tls_dir),
+                                   options=target_options(service["kind"]))
 
     def up_log(self, lines: int = 80) -> str:
         text = (self.log_dir / "up.log").read_text(errors="replace").splitlines()

@@ -153,12 +153,7 @@ def _registered(stack, group: int) -> set[str]:
 
 
 def _stats(stack, group: int):
-    import grpc
-
-    from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-    with grpc.insecure_channel(stack.service(f"scheduler-{group}")["address"]) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(),
-                                                               timeout=5)
+    return stack.scheduler_stats(f"scheduler-{group}")
 
 
 def _wait_until_busy(stack, scheduler: str, timeout_s: float = 60) -> None:
