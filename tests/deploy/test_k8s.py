@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
 
+from services.common.certs import write_bundle
 from tests.deploy import cli_facts
 from tests.deploy.k8s_checks import (all_problems, containers, ingress_sources, kubectl, of_kind,
                                      pod_templates, raw_resources, render, schema_problems)
@@ -24,8 +28,18 @@ needs_kubectl = pytest.mark.skipif(
 
 
 @functools.cache
+def k8s_with_certs() -> Path:
+    """A copy of k8s/ with the TLS files the base's Secrets are generated from (`kvrelay certs
+    --out k8s/base/tls`, which a user runs before applying; never committed)."""
+    copy_root = Path(tempfile.mkdtemp(prefix="kvrelay-k8s-")) / "k8s"
+    shutil.copytree(K8S, copy_root, ignore=shutil.ignore_patterns("tls"))
+    write_bundle(copy_root / "base" / "tls", roles=("gateway", "tokenizer", "scheduler", "worker"))
+    return copy_root
+
+
+@functools.cache
 def rendered(name: str) -> list[dict]:
-    return render(K8S / name)
+    return render(k8s_with_certs() / name)
 
 
 def rendered_copy(name: str) -> list[dict]:
@@ -124,7 +138,16 @@ def test_pods_probe_drain_and_settings(name):
             assert spec["terminationGracePeriodSeconds"] > drain_s, component
         for container in containers(template):
             assert {"startupProbe", "readinessProbe", "livenessProbe"} <= container.keys()
-            assert "grpc" in container["readinessProbe"], component
+            # Readiness is the service's health on its metrics port, plain HTTP: the kubelet's
+            # gRPC probe could not pass mutual TLS.
+            assert container["readinessProbe"]["httpGet"] == {"path": "/health",
+                                                              "port": "metrics"}, component
+            # Mutual TLS on every internal hop, each pod with its role's certificate.
+            role = "worker" if component in WORKERS else component
+            tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+            assert tls_volume["secret"]["secretName"].startswith(f"kvrelay-tls-{role}")
+            assert {mount["mountPath"] for mount in container["volumeMounts"]} >= {
+                "/etc/kvrelay/tls"}
             # The model loads before a worker is SERVING: its startup probe waits minutes.
             startup = container["startupProbe"]
             if component in WORKERS:
@@ -133,6 +156,8 @@ def test_pods_probe_drain_and_settings(name):
             assert container["securityContext"]["readOnlyRootFilesystem"] is True
             assert "/tmp" in {mount["mountPath"] for mount in container["volumeMounts"]}
             env = env_of(container, docs)
+            assert (env["KVRELAY_TLS_CA"], env["KVRELAY_TLS_CERT"], env["KVRELAY_TLS_KEY"]) == (
+                "/etc/kvrelay/tls/ca.crt", "/etc/kvrelay/tls/tls.crt", "/etc/kvrelay/tls/tls.key")
             if component in WORKERS:
                 assert env["KVRELAY_ROLE"] == component.split("-")[0]
                 assert env["KVRELAY_KV_TRANSPORTS"] == "grpc"  # pods share no /dev/shm
@@ -234,7 +259,7 @@ def _break_target_port(docs):
 
 
 def _break_probe_port(docs):
-    _container(docs, "decode-worker")["livenessProbe"]["grpc"]["port"] = 50099
+    _container(docs, "decode-worker")["livenessProbe"]["httpGet"]["port"] = 50099
 
 
 def _break_env_name(docs):
