@@ -43,6 +43,9 @@ SPEC_ACCEPTED_TOKENS = metrics.counter("spec_decode_num_accepted_tokens",
 SPEC_ACCEPTED_PER_POS = metrics.counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position",
                                         ("position",))
+RECOVERIES = metrics.counter(
+    "request_recoveries", "Samples prefilled again on a live worker after their worker died or "
+    "their KV transfer failed (README: a dead worker costs no request)")
 # The engine cores keep running totals; the counters advance by the change since last time.
 _last_totals: dict[tuple[str, str], int] = {}
 
@@ -90,6 +93,7 @@ def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
     PROMPT_TOKENS.inc(num_prompt)
     GENERATION_TOKENS.inc(num_sampled)
     _advance_spec(cluster.registry.drafter)
+    _advance_total(RECOVERIES, "recoveries", cluster.num_recoveries)
     STEP_TOKENS.observe(plan.output.num_batched_tokens)
 
 
@@ -104,6 +108,7 @@ def refresh_gauges(cluster: ClusterScheduler) -> None:
         WAITING.labels(name).set(len(core.waiting) if live else 0)
         KV_USAGE.labels(name).set(core.kv.usage if live else 0.0)
     TRANSFERRING.set(cluster.transfers.num_open)
+    _advance_total(RECOVERIES, "recoveries", cluster.num_recoveries)
 
 
 def transfer_result(ok: bool) -> None:

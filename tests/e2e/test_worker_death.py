@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.stack import start_stack, stop_and_check
+from tests.e2e.stack import metric_values, start_stack, stop_and_check
 
 NUM_STREAMS = 3
 MAX_TOKENS = 96
@@ -113,6 +113,10 @@ def test_a_killed_decode_worker_costs_no_stream(doomed_stack):
     assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == \
         expected[0]
     _wait_for_free_blocks(doomed_stack)
+    # Every stream was recovered once, and the scheduler's metrics say so.
+    recoveries = metric_values(doomed_stack.service("scheduler")["metrics_url"],
+                               "kvrelay:request_recoveries_total")
+    assert sum(recoveries.values()) >= NUM_STREAMS, recoveries
 
 
 def _wait_for_free_blocks(stack, timeout_s: float = 30.0) -> None:
