@@ -65,7 +65,8 @@ class ServiceServer:
         if internal_tls is not None:
             from services.common.authz import RoleInterceptor  # cryptography only with TLS on
             interceptors.append(RoleInterceptor(internal_tls))
-        self.server = grpc.aio.server(options=SERVER_OPTIONS + list(extra_options or []),
+        # gRPC takes the first of repeated options: a service's own come first, to override.
+        self.server = grpc.aio.server(options=list(extra_options or []) + SERVER_OPTIONS,
                                       interceptors=interceptors)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

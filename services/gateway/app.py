@@ -21,23 +21,27 @@ from services.common.log import bind_request_id, get_logger
 from services.gateway.errors import KINDS, GatewayError, invalid
 from services.gateway.openai_chat import create_chat_completion
 from services.gateway.openai_completions import create_completion
+from services.gateway.openai_limits import check_body_limits, check_unparsed_text, read_body
 from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
 from services.gateway.openai_serving import ClientDisconnected, served_model
+from services.gateway.redaction import log_unexpected
 
 log = get_logger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 
 
 def build_app(core, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
+    # /openapi.json is served by _add_probe_routes, behind the API key like every route but
+    # /health.
+    app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.core = core
     app.state.draining = False
     _add_error_handlers(app)
     auth = [Depends(_authorizer(api_key))] if api_key else []
     _add_generation_routes(app, auth)
     _add_model_routes(app, core, auth)
-    _add_probe_routes(app, core)
+    _add_probe_routes(app, core, auth)
     _document_bodies(app)
     return app
 
@@ -100,17 +104,22 @@ def _add_model_routes(app: FastAPI, core, auth: list) -> None:
         return {"prompt": text}
 
 
-def _add_probe_routes(app: FastAPI, core) -> None:
-    """Health and version: never behind the API key (load balancers probe /health). Metrics
-    are not here: they live on the metrics port (--metrics-port), off the public one."""
+def _add_probe_routes(app: FastAPI, core, auth: list) -> None:
+    """Health is never behind the API key (load balancers probe it, and it tells nothing);
+    version and the OpenAPI document are. Metrics are not here: they live on the metrics port
+    (--metrics-port), off the public one."""
     @app.get("/health")
     async def health():
         ready = core.ready and not app.state.draining
         return Response(status_code=200 if ready else 503)
 
-    @app.get("/version")
+    @app.get("/version", dependencies=auth)
     async def version():
         return {"version": _version()}
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi_document():
+        return JSONResponse(app.openapi())
 
 
 async def _generate(request: Request, model: type[BaseModel], handler, prefix: str):
@@ -120,6 +129,8 @@ async def _generate(request: Request, model: type[BaseModel], handler, prefix: s
     request_id = _request_id(request, prefix)
     body = await _parse(request, model)
     log.info("request", endpoint=request.url.path, stream=body.stream, user=body.user)
+    if core.log_request_text:  # off by default: prompts are the users' data
+        log.info("request text", body=body.model_dump(mode="json", exclude_unset=True))
     try:
         response = await handler(core, request, body, request_id)
     except ClientDisconnected:
@@ -148,11 +159,15 @@ def _request_id(request: Request, prefix: str) -> str:
 
 
 async def _parse(request: Request, model: type[BaseModel]):
-    raw = await request.body()
+    limits = request.app.state.core.limits
+    raw = await read_body(request, limits)
     try:
-        return model.model_validate_json(raw or b"{}")
+        body = model.model_validate_json(raw or b"{}")
     except ValidationError as exc:
+        check_unparsed_text(raw, exc.errors(), limits)  # raises naming the field, if so
         raise _validation_error(exc.errors()) from None
+    check_body_limits(body, raw, limits)
+    return body
 
 
 def _validation_error(errors) -> GatewayError:
@@ -182,6 +197,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         response = _error_response(request, exc.http_status, exc.body())
         if exc.retry_after_s is not None:
             response.headers["Retry-After"] = str(exc.retry_after_s)
+        if exc.kind == "too_large":  # the rest of the body is not worth receiving
+            response.headers["Connection"] = "close"
         return response
 
     async def http_error(request: Request, exc: HTTPException):
@@ -195,7 +212,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(request, 400, error.body())
 
     async def unexpected_error(request: Request, exc: Exception):
-        log.exception("unexpected error", exc_info=exc)
+        log_unexpected(log, exc, request.app.state.core.log_request_text)
         error = GatewayError("internal", f"internal error: {type(exc).__name__}")
         return _error_response(request, 500, error.body())
 

@@ -6,6 +6,7 @@ request to the least loaded group, and polls the services to know whether it can
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import grpc
 
@@ -16,6 +17,8 @@ from services.engine.sampling_params import SamplingParams
 from services.gateway import metrics
 from services.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
 from services.gateway.errors import GatewayError
+from services.gateway.limits import RequestLimits
+from services.gateway.redaction import withhold_library_exception_messages
 from services.gateway.request_group import RequestGroup
 from services.gateway.request_state import RequestState
 from services.gateway.router import OutputRouter
@@ -37,8 +40,13 @@ REGISTER_GRACE_S = 1.0
 class GatewayCore:
     def __init__(self, upstream: Upstream, gateway_id: str,
                  served_model_name: str | None = None, submit_wait_s: float = 0.0,
-                 request_timeout_s: float = 0.0) -> None:
+                 request_timeout_s: float = 0.0, limits: RequestLimits | None = None,
+                 log_request_text: bool = False) -> None:
         self.upstream = upstream
+        self.limits = limits or RequestLimits()
+        # Prompts, outputs and their token ids are the users' data: logged only when asked
+        # (--log-request-text), for debugging.
+        self.log_request_text = log_request_text
         self.request_timeout_s = request_timeout_s  # 0: requests have no deadline
         # A request that finds no scheduler group ready (one restarting, or whose only decode
         # worker is) waits this long for one before its 503: it has not started anywhere.
@@ -63,6 +71,8 @@ class GatewayCore:
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
+        if not self.log_request_text:
+            withhold_library_exception_messages()
         coros = [self.pipeline.run(), self._send_aborts(), self._poll_stats(),
                  self.upstream.watch_tokenizer(self._on_tokenizer_health),
                  *(self._consume_outputs(group) for group in self.upstream.groups)]
@@ -134,8 +144,12 @@ class GatewayCore:
         if request_id in self.groups:
             raise GatewayError("invalid_request", f"request id {request_id!r} is in use")
         queue: asyncio.Queue = asyncio.Queue()
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
-                                                      for i in range(len(prompts))]
+        # The scheduler's ids are the gateway's own, never the client's: a client's id (its
+        # x-request-id header, the gRPC request_id) may equal a scheduler id of another request,
+        # here ("r-0" next to prompt 0 of "r") or at another gateway, and a shared id crosses
+        # their outputs and aborts (the other request hung). The client's id still travels
+        # with every call as x-request-id metadata, for the logs.
+        ids = [uuid.uuid4().hex for _ in prompts]
         states = [RequestState(rid, index, prompt, params, queue, scheduler=scheduler)
                   for index, (rid, prompt) in enumerate(zip(ids, prompts))]
         group = RequestGroup(self, request_id, states, queue)
@@ -148,6 +162,8 @@ class GatewayCore:
             group.close()
             raise
         metrics.PROMPT_TOKENS.inc(sum(map(len, prompts)))
+        if self.log_request_text:
+            log.info("prompt tokens", prompt_token_ids=prompts)
         if self.request_timeout_s:
             group.deadline_timer = asyncio.get_running_loop().call_later(
                 self.request_timeout_s, group.expire, self.request_timeout_s)

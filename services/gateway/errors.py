@@ -13,6 +13,8 @@ KINDS = {
     "invalid_request": (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
     "authentication": (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
     "not_found": (404, "not_found_error", grpc.StatusCode.NOT_FOUND),
+    # over --max-request-body-bytes (limits.py); gRPC's own answer to a message over its limit
+    "too_large": (413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
     "unavailable": (503, "service_unavailable", grpc.StatusCode.UNAVAILABLE),
     # too much work waits: 503 with Retry-After, RESOURCE_EXHAUSTED on the gRPC API
     "overloaded": (503, "service_unavailable", grpc.StatusCode.RESOURCE_EXHAUSTED),

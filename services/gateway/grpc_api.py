@@ -5,14 +5,20 @@ import hmac
 import uuid
 
 import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import DecodeError
 
 from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.common.log import bind_request_id
+from services.common.log import bind_request_id, get_logger
 from services.wire import params_from_proto
 from services.gateway.errors import GatewayError, invalid, param_from_value_error
+from services.gateway.limits import RequestLimits
 from services.gateway.openai_serving import served_model
 from services.gateway.request_group import RequestGroup
 from services.gateway.request_state import SampleDelta
+from services.gateway.text_fields import proto_texts, undecodable_string_field
+
+log = get_logger(__name__)
 
 FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED,
                   "stop": common_pb2.FINISH_REASON_STOP,
@@ -21,16 +27,61 @@ FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED,
                   "error": common_pb2.FINISH_REASON_ERROR}
 
 
+class MalformedRequest:
+    """A request message that did not parse, or is over the size limit: its handler answers
+    with this status (an exception in the deserializer would reach the client as UNKNOWN)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        self.message = message
+
+
+def add_generation_service(servicer: "GenerationServicer", server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server, with request parsers that hand a
+    malformed or oversized message to the handler as a MalformedRequest."""
+    service = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(generation_pb2, method.input_type.name)
+        response_class = getattr(generation_pb2, method.output_type.name)
+        handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                   else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = handler(
+            getattr(servicer, method.name),
+            request_deserializer=_request_parser(request_class, servicer.core.limits),
+            response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name,
+                                                                           handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _request_parser(request_class, limits: RequestLimits):
+    def parse(data: bytes):
+        if len(data) > limits.max_request_body_bytes:  # gRPC's own limit is internal traffic's
+            return MalformedRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the request message is larger than "
+                                    f"{limits.max_request_body_bytes} bytes")
+        try:
+            return request_class.FromString(data)
+        except DecodeError as exc:
+            field = undecodable_string_field(request_class.DESCRIPTOR, data)
+            return MalformedRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{field} is not valid UTF-8" if field
+                                    else f"the request does not parse: {exc}")
+    return parse
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, core, api_key: str | None = None) -> None:
         self.core = core
         self.expected_authorization = f"Bearer {api_key}".encode() if api_key else None
 
     async def Generate(self, request, context):
-        await self._authorize(context)
+        await self._admit(request, context)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         bind_request_id(request_id)
         try:
+            _check_generate_limits(self.core.limits, request)
             group, prompt = await self._start(request, request_id)
         except GatewayError as exc:
             await context.abort(exc.grpc_code, exc.message)
@@ -52,6 +103,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             raise param_from_value_error(exc) from None
         prompt = await self._prompt_token_ids(request, request_id)
+        self.core.limits.check_prompt_tokens([prompt], request.WhichOneof("input"))
         group = await self.core.generate(request_id, [prompt], params, request.priority)
         return group, prompt
 
@@ -71,11 +123,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return prompt
 
     async def Abort(self, request, context):
-        await self._authorize(context)
+        await self._admit(request, context)
         return generation_pb2.AbortResponse(found=await self.core.abort(request.request_id))
 
     async def ListModels(self, request, context):
-        await self._authorize(context)
+        await self._admit(request, context)
         try:
             model = served_model(self.core, None)
         except GatewayError as exc:
@@ -84,8 +136,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             id=model, max_model_len=self.core.max_model_len)])
 
     async def Tokenize(self, request, context):
-        await self._authorize(context)
+        await self._admit(request, context)
         try:
+            if request.HasField("chat"):
+                self.core.limits.check_messages(len(request.chat.messages), "chat.messages")
             served_model(self.core, request.model or None)
             token_ids = await self._tokenize(request)
         except GatewayError as exc:
@@ -104,6 +158,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 _messages(request.chat), request.chat.add_generation_prompt, request_id)
         raise invalid("give a prompt or chat", "prompt")
 
+    async def _admit(self, request, context) -> None:
+        """What every call passes first: the API key, a message that parsed, and text that is
+        UTF-8 without control characters, not too much of it (limits.py)."""
+        await self._authorize(context)
+        if isinstance(request, MalformedRequest):
+            await context.abort(request.code, request.message)
+        try:
+            self.core.limits.check_texts(proto_texts(request))
+        except GatewayError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        if self.core.log_request_text:  # off by default: prompts are the users' data
+            log.info("request text", request=MessageToDict(request))
+
     async def _authorize(self, context) -> None:
         if self.expected_authorization is None:
             return
@@ -111,6 +178,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not hmac.compare_digest(given.encode(), self.expected_authorization):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "invalid or missing API key (metadata authorization: Bearer <key>)")
+
+
+def _check_generate_limits(limits: RequestLimits, request) -> None:
+    """The limits of limits.py that a GenerateRequest's fields must meet, as REST's do."""
+    if request.HasField("chat"):
+        limits.check_messages(len(request.chat.messages), "chat.messages")
+    params = request.params
+    if params.HasField("n"):
+        limits.check_n(params.n, "params.n")
+    limits.check_stop(list(params.stop), "params.stop")
+    if params.HasField("logprobs"):
+        limits.check_logprobs(params.logprobs, "params.logprobs")
 
 
 def _response(group: RequestGroup, request_id: str, deltas: list[SampleDelta],

@@ -12,6 +12,7 @@ from services.common.tls import add_tls_flags, install, tls_files_from_args
 from services.gateway.public_tls import add_public_tls_flags, public_tls_from_args
 from services.common.log import get_logger
 from services.common.runtime import run_service
+from services.gateway.limits import RequestLimits, add_limit_flags
 
 log = get_logger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="seconds a request may run; past it, what it has not finished is aborted and "
                   "it ends with a timeout error (504; an SSE error event once streaming; gRPC "
                   "DEADLINE_EXCEEDED). 0: no deadline")
+    add_limit_flags(parser)  # what one request may ask for (limits.py)
+    add_flag(parser, "--log-request-text", action="store_true",
+             help="log prompts, outputs and their token ids (debugging; off: they are the "
+                  "users' data)")
     add_flag(parser, "--metrics-port", type=int, default=9100,
              help="Prometheus /metrics and /health, off the public ports (0: off)")
     add_tls_flags(parser)
@@ -54,12 +59,11 @@ def run(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> None:
     install(tls_files_from_args(args))  # this process's identity on every internal hop
     public_tls = public_tls_from_args(args)
-    from services.api.kvrelay.v1 import generation_pb2_grpc
     from services.common.grpc_server import ServiceServer
     from services.common.metrics import serve_metrics
     from services.gateway.app import build_app
     from services.gateway.core import GatewayCore
-    from services.gateway.grpc_api import GenerationServicer
+    from services.gateway.grpc_api import GenerationServicer, add_generation_service
     from services.gateway.rest_server import RestServer
     from services.gateway.upstream import Upstream
 
@@ -68,11 +72,12 @@ async def serve(args: argparse.Namespace) -> None:
                   if address.strip()]
     core = GatewayCore(Upstream(args.tokenizer_address, schedulers), gateway_id,
                        args.served_model_name, submit_wait_s=args.submit_wait_timeout,
-                       request_timeout_s=args.request_timeout)
+                       request_timeout_s=args.request_timeout,
+                       limits=RequestLimits.from_args(args), log_request_text=args.log_request_text)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME], public=True,
-                           public_credentials=public_tls and public_tls.grpc_credentials())
-    generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(core, args.api_key), server.server)
+                           public_credentials=public_tls and public_tls.grpc_credentials(),
+                           extra_options=core.limits.grpc_server_options())
+    add_generation_service(GenerationServicer(core, args.api_key), server.server)
     app = build_app(core, args.api_key)
 
     async def follow_health(ready: bool) -> None:

@@ -29,6 +29,7 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     params = await with_bad_words(core, params, body.bad_words, request_id)
     messages = render_messages(body.messages, body.tools, tools_mode)
     prompt = await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
+    core.limits.check_prompt_tokens([prompt], "messages")
     try:
         group = await core.generate(request_id, [prompt], params, body.priority)
     except GatewayError as error:

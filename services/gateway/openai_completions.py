@@ -24,6 +24,7 @@ async def create_completion(core, http_request: Request, body: CompletionRequest
     params = completion_params(body)
     params = await with_bad_words(core, params, body.bad_words, request_id)
     prompts = await _prompt_token_ids(core, body.prompt, request_id)
+    core.limits.check_prompt_tokens(prompts)
     echoes = await _echo_texts(core, body.prompt, prompts, request_id) if body.echo else None
     try:
         group = await core.generate(request_id, prompts, params, body.priority)

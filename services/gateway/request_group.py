@@ -5,8 +5,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from services.common.log import get_logger
 from services.gateway import metrics
 from services.gateway.request_state import RequestState, SampleDelta
+
+log = get_logger(__name__)
 
 
 class RequestGroup:
@@ -20,6 +23,10 @@ class RequestGroup:
         self.closed = False
         self.deadline_timer: asyncio.TimerHandle | None = None  # the gateway's --request-timeout
         self.timed_out = False
+        # (prompt index, sample index) -> its text and token ids so far, kept only to be
+        # logged with --log-request-text
+        self.outputs: dict[tuple[int, int], tuple[list[str], list[int]]] | None = \
+            {} if core.log_request_text else None
         metrics.IN_FLIGHT.inc()
 
     async def steps(self) -> AsyncIterator[tuple[int, list[SampleDelta]]]:
@@ -29,7 +36,18 @@ class RequestGroup:
             for delta in deltas:
                 if delta.finish_reason is not None:
                     self.num_open_samples -= 1
+                if self.outputs is not None:
+                    self._log_output(prompt_index, delta)
             yield prompt_index, deltas
+
+    def _log_output(self, prompt_index: int, delta: SampleDelta) -> None:
+        texts, token_ids = self.outputs.setdefault((prompt_index, delta.index), ([], []))
+        texts.append(delta.text)
+        token_ids.extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            log.info("output text", prompt_index=prompt_index, index=delta.index,
+                     text="".join(texts), token_ids=token_ids,
+                     finish_reason=delta.finish_reason)
 
     def close(self) -> None:
         """Abort whatever is unfinished (client gone, error); never awaits, so it is safe in

@@ -141,14 +141,16 @@ def test_valid_requests_fail_fast_without_a_scheduler(gateway):
         assert "scheduler" in error["message"]
 
 
-def test_api_key_is_required_except_for_probes(gateway):
+def test_api_key_is_required_on_every_route_but_health(gateway):
     for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
         response = gateway.post("/v1/chat/completions", json=GOOD_CHAT, headers=headers)
         assert assert_openai_error(response, 401)["type"] == "authentication_error"
         assert gateway.get("/v1/models", headers=headers).status_code == 401
     bare = {"Authorization": ""}
     assert gateway.get("/health", headers=bare).status_code == 503  # no scheduler: not ready
-    assert gateway.get("/version", headers=bare).status_code == 200
+    assert gateway.get("/version", headers=bare).status_code == 401
+    assert gateway.get("/openapi.json", headers=bare).status_code == 401
+    assert gateway.get("/openapi.json").json()["paths"]["/v1/chat/completions"]
     assert gateway.get("/metrics", headers=bare).status_code == 404  # not on the public port
     metrics = httpx.get(f"{gateway.metrics_base}/metrics", timeout=10, trust_env=False)
     assert "kvrelay:time_to_first_token_seconds_bucket" in metrics.text

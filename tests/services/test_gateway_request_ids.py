@@ -1,0 +1,48 @@
+"""The scheduler's request ids are the gateway's own, never the client's. Regression: a client's
+x-request-id "dup-0", sent while a two-prompt request "dup" ran, named that request's first
+prompt at the scheduler ("dup-0"): the second Submit was refused as a duplicate, and closing the
+refused request aborted and dropped the first one's prompt, which then never finished (the
+request hung; found while fuzzing request ids)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.api.kvrelay.v1 import scheduler_pb2
+from services.engine.sampling_params import SamplingParams
+from services.gateway.core import GatewayCore
+from services.gateway.errors import GatewayError
+from services.gateway.upstream import Upstream
+
+
+def test_client_ids_never_reach_the_scheduler_as_its_ids():
+    async def scenario():
+        upstream = Upstream("127.0.0.1:9", ["127.0.0.1:9"])  # nothing listens there
+        group = upstream.groups[0]
+        group.outputs_connected = True
+        group.stats = scheduler_pb2.StatsResponse(ready=True)
+        core = GatewayCore(upstream, "gateway-test")
+        submitted: list[str] = []
+
+        async def submit(request, client_id):
+            if client_id == "dup-0":  # as the scheduler refuses an id it already holds
+                raise GatewayError("invalid_request", "refused")
+            submitted.append(request.request_id)
+
+        group.submit = submit
+        try:
+            first = await core.generate("dup", [[1, 2], [3, 4]], SamplingParams())
+            with pytest.raises(GatewayError, match="refused"):
+                await core.generate("dup-0", [[5, 6]], SamplingParams())
+            own = [state.request_id for state in first.states]
+            # the refused request took nothing of the first one with it
+            assert all(rid in core.router.requests for rid in own)
+            assert not set(core.pending_aborts) & set(own)
+            assert set(core.groups) == {"dup"}
+            assert submitted == own and len(set(own)) == 2
+            assert not any(rid.startswith("dup") or "/" in rid for rid in own)
+        finally:
+            await upstream.close()
+
+    asyncio.run(scenario())
