@@ -1,5 +1,5 @@
 """`kvrelay up`'s restart policy: backoff, crash-loop limit, and the supervisor restarting a real
-crashed child process (a stand-in command; the whole stack's case is tests/e2e/test_worker_death.py)."""
+crashed child process (a stand-in command; the whole stack's case is tests/chaos/test_worker_death.py)."""
 from __future__ import annotations
 
 import sys
