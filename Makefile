@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: test chaos fuzz up bench protos venv clean
+.PHONY: test chaos compose-test fuzz up bench protos venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,12 @@ test: $(STAMP)
 # Real faults (SIGKILL, SIGSTOP, 1,000 disconnects) on a real stack under load: ~10 minutes.
 chaos: $(STAMP)
 	KVRELAY_CHAOS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/chaos
+
+# docker-compose.yml for real (tests/compose): builds the image here (deploy/build-offline-image.sh:
+# a debootstrap base, wheels from this machine's pip), runs the stack with mutual TLS, compares its
+# greedy output with `kvrelay up`, scales and kills workers. Starts dockerd if it is not running.
+compose-test: $(STAMP)
+	KVRELAY_COMPOSE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/compose
 
 # schemathesis on /openapi.json and hypothesis on the public gRPC API, on a real stack: ~2,600
 # generated requests in 3-6 minutes; no 5xx / INTERNAL / UNKNOWN, no hang, every KV block free.

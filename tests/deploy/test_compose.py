@@ -54,9 +54,17 @@ def compose_problems(compose: dict) -> list[str]:
         for unknown in cli_facts.unknown_envs(command, env(service)):
             problems.append(f"{name}: {unknown} is not a flag of `kvrelay {command}`")
         test = service.get("healthcheck", {}).get("test", [])
-        probe = f"127.0.0.1:{grpc_port(command, service)}"
-        if test[:4] != ["CMD", "python", "-m", "services.common.healthcheck"] or probe not in test:
-            problems.append(f"{name}: healthcheck does not probe gRPC health on {probe}")
+        if command == "gateway":
+            # Its gRPC port is public (no internal mutual TLS): /health on its metrics port.
+            probe = (f"urlopen('http://127.0.0.1:"
+                     f"{port_of(command, service, 'KVRELAY_METRICS_PORT')}/health'")
+            if test[:3] != ["CMD", "python", "-c"] or probe not in " ".join(test[3:]):
+                problems.append(f"{name}: healthcheck does not probe HTTP /health ({probe})")
+        else:
+            probe = f"127.0.0.1:{grpc_port(command, service)}"
+            if test[:4] != ["CMD", "python", "-m", "services.common.healthcheck"] or \
+                    probe not in test:
+                problems.append(f"{name}: healthcheck does not probe gRPC health on {probe}")
         for key, value in env(service).items():
             if key.endswith("_ADDRESS") and key != "KVRELAY_ADVERTISE_ADDRESS" and value:
                 for host, port in cli_facts.addresses(value):
@@ -108,6 +116,8 @@ def test_start_order_waits_for_health():
     (lambda c: c["services"]["prefill-worker"]["environment"].update(
         KVRELAY_KV_TRANSPORTS="grpc,shm"), "KV transports must be grpc"),
     (lambda c: c["services"]["scheduler"].update(command=["schedular"]), "kvrelay scheduler`"),
+    (lambda c: c["services"]["gateway"]["environment"].update(KVRELAY_METRICS_PORT="9200"),
+     "gateway: healthcheck does not probe HTTP /health"),
     (lambda c: c["services"].pop("tokenizer"), "tokenizer: missing"),
 ])
 def test_compose_check_catches(edit, expected):
@@ -134,9 +144,9 @@ def test_monitoring_profile_scrapes_every_service():
                for name in sd["names"]]
         jobs[job["job_name"]] = static + dns
     for name, command in KVRELAY.items():
-        # The gateway serves /metrics on its REST port; the others on --metrics-port.
-        port_env = "KVRELAY_PORT" if command == "gateway" else "KVRELAY_METRICS_PORT"
-        assert jobs[name] == [f"{name}:{port_of(command, services[name], port_env)}"], name
+        # Every service, the gateway included, serves /metrics on its --metrics-port.
+        port = port_of(command, services[name], "KVRELAY_METRICS_PORT")
+        assert jobs[name] == [f"{name}:{port}"], name
 
 
 def test_grafana_provisioning_points_at_the_mounts():
@@ -177,3 +187,34 @@ def test_docker_compose_config():
         done = subprocess.run(["docker-compose", *options, "config", "-q"], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
+
+
+TLS_ROLE = {"tokenizer": "tokenizer", "scheduler": "scheduler", "prefill-worker": "worker",
+            "decode-worker": "worker", "gateway": "gateway"}  # compose service -> cert role
+
+
+def test_every_service_gets_the_ca_and_its_own_roles_certificate():
+    """Mutual TLS through compose secrets: each service mounts the CA, the CRL and its own
+    role's certificate and key (no other role's key), and names them with KVRELAY_TLS_*; the
+    files are those `kvrelay certs` writes, in KVRELAY_CERTS_DIR."""
+    compose = load_compose()
+    secrets = compose["secrets"]
+    files = {name: secret["file"] for name, secret in secrets.items()}
+    prefix = "${KVRELAY_CERTS_DIR:-./deploy/certs}/"
+    assert all(path.startswith(prefix) for path in files.values()), files
+    for name, role in TLS_ROLE.items():
+        service = compose["services"][name]
+        mounted = {secret if isinstance(secret, str) else secret["source"]
+                   for secret in service["secrets"]}
+        variables = env(service)
+        expected = {"CA": "ca.pem", "CRL": "crl.pem", "CERT": f"{role}.pem",
+                    "KEY": f"{role}-key.pem"}
+        for kind, filename in expected.items():
+            path = variables[f"KVRELAY_TLS_{kind}"]
+            assert path.startswith("/run/secrets/"), (name, kind, path)
+            secret = path.removeprefix("/run/secrets/")
+            assert secret in mounted and files[secret] == prefix + filename, (name, kind)
+        keys = {files[secret] for secret in mounted if files[secret].endswith("-key.pem")}
+        assert keys == {prefix + f"{role}-key.pem"}, (name, keys)
+        assert cli_facts.flag_envs(KVRELAY[name]) >= {
+            f"KVRELAY_TLS_{kind}" for kind in expected}, name

@@ -83,8 +83,12 @@ def sh(command: str, env: dict, cwd=None) -> subprocess.CompletedProcess:
 
 # ---- Dockerfile ---------------------------------------------------------------------------------
 def test_base_user_entrypoint_and_ports():
-    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim-\w+", DOCKERFILE[
-        index_of("FROM", "python")][1])
+    # The base is a build argument (a local image where no registry can be reached); its
+    # default is still the slim Python image, so a plain `docker build` is unchanged.
+    (base,) = [rest for keyword, rest in DOCKERFILE if keyword == "FROM"]
+    assert base == "${BASE_IMAGE}"
+    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim-\w+", build_args()["BASE_IMAGE"])
+    assert index_of("ARG", "BASE_IMAGE=") < index_of("FROM", "BASE_IMAGE")
     users = [rest for keyword, rest in DOCKERFILE if keyword == "USER"]
     assert users[-1] not in ("root", "0")
     (entrypoint,) = [rest for keyword, rest in DOCKERFILE if keyword == "ENTRYPOINT"]
@@ -110,6 +114,24 @@ def test_dependencies_are_a_layer_before_the_source():
     assert index_of("RUN", "torch==$TORCH_VERSION") < source
     assert index_of("RUN", "pip install -r") < source
     assert index_of("RUN", "BAKE_MODEL") < source
+
+
+def test_pip_settings_are_unset_by_default():
+    """pip's PIP_* build arguments (local mirrors, deploy/build-offline-image.sh) have no
+    default, so elsewhere pip reads only its own configuration, as before."""
+    declared = [rest for keyword, rest in DOCKERFILE if keyword == "ARG"
+                and rest.startswith("PIP_")]
+    assert declared and all("=" not in rest for rest in declared)
+    assert not any(re.search(r"\bPIP_(INDEX_URL|EXTRA_INDEX_URL|NO_INDEX|FIND_LINKS)=", rest)
+                   for keyword, rest in DOCKERFILE if keyword == "ENV")
+
+
+def test_packages_go_into_a_venv_on_path():
+    """Debian's own python refuses `pip install` (PEP 668): the venv is made before any pip
+    step, and its bin/ is first on PATH, so `pip`, `python` and `kvrelay` are its own."""
+    env_text = " ".join(rest for keyword, rest in DOCKERFILE if keyword == "ENV")
+    assert "VIRTUAL_ENV=/opt/venv" in env_text and "PATH=/opt/venv/bin:$PATH" in env_text
+    assert index_of("RUN", "-m venv /opt/venv") < index_of("RUN", "torch==$TORCH_VERSION")
 
 
 def test_versions_match_the_local_install():
