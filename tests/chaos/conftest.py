@@ -2,15 +2,8 @@
 real stack take minutes, beyond `make test`'s budget."""
 from __future__ import annotations
 
-import os
-
-import pytest
+from tests.opt_in import skip_unless_enabled
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if os.environ.get("KVRELAY_CHAOS") == "1":
-        return
-    skip = pytest.mark.skip(reason="the chaos suite runs with `make chaos` (KVRELAY_CHAOS=1)")
-    for item in items:
-        if "tests/chaos/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(skip)
+    skip_unless_enabled(items, "KVRELAY_CHAOS", "tests/chaos/", "chaos")

@@ -2,19 +2,13 @@
 the image and runs the whole stack in Docker, which takes many minutes and a Docker engine."""
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from tests.opt_in import skip_unless_enabled
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if os.environ.get("KVRELAY_COMPOSE") == "1":
-        return
-    skip = pytest.mark.skip(reason="the compose suite runs with `make compose-test` "
-                                   "(KVRELAY_COMPOSE=1)")
-    for item in items:
-        if "tests/compose/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(skip)
+    skip_unless_enabled(items, "KVRELAY_COMPOSE", "tests/compose/", "compose-test")
 
 
 _LINES: list[str] = []

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.opt_in import skip_unless_enabled
+
 from tests.e2e.stack import STARTUP_TIMEOUT_S, RunningStack, free_port_block, stop_and_check
 
 # What the stack's services read from their KVRELAY_* variables (`kvrelay up` passes on those
@@ -39,12 +41,7 @@ def pytest_ignore_collect(collection_path, config) -> bool | None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if os.environ.get("KVRELAY_FUZZ") == "1":
-        return
-    skip = pytest.mark.skip(reason="the fuzz suite runs with `make fuzz` (KVRELAY_FUZZ=1)")
-    for item in items:
-        if "tests/fuzz/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(skip)
+    skip_unless_enabled(items, "KVRELAY_FUZZ", "tests/fuzz/", "fuzz")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
