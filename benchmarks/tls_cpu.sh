@@ -1,6 +1,7 @@
 #!/bin/bash
 # Each service's CPU seconds over one chat-64 pass (after a warm-up pass), with mutual TLS off
 # and on (BENCHMARKS.md, "Mutual TLS"). Ports 28900-28912; run on a quiet machine.
+cd "$(dirname "$0")/.."
 for mode in off on; do
   dir=/tmp/tlscpu-$mode; rm -rf $dir
   extra=""; [ $mode = on ] && extra="--tls"
