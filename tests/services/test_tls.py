@@ -191,3 +191,27 @@ def test_tls_flags_need_all_three_files(bundle, tmp_path):
         tls.tls_files_from_args(parser.parse_args([
             "--tls-ca", str(bundle / "ca.pem"), "--tls-cert", str(tmp_path / "missing.pem"),
             "--tls-key", str(bundle / "admin-key.pem")]))
+
+
+def test_certs_command_rotates_under_the_same_ca_with_extra_names(bundle):
+    ca_before = (bundle / "ca.pem").read_bytes()
+    worker_before = (bundle / "worker.pem").read_bytes()
+    done = subprocess.run([sys.executable, "-m", "services.cli", "certs", "--out", str(bundle),
+                           "--reuse-ca", "--roles", "worker", "--san", "10.0.0.7",
+                           "--san", "decode.example", "--days", "30"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (bundle / "ca.pem").read_bytes() == ca_before
+    rotated = x509.load_pem_x509_certificate((bundle / "worker.pem").read_bytes())
+    assert rotated.serial_number != x509.load_pem_x509_certificate(worker_before).serial_number
+    names = rotated.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "decode.example" in names.get_values_for_type(x509.DNSName)
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1",
+                                                                            "10.0.0.7"]
+    assert (rotated.not_valid_after_utc - rotated.not_valid_before_utc).days == 30
+
+    async def scenario():  # the rotated worker certificate is still one of the stack's
+        async with Server(files(bundle, "scheduler")) as server:
+            worker = tls.channel_credentials(files(bundle, "worker"))
+            assert await call(server.address, worker, "RegisterWorker") == grpc.StatusCode.OK
+    run(scenario())
