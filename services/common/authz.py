@@ -17,9 +17,10 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from services.common.certs import ROLES
 from services.common.tls import TlsFiles
 
-ANY_ROLE = frozenset({"gateway", "tokenizer", "scheduler", "worker", "admin"})
+ANY_ROLE = frozenset(ROLES)
 # Full method name -> the roles that may call it. Methods not listed are refused.
 CALLERS: dict[str, frozenset[str]] = {
     "/kvrelay.v1.Tokenizer/Encode": frozenset({"gateway"}),

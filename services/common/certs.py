@@ -105,13 +105,13 @@ def write_bundle(out_dir: str | Path, roles: tuple[str, ...] = ROLES,
     out.mkdir(parents=True, exist_ok=True)
     if authority is None:
         authority = Authority.create()
-        _write(out / "ca-key.pem", authority.key_pem(), secret=True)
-        _write(out / "crl.pem", authority.revocation_list([]))
-    _write(out / "ca.pem", authority.cert_pem())
+        write_file(out / "ca-key.pem", authority.key_pem(), secret=True)
+        write_file(out / "crl.pem", authority.revocation_list([]))
+    write_file(out / "ca.pem", authority.cert_pem())
     for role in roles:
         cert_pem, key_pem = authority.issue(role, extra_names, days)
-        _write(out / f"{role}.pem", cert_pem)
-        _write(out / f"{role}-key.pem", key_pem, secret=True)
+        write_file(out / f"{role}.pem", cert_pem)
+        write_file(out / f"{role}-key.pem", key_pem, secret=True)
     return out
 
 
@@ -132,10 +132,6 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def write_file(path: Path, data: bytes, secret: bool = False) -> None:
-    _write(path, data, secret)
-
-
-def _write(path: Path, data: bytes, secret: bool = False) -> None:
     # Written to a temporary name and renamed, so a server reloading its files (rotation)
     # never reads half a certificate; created 0600 from the start when secret.
     tmp = path.with_name(path.name + ".tmp")

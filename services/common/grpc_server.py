@@ -78,7 +78,6 @@ class ServiceServer:
                        else public_credentials)
         self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials
                      else self.server.add_insecure_port(f"{host}:{port}"))
-        self.tls = credentials is not None
         if self.port == 0:
             raise SystemExit(f"cannot bind {host}:{port}")
         self.stopping = asyncio.Event()
