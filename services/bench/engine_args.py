@@ -15,13 +15,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int4-max-tokens", type=int, default=None,
                         help="steps of at most this many tokens use the 4-bit weights "
                              "(default: the engine's; 0: never)")
+    parser.add_argument("--amx-max-tokens", type=int, default=None,
+                        help="steps up to this many tokens run on AMX tiles "
+                             "(default: the engine's; 0: never)")
 
 
 def make_llm(args):
     from services.engine import LLM
     engine_args = {"num_threads": args.num_threads,
                    "enable_prefix_caching": args.prefix_caching}
-    for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens", "amx_max_tokens"):
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     return LLM(model=args.model, dtype=args.dtype, **engine_args)
@@ -36,4 +39,5 @@ def engine_description(llm) -> dict:
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "max_num_seqs": engine.config.max_num_seqs,
             "prefix_caching": engine.config.enable_prefix_caching,
-            "int4_max_tokens": engine.config.int4_max_tokens if engine.runner.uses_int4 else 0}
+            "int4_max_tokens": engine.config.int4_max_tokens if engine.runner.uses_int4 else 0,
+            "amx_max_tokens": engine.config.amx_max_tokens if engine.runner.uses_amx else 0}

@@ -33,8 +33,13 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Steps of at most this many tokens multiply the checkpoint's own 4-bit weights (a GGUF
-    # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. 0: never.
-    int4_max_tokens: int = 8
+    # Q4_0/Q4_1 source, bf16 on CPU) with torch's int4 kernel: they are bound by reading the
+    # weights. 0: never. (Without AMX, 8 measured best: the AMX range below then is oneDNN's.)
+    int4_max_tokens: int = 4
+    # Steps of int4_max_tokens + 1 up to this many tokens run on AMX tiles (kernels/
+    # native_amx.py: the 4-bit weights widened in L1, the head in bf16) where the CPU has
+    # AMX-BF16; oneDNN above, where it is faster. 0: never.
+    amx_max_tokens: int = 32
     seed: int = 0  # for unseeded sampling
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (structured/compiler.py)
     # Speculative decoding (spec/config.py): a SpeculativeConfig, or its dict or JSON text as
@@ -55,7 +60,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         for name in ("long_prefill_token_threshold", "long_prefill_chunk_size",
-                     "int4_max_tokens"):
+                     "int4_max_tokens", "amx_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.scheduling_policy not in POLICIES:

@@ -52,7 +52,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
                                   config.block_size, config.num_kv_blocks, config.kv_cache_memory,
-                                  int4_max_tokens=config.int4_max_tokens)
+                                  int4_max_tokens=config.int4_max_tokens,
+                                  amx_max_tokens=config.amx_max_tokens)
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         drafter = None if config.speculative_config is None else \
             Drafter(config.speculative_config)

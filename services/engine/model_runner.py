@@ -11,6 +11,7 @@ import torch
 from kernels import build_attention_metadata
 from kernels.native_cpu import paged_decode_op
 from kernels.native_elementwise import elementwise_ops
+from kernels import native_amx
 from services.engine.models import gguf_int4
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.no_init import skip_weight_init
@@ -39,12 +40,15 @@ class ModelRunner:
 
     def __init__(self, hf_config, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
                  block_size: int, num_blocks: int | None, kv_cache_memory: int,
-                 kv_cache_path: str | None = None, int4_max_tokens: int = 0) -> None:
+                 kv_cache_path: str | None = None, int4_max_tokens: int = 0,
+                 amx_max_tokens: int = 0) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.int4_max_tokens = int4_max_tokens
+        self.amx_max_tokens = amx_max_tokens
         self.uses_int4 = False  # the checkpoint's 4-bit weights run small steps
+        self.uses_amx = False  # AMX tiles run the steps just above those
         self.model = self._load_model(hf_config, model_dir)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
@@ -76,7 +80,7 @@ class ModelRunner:
         else:
             model = model.to_empty(device="cpu")
             load_weights(model, model_dir)
-        int4_weights = self._int4_weights(hf_config, model_dir, model)
+        q4_blocks = self._q4_blocks(hf_config, model_dir, model)
         model.rotary.reset_tables()  # buffers built on the meta device hold nothing
         rotary = model.rotary
         cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
@@ -88,17 +92,30 @@ class ModelRunner:
             ops = elementwise_ops()
             if ops is not None:
                 model.use_native_cpu_ops_(ops)
-            if int4_weights:
-                model.use_int4_weights_(int4_weights, self.int4_max_tokens)
-                self.uses_int4 = True
+            self._use_small_step_kernels(model, q4_blocks or {})
         return model
 
-    def _int4_weights(self, hf_config, model_dir: Path | None, model) -> dict | None:
-        """The GGUF source's 4-bit matmul weights, where small steps can run on them: bf16
-        on CPU (the packed path), a Q4_0/Q4_1 source, torch's int4 CPU kernel."""
+    def _use_small_step_kernels(self, model: LlamaForCausalLM, q4_blocks: dict) -> None:
+        """Steps of up to int4_max_tokens tokens on torch's int4 kernel, then up to
+        amx_max_tokens on AMX tiles (4-bit where the checkpoint has blocks); oneDNN above."""
+        if q4_blocks and self.int4_max_tokens and gguf_int4.int4_supported():
+            model.use_int4_weights_({name: blocks.to_torch() for name, blocks in
+                                     q4_blocks.items()}, self.int4_max_tokens)
+            self.uses_int4 = True
+        ops = native_amx.amx_ops() if self.amx_max_tokens > self.int4_max_tokens else None
+        if ops is not None:
+            tiles = {name: native_amx.pack_q4(blocks.q, blocks.scale, blocks.zero)
+                     for name, blocks in q4_blocks.items()
+                     if native_amx.shape_supported(*blocks.q.shape)}
+            model.use_amx_(ops, tiles, self.amx_max_tokens)
+            self.uses_amx = True
+
+    def _q4_blocks(self, hf_config, model_dir: Path | None, model) -> dict | None:
+        """The GGUF source's 4-bit matmul blocks (checked against the loaded weights), where
+        small steps can run on them: bf16 on CPU (the packed path), a Q4_0/Q4_1 source."""
         source = gguf_source(model_dir)
-        if (not self.int4_max_tokens or source is None
-                or not packing_supported(self.device, self.dtype) or not gguf_int4.int4_supported()):
+        if (not (self.int4_max_tokens or self.amx_max_tokens) or source is None
+                or not packing_supported(self.device, self.dtype)):
             return None
         params = {name: param.detach() for name, param in model.named_parameters()}
         return gguf_int4.load_from_gguf(source, hf_config, params)

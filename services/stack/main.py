@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="per worker")
     add_flag(parser, "--int4-max-tokens", type=int, default=None,
              help="workers' steps of at most this many tokens use the checkpoint's 4-bit "
-                  "weights (default: the worker's, 8; 0: never)")
+                  "weights (default: the worker's, 4; 0: never)")
+    add_flag(parser, "--amx-max-tokens", type=int, default=None,
+             help="workers' steps up to this many tokens run on AMX tiles (default: the "
+                  "worker's, 32; 0: never)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=None)
     add_flag(parser, "--prefill-max-num-batched-tokens", type=int, default=None,
              help="a prefill worker's step budget (default: the scheduler's, "

@@ -46,9 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--device", choices=["auto", "cpu", "cuda"], default="auto")
     add_flag(parser, "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
-    add_flag(parser, "--int4-max-tokens", type=int, default=8,
+    add_flag(parser, "--int4-max-tokens", type=int, default=4,
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
-                  "weights (GGUF Q4_0/Q4_1, bf16 on CPU), a quarter of the bytes (0: never)")
+                  "weights (GGUF Q4_0/Q4_1, bf16 on CPU) with torch's int4 kernel, a quarter "
+                  "of the bytes (0: never; 8 where the CPU has no AMX)")
+    add_flag(parser, "--amx-max-tokens", type=int, default=32,
+             help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
+                  "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
+                  "AMX-BF16 (0: never)")
     add_flag(parser, "--block-size", type=int, default=16)
     add_flag(parser, "--no-warmup", action="store_true", default=False,
              help="register as soon as the model is loaded, without first running each step "

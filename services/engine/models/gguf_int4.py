@@ -99,8 +99,8 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
 
 
 def load_from_gguf(gguf_path: str, hf_config,
-                   checkpoint: dict[str, torch.Tensor]) -> dict[str, Int4Weight] | None:
-    """Every layer matmul's 4-bit weight, keyed by our parameter name ("layers.3.mlp.down_proj"),
+                   checkpoint: dict[str, torch.Tensor]) -> dict[str, Q4Blocks] | None:
+    """Every layer matmul's 4-bit blocks, keyed by our parameter name ("layers.3.mlp.down_proj"),
     or None when the file's matmuls are not all Q4_0/Q4_1. Each is checked against the
     checkpoint's dequantized float32 weight (`checkpoint`: our parameter name -> tensor):
     a mismatch (another conversion, another row order) raises ValueError."""
@@ -120,7 +120,7 @@ def load_from_gguf(gguf_path: str, hf_config,
             if not torch.equal(blocks.dequantized(), checkpoint[f"{name}.weight"].float()):
                 raise ValueError(f"{gguf_path}: the 4-bit blocks of {name} do not match the "
                                  f"converted checkpoint")
-            weights[name] = blocks.to_torch()
+            weights[name] = blocks
     return weights
 
 

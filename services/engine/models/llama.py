@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv
 from kernels import native_elementwise as fused
+from kernels import native_amx
 from services.engine.models.packed_linear import PackedLinear, pack_linears_
 from services.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -137,6 +138,18 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.packed_head = PackedLinear(head, None)
         pack_linears_(self.layers)
+
+    def use_amx_(self, ops, q4_tiles: dict, max_tokens: int) -> None:
+        """Steps of at most max_tokens tokens (past the int4 kernel's) run on AMX tiles:
+        q4_tiles maps parameter name -> native_amx.Q4Tiles; the head gets a bf16 copy."""
+        for name, module in self.named_modules():
+            if name in q4_tiles:
+                module.use_amx_(ops, q4_tiles[name], max_tokens)
+        head = self.packed_head
+        if head is not None and native_amx.shape_supported(head.out_features,
+                                                           self.config.hidden_size):
+            weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+            head.use_amx_(ops, native_amx.pack_bf16(weight), max_tokens)
 
     def use_int4_weights_(self, weights: dict, max_tokens: int) -> None:
         """weights: parameter name ("layers.3.mlp.down_proj") -> its Int4Weight; steps of at

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import native_amx
 from services.engine.models.gguf_int4 import Int4Weight
 
 _PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the blocked layout for; any M still works
@@ -34,13 +35,31 @@ class PackedLinear(nn.Module):
         # are bound by reading the weights, and it is a quarter of the bytes (gguf_int4.py).
         self.int4: Int4Weight | None = None
         self.int4_max_tokens = 0
+        # AMX tiles (kernels/native_amx.py) for steps of int4_max_tokens + 1 to amx_max_tokens
+        # tokens, where oneDNN runs its slowest: the 4-bit tiles where the checkpoint has
+        # them, else a bf16 copy (the head).
+        self.amx_ops = None
+        self.amx_weight: torch.Tensor | native_amx.Q4Tiles | None = None
+        self.amx_max_tokens = 0
+
+    def use_amx_(self, ops, weight: "torch.Tensor | native_amx.Q4Tiles", max_tokens: int) -> None:
+        self.amx_ops, self.amx_weight, self.amx_max_tokens = ops, weight, max_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features]
-        if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
+        rows = x.shape[0]
+        if self.int4 is not None and rows <= self.int4_max_tokens:
             out = self.int4.matmul(x.contiguous())
-            return out if self.bias is None else out + self.bias
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
-                                                  "none", [], "")
+        elif self.amx_weight is not None and rows <= self.amx_max_tokens:
+            out = self._amx_matmul(x)
+        else:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
+                                                      self.bias, "none", [], "")
+        return out if self.bias is None else out + self.bias
+
+    def _amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.amx_weight, native_amx.Q4Tiles):
+            return native_amx.matmul_q4(self.amx_ops, x, self.amx_weight)
+        return native_amx.matmul_bf16(self.amx_ops, x, self.amx_weight)
 
 
 def pack_linears_(model: nn.Module) -> None:

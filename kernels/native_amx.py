@@ -1,0 +1,111 @@
+"""Small-M matmuls on AMX tiles (kernels/csrc/cpu_amx_gemm.cpp): built on first use, or None.
+
+The weights are laid out once at load time, in bf16 (`pack_bf16`) or as the checkpoint's
+4-bit blocks (`pack_q4`); `matmul_bf16` / `matmul_q4` then multiply a step's rows by them.
+Both forms give the same bits for the same weights (the 4-bit tiles are widened to exactly
+the bf16 copy's values). Same build, cache and fallback rules as the other native kernels
+(kernels/native_cpu.py); only built where the CPU has AMX-BF16.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_amx_gemm.cpp"
+ENV_SWITCH = "KVRELAY_NATIVE_AMX"  # 0: keep oneDNN and torch's int4 kernel
+# The widening of 4-bit weights must round exactly as the float32 dequantization did:
+# a multiply and an add, never fused into one FMA.
+_AMX_CFLAGS = CFLAGS + ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-ffp-contract=off"]
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= set(flags)
+
+
+@functools.cache
+def amx_ops():
+    """The built extension (gemm_bf16, gemm_q4), or None where off, unsupported or unbuildable.
+    A first tiny multiply checks that the OS grants the tile state before anyone relies on it."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has_amx():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_pip_ninja_on_path()
+        ops = cpp_extension.load(name=f"kvrelay_amx_gemm_{_machine_tag()}",
+                                 sources=[str(SOURCE)], extra_cflags=_AMX_CFLAGS,
+                                 extra_ldflags=["-fopenmp"], verbose=False)
+        probe = torch.ones(1, 32, dtype=torch.bfloat16)
+        out = torch.empty(1, 32, dtype=torch.bfloat16)
+        ops.gemm_bf16(out, probe, pack_bf16(torch.ones(32, 32, dtype=torch.bfloat16)))
+        if not torch.all(out == 32):
+            raise RuntimeError(f"AMX probe multiply gave {out.tolist()}")
+        return ops
+    except Exception as error:  # no compiler, no AMX permission: oneDNN stays
+        warnings.warn(f"AMX matmuls unavailable ({type(error).__name__}: {str(error)[-2000:]}); "
+                      "using oneDNN", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def shape_supported(out_features: int, in_features: int) -> bool:
+    return out_features % 32 == 0 and in_features % 32 == 0
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> [N/16, K/32, 16, 32]: lane l of tile row r is
+    W[n0 + l // 2, k0 + 2r + l % 2] (the pairs AMX's bf16 dot product reads)."""
+    n, k = weight.shape
+    tiles = weight.detach().reshape(n // 16, 16, k // 32, 16, 2)  # [nb, col, kb, row, pair]
+    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+
+
+@dataclass(frozen=True, slots=True)
+class Q4Tiles:
+    """A weight's 4-bit blocks in the kernel's tile order (see cpu_amx_gemm.cpp)."""
+    nibbles: torch.Tensor  # [N/16, K/32, 16, 16] uint8
+    scale: torch.Tensor  # [N/16, K/32, 16] float32
+    zero: torch.Tensor  # [N/16, K/32, 16] float32
+    out_features: int
+
+
+def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
+    """q [N, K] in 0..15, scale and zero [N, K/32] float32 (weight = (q - 8) * scale + zero,
+    per 32 weights of a row) -> the kernel's tiles."""
+    n, k = q.shape
+    lanes = (torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8))
+             .reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+             .reshape(n // 16, k // 32, 16, 32))
+    nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
+
+    def per_tile(values: np.ndarray) -> torch.Tensor:  # [N, K/32] -> [N/16, K/32, 16]
+        grid = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return grid.reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+
+    return Q4Tiles(nibbles, per_tile(scale), per_tile(zero), n)
+
+
+def matmul_bf16(ops, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, N] with `packed` from pack_bf16."""
+    out = x.new_empty(x.shape[0], packed.shape[0] * 16)
+    ops.gemm_bf16(out, x.contiguous(), packed)
+    return out
+
+
+def matmul_q4(ops, x: torch.Tensor, tiles: Q4Tiles) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, N] with `tiles` from pack_q4."""
+    out = x.new_empty(x.shape[0], tiles.out_features)
+    ops.gemm_q4(out, x.contiguous(), tiles.nibbles, tiles.scale, tiles.zero)
+    return out
