@@ -29,3 +29,18 @@ def test_random_token_streams_match_full_decode(tokenizer):
         detok = IncrementalDetokenizer(tokenizer)
         streamed = "".join(detok.step([token]) for token in ids) + detok.finish()
         assert streamed == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_resumed_detokenizer_continues_the_text_at_every_split(tokenizer, text):
+    """A detokenizer rebuilt from the tokens another one already turned into text (its stream
+    was lost) goes on with exactly the rest, wherever the split falls: inside a multi-byte
+    character too, whose held-back bytes the rebuilt one holds back the same way."""
+    ids = tokenizer.encode(text)
+    for split in range(len(ids) + 1):
+        lost = IncrementalDetokenizer(tokenizer)
+        delivered = "".join(lost.step([token]) for token in ids[:split])
+        resumed = IncrementalDetokenizer(tokenizer)
+        resumed.resume(ids[:split])
+        rest = "".join(resumed.step([token]) for token in ids[split:]) + resumed.finish()
+        assert delivered + rest == text, split

@@ -118,10 +118,11 @@ class ServiceServer:
         log.info("stopped")
 
 
-def channel(address: str, peer_role: str) -> grpc.aio.Channel:
+def channel(address: str, peer_role: str,
+            extra_options: list[tuple[str, int]] | None = None) -> grpc.aio.Channel:
     """A channel to the internal service of `peer_role` at `address`: mutual TLS with this
     process's identity when one is installed, checking the server holds that role."""
-    options = CHANNEL_OPTIONS + CLIENT_ONLY_OPTIONS
+    options = CHANNEL_OPTIONS + CLIENT_ONLY_OPTIONS + (extra_options or [])
     files = tls.installed()
     if files is None:
         return grpc.aio.insecure_channel(address, options=options)

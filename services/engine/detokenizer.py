@@ -30,6 +30,12 @@ class IncrementalDetokenizer:
         self.text += new_text
         return new_text
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Take tokens whose text was already delivered (by a detokenizer that is gone): the
+        state is then as if they had been stepped here, held-back bytes included, so what
+        follows continues that text exactly and `finish` reconciles with all of it."""
+        self.step(token_ids)
+
     def finish(self) -> str:
         """Flush: whatever the full decode has beyond what was streamed."""
         full = self._tokenizer.decode(self.token_ids,

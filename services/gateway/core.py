@@ -2,7 +2,9 @@
 
 Both front ends (OpenAI REST and the public gRPC API) use it. It keeps one Outputs stream from
 each scheduler group and one Detokenize stream to the tokenizer for all requests, sends each
-request to the least loaded group, and polls the services to know whether it can serve."""
+request to the least loaded group, and polls the services to know whether it can serve. A lost
+Detokenize stream costs no request unless the tokenizer stays away (detokenize_pipeline.py); a
+lost Outputs stream fails that group's requests, and their aborts wait for it to be back."""
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +34,7 @@ log = get_logger(__name__)
 STATS_POLL_S = 0.5
 SINGLE_GROUP_STATS_POLL_S = 2.0
 RECONNECT_DELAY_S = 0.5
+ABORT_RETRY_S = 0.5  # after an Abort call failed on a connected group
 READY_POLL_S = 0.25  # while a request waits for a ready scheduler group
 # How long an Outputs stream must stay open, without initial metadata, to count as registered.
 REGISTER_GRACE_S = 1.0
@@ -41,7 +44,7 @@ class GatewayCore:
     def __init__(self, upstream: Upstream, gateway_id: str,
                  served_model_name: str | None = None, submit_wait_s: float = 0.0,
                  request_timeout_s: float = 0.0, limits: RequestLimits | None = None,
-                 log_request_text: bool = False) -> None:
+                 log_request_text: bool = False, tokenizer_wait_s: float = 30.0) -> None:
         self.upstream = upstream
         self.limits = limits or RequestLimits()
         # Prompts, outputs and their token ids are the users' data: logged only when asked
@@ -55,13 +58,14 @@ class GatewayCore:
         self.served_model_name_flag = served_model_name
         outbox: asyncio.Queue = asyncio.Queue()  # router -> tokenizer, in order
         self.router = OutputRouter(self.abort_nowait, queue_sender(outbox))
+        # Given up on the tokenizer: its states went with the stream, nothing to forget there.
         self.pipeline = DetokenizePipeline(upstream.tokenizer, outbox,
                                            self.router.on_detokenized,
-                                           lambda message: self.router.fail_all(message, False))
+                                           lambda message: self.router.fail_all(message, False),
+                                           self.router.resume_items, tokenizer_wait_s)
         self.groups: dict[str, RequestGroup] = {}
         self.draining = False  # SIGTERM: no new request, on REST or gRPC
-        self.pending_aborts: list[str] = []
-        self.abort_wakeup = asyncio.Event()
+        self.abort_wakeup = asyncio.Event()  # aborts are queued on their groups
         self.tokenizer_serving = False
         self.on_health_change = []  # callbacks(ready: bool)
         self.was_ready: bool | None = None
@@ -197,27 +201,25 @@ class GatewayCore:
         group = self.groups.get(request_id)
         if group is None:
             return False
-        self.abort_nowait([state.request_id for state in group.states])
+        for state in group.states:
+            self.abort_nowait(state.scheduler, [state.request_id])
         return True
 
-    def abort_nowait(self, ids: list[str]) -> None:
-        """Queue scheduler aborts ("<id>" or "<id>/<index>"); sent in one call soon after."""
-        self.pending_aborts.extend(ids)
+    def abort_nowait(self, scheduler: SchedulerGroup, ids: list[str]) -> None:
+        """Queue scheduler aborts ("<id>" or "<id>/<index>") for the group holding them: sent
+        in one call soon after, or once its Outputs stream is back (SchedulerGroup.send_aborts),
+        so that no aborted request keeps computing."""
+        scheduler.queue_aborts(ids)
         self.abort_wakeup.set()
 
     async def _send_aborts(self) -> None:
         while True:
             await self.abort_wakeup.wait()
             self.abort_wakeup.clear()
-            ids, self.pending_aborts = self.pending_aborts, []
-            # Every group gets every abort: a group ignores ids it does not hold, and aborts are
-            # rare enough that remembering each id's group is not worth it.
-            results = await asyncio.gather(*(group.abort(ids) for group in self.upstream.groups
-                                             if group.outputs_connected),
-                                           return_exceptions=True)
-            for result in results:
-                if isinstance(result, grpc.RpcError):
-                    log.warning("abort failed", request_ids=ids, error=result.code().name)
+            sent = await asyncio.gather(*(group.send_aborts() for group in self.upstream.groups))
+            if not all(sent):
+                await asyncio.sleep(ABORT_RETRY_S)
+                self.abort_wakeup.set()
 
     # ---- the scheduler's output stream ---------------------------------------------------------
     async def _consume_outputs(self, group: SchedulerGroup) -> None:
@@ -226,6 +228,7 @@ class GatewayCore:
             try:
                 await _registered(call)
                 group.outputs_connected = True
+                self.abort_wakeup.set()  # the aborts queued while it was down go out now
                 log.info("outputs stream open", gateway_id=self.gateway_id,
                          scheduler=group.address)
                 async for batch in call:
@@ -237,9 +240,7 @@ class GatewayCore:
                 group.outputs_connected = False
                 call.cancel()
             log.warning("outputs stream failed", error=message, scheduler=group.address)
-            lost = [rid for rid, state in self.router.requests.items()
-                    if state.scheduler is group]
-            self.abort_nowait(lost)
+            # Also queues their aborts: the scheduler may not have noticed (a half-open cut).
             self.router.fail_all(message, scheduler=group)
             await asyncio.sleep(RECONNECT_DELAY_S)
 

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="seconds a request may run; past it, what it has not finished is aborted and "
                   "it ends with a timeout error (504; an SSE error event once streaming; gRPC "
                   "DEADLINE_EXCEEDED). 0: no deadline")
+    add_flag(parser, "--tokenizer-wait-timeout", type=float, default=30.0,
+             help="seconds the requests in flight wait for a lost tokenizer (its Detokenize "
+                  "stream broke) to come back; it gets their detokenizer states again and their "
+                  "streams go on. Past it they end with an error and are aborted (> 0)")
     add_limit_flags(parser)  # what one request may ask for (limits.py)
     add_flag(parser, "--log-request-text", action="store_true",
              help="log prompts, outputs and their token ids (debugging; off: they are the "
@@ -57,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.tokenizer_wait_timeout <= 0:  # a new stream's first answer takes a moment too
+        raise SystemExit(f"--tokenizer-wait-timeout must be positive, "
+                         f"got {args.tokenizer_wait_timeout}")
     install(tls_files_from_args(args))  # this process's identity on every internal hop
     public_tls = public_tls_from_args(args)
     from services.common.grpc_server import ServiceServer
@@ -73,6 +80,7 @@ async def serve(args: argparse.Namespace) -> None:
     core = GatewayCore(Upstream(args.tokenizer_address, schedulers), gateway_id,
                        args.served_model_name, submit_wait_s=args.submit_wait_timeout,
                        request_timeout_s=args.request_timeout,
+                       tokenizer_wait_s=args.tokenizer_wait_timeout,
                        limits=RequestLimits.from_args(args), log_request_text=args.log_request_text)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME], public=True,
                            public_credentials=public_tls and public_tls.grpc_credentials(),

@@ -13,6 +13,13 @@ TPOT = histogram("request_time_per_output_token_seconds",
 PROMPT_TOKENS = counter("prompt_tokens_total", "Prompt tokens submitted")
 GENERATION_TOKENS = counter("generation_tokens_total", "Output tokens delivered")
 IN_FLIGHT = gauge("gateway_requests_in_flight", "Requests the gateway is serving now")
+DETOKENIZE_RESUMED = counter(
+    "gateway_detokenize_resumed_samples_total",
+    "Samples whose detokenizer state a new Detokenize stream took over after one broke")
+DETOKENIZE_GIVE_UPS = counter(
+    "gateway_detokenize_give_ups_total",
+    "Times the gateway gave up on the tokenizer (not back within --tokenizer-wait-timeout, or "
+    "it refused a batch) and failed the requests waiting on it")
 
 
 def observe_tokens(state, num_new_tokens: int, tokens_per_sample: int, now: float) -> None:

@@ -59,11 +59,10 @@ class RequestGroup:
             self.deadline_timer.cancel()
         metrics.IN_FLIGHT.dec()
         self.core.groups.pop(self.request_id, None)
-        unfinished = [state.request_id for state in self.states if state.num_unfinished]
-        if unfinished:
-            self.core.abort_nowait(unfinished)
-        for request_id in unfinished:
-            self.core.router.drop(request_id)
+        for state in self.states:
+            if state.num_unfinished:
+                self.core.abort_nowait(state.scheduler, [state.request_id])
+                self.core.router.drop(state.request_id)
 
     def expire(self, timeout_s: float) -> None:
         """The deadline passed: every unfinished sample ends with an error delta now, and the
@@ -76,7 +75,7 @@ class RequestGroup:
             unfinished = [sample for sample in state.samples if not sample.finished]
             if not unfinished:
                 continue
-            self.core.abort_nowait([sample.stream_id for sample in unfinished])
+            self.core.abort_nowait(state.scheduler, [sample.stream_id for sample in unfinished])
             self.core.router.drop(state.request_id)
             state.publish([sample.error_delta(message) for sample in unfinished],
                           time.monotonic())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2
@@ -50,7 +51,7 @@ class SampleDelta:
 
 class SampleState:
     __slots__ = ("stream_id", "index", "matcher", "stop_token_ids", "skip_special_tokens",
-                 "num_tokens", "finished", "cut_short", "detokenizing")
+                 "num_tokens", "finished", "cut_short", "detokenizing", "detokenized_ids")
 
     def __init__(self, request_id: str, index: int, params: SamplingParams) -> None:
         self.stream_id = f"{request_id}/{index}"  # also the scheduler's id for this sample
@@ -62,6 +63,9 @@ class SampleState:
         self.finished = False  # its consumer has seen its finish
         self.cut_short = False  # a stop string ended it before the scheduler did
         self.detokenizing = False  # the tokenizer holds a detokenizer state for it
+        # The tokens whose text the tokenizer has answered with, in order: what rebuilds its
+        # detokenizer state on a new Detokenize stream when the old one broke (4 bytes each).
+        self.detokenized_ids = array("I")
 
     def detokenize_item(self, delta) -> tokenizer_pb2.DetokenizeItem:
         final = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -74,6 +78,15 @@ class SampleState:
             item.piece_token_ids.extend(top.token_id for top in entry.top)
         return item
 
+    def resume_item(self) -> tokenizer_pb2.DetokenizeItem | None:
+        """Rebuilds its state on a new Detokenize stream (None: it needs none). Goes ahead of
+        every item the broken stream did not answer, which are sent again after it."""
+        if self.finished or not self.detokenized_ids:
+            return None
+        return tokenizer_pb2.DetokenizeItem(
+            request_id=self.stream_id, resume_token_ids=self.detokenized_ids,
+            skip_special_tokens=self.skip_special_tokens)
+
     def forget_item(self) -> tokenizer_pb2.DetokenizeItem:
         """Frees the tokenizer's state for a sample that ends before the scheduler says so."""
         self.detokenizing = False
@@ -82,6 +95,7 @@ class SampleState:
     def apply(self, delta, text: str, pieces) -> SampleDelta:
         # Counts every token of the step that completed a stop string, as the offline engine.
         self.num_tokens += len(delta.new_token_ids)
+        self.detokenized_ids.extend(delta.new_token_ids)
         finish_reason = FINISH_REASONS[delta.finish_reason]
         stop_reason: str | int | None = None
         if self.matcher is not None and finish_reason != "error":

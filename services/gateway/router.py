@@ -12,10 +12,11 @@ from services.gateway.request_state import RequestState, SampleDelta
 
 
 class OutputRouter:
-    def __init__(self, abort_nowait: Callable[[list[str]], None],
+    def __init__(self, abort_nowait: Callable[[object, list[str]], None],
                  send_nowait: Callable[[tokenizer_pb2.DetokenizeBatch, object], None]) -> None:
         self.requests: dict[str, RequestState] = {}
-        self.abort_nowait = abort_nowait  # scheduler ids: "<request id>" or "<id>/<index>"
+        # (the scheduler group holding them, scheduler ids: "<request id>" or "<id>/<index>")
+        self.abort_nowait = abort_nowait
         self.send_nowait = send_nowait  # (batch, context) to the tokenizer, without waiting
 
     def add(self, state: RequestState) -> None:
@@ -54,16 +55,24 @@ class OutputRouter:
                 continue
             updates.setdefault(state, []).append(sample.apply(delta, item.text, item.pieces))
             if sample.cut_short:
-                self.abort_nowait([sample.stream_id])
+                self.abort_nowait(state.scheduler, [sample.stream_id])
                 self._forget([sample])
         for state, deltas in updates.items():
             state.publish(deltas, now)
             if state.num_unfinished == 0:
                 self.requests.pop(state.request_id, None)
 
+    def resume_items(self) -> list[tokenizer_pb2.DetokenizeItem]:
+        """What rebuilds, on a new Detokenize stream, the detokenizer state of every sample
+        still in flight (the broken stream took them all)."""
+        return [item for state in self.requests.values() for sample in state.samples
+                if (item := sample.resume_item()) is not None]
+
     def fail_all(self, message: str, forget: bool = True, scheduler=None) -> None:
-        """End every request (or those sent to one scheduler group) with an error: a stream to
-        the scheduler or tokenizer broke."""
+        """End every request (or those sent to one scheduler group) with an error, and abort
+        them at the scheduler: a stream to the scheduler or tokenizer broke for good. Their
+        consumers see them finished, so nothing else would stop the scheduler computing them
+        (and holding their KV blocks) to the end."""
         now = time.monotonic()
         for state in list(self.requests.values()):
             if scheduler is not None and state.scheduler is not scheduler:
@@ -73,6 +82,7 @@ class OutputRouter:
                 self._forget([s for s in unfinished if s.detokenizing])
             state.publish([s.error_delta(message) for s in unfinished], now)
             del self.requests[state.request_id]
+            self.abort_nowait(state.scheduler, [state.request_id])
 
     def _forget(self, samples) -> None:
         if samples:

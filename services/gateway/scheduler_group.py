@@ -9,8 +9,10 @@ import grpc
 
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.grpc_server import channel
-from services.common.log import request_metadata
+from services.common.log import get_logger, request_metadata
 from services.gateway.errors import from_rpc_error
+
+log = get_logger(__name__)
 
 PROBE_TIMEOUT_S = 2.0
 CALL_TIMEOUT_S = 60.0  # a unary call that has not answered in this long will not
@@ -24,6 +26,9 @@ class SchedulerGroup:
         self.stats: scheduler_pb2.StatsResponse | None = None
         self.outputs_connected = False
         self.submitted_since_stats = 0  # requests sent after the last Stats answer
+        # Scheduler ids to abort here, kept (in order, once each) until an Abort call took
+        # them: while the Outputs stream is down they wait for it to be back.
+        self.pending_aborts: dict[str, None] = {}
 
     @property
     def ready(self) -> bool:
@@ -55,6 +60,31 @@ class SchedulerGroup:
         reply = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=ids),
                                       timeout=PROBE_TIMEOUT_S)
         return list(reply.aborted)
+
+    def queue_aborts(self, ids: list[str]) -> None:
+        self.pending_aborts.update(dict.fromkeys(ids))
+
+    async def send_aborts(self) -> bool:
+        """Send the queued aborts, if the Outputs stream is up; False when the call failed
+        (they stay queued for the next try).
+
+        Sent only over a registered stream: one that is down may be half-open, its requests
+        still computing at the scheduler while it has not noticed, or noticed only after a new
+        stream of ours registered (then its `_abort_gateway` leaves them alone). An id aborted
+        twice, or one the scheduler (restarted) never knew, is ignored there, and ids are never
+        reused, so a late abort ends nothing else."""
+        ids = list(self.pending_aborts)
+        if not ids or not self.outputs_connected:
+            return True
+        try:
+            await self.abort(ids)
+        except grpc.RpcError as exc:
+            log.warning("abort failed, kept to retry", scheduler=self.address,
+                        num_requests=len(ids), error=exc.code().name)
+            return False
+        for request_id in ids:  # those queued during the call wait for the next one
+            self.pending_aborts.pop(request_id, None)
+        return True
 
     async def refresh_stats(self) -> None:
         submitted_before = self.submitted_since_stats  # these the answer will count

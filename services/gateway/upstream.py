@@ -15,11 +15,16 @@ from services.gateway.errors import from_rpc_error
 from services.gateway.scheduler_group import CALL_TIMEOUT_S, SchedulerGroup
 
 WATCH_RETRY_S = 0.5
+# Requests in flight wait (--tokenizer-wait-timeout) for a lost tokenizer: gRPC's own reconnect
+# backoff (1 s, growing to 2 min) could notice a restarted one long after it serves. Bounded.
+TOKENIZER_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                               ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class Upstream:
     def __init__(self, tokenizer_address: str, scheduler_addresses: list[str]) -> None:
-        self.tokenizer_channel = channel(tokenizer_address, "tokenizer")
+        self.tokenizer_channel = channel(tokenizer_address, "tokenizer",
+                                         TOKENIZER_RECONNECT_OPTIONS)
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.tokenizer_channel)
         self.tokenizer_health = health_pb2_grpc.HealthStub(self.tokenizer_channel)
         self.groups = [SchedulerGroup(address) for address in scheduler_addresses]

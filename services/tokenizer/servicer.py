@@ -90,8 +90,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         num_tokens = 0
         for item in batch.items:
             check_token_ids(item.new_token_ids, self.vocab_size)
+            check_token_ids(item.resume_token_ids, self.vocab_size)
             text = session.step(item.request_id, item.new_token_ids, item.finished,
-                                item.skip_special_tokens)
+                                item.skip_special_tokens, item.resume_token_ids)
             result = tokenizer_pb2.DetokenizeResult(request_id=item.request_id, text=text)
             if item.piece_token_ids:
                 check_token_ids(item.piece_token_ids, self.vocab_size)

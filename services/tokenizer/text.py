@@ -44,12 +44,22 @@ class DetokenizeSession:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def step(self, stream_id: str, new_token_ids, finished: bool,
-             skip_special_tokens: bool) -> str:
-        """The text completed by `new_token_ids`; on `finished` also the flushed rest."""
+             skip_special_tokens: bool, resume_token_ids=()) -> str:
+        """The text completed by `new_token_ids`; on `finished` also the flushed rest.
+        `resume_token_ids`: the tokens of this text stream detokenized on an earlier stream,
+        to rebuild its state from (their text is not returned again).
+
+        Raises ValueError for resume tokens of a stream id that already has a state here: the
+        caller would get the text of those tokens twice, or lose some."""
         detokenizer = self.detokenizers.get(stream_id)
+        if resume_token_ids and detokenizer is not None:
+            raise ValueError(f"{stream_id!r} already has a detokenizer state on this stream; "
+                             "resume_token_ids go only in its first item")
         if detokenizer is None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
             self.detokenizers[stream_id] = detokenizer
+            if resume_token_ids:
+                detokenizer.resume(list(resume_token_ids))
         text = detokenizer.step(new_token_ids) if new_token_ids else ""
         if finished:
             text += detokenizer.finish()

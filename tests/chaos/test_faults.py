@@ -1,8 +1,9 @@
-"""Real faults on a real PD stack under load: SIGKILL of the decode worker and of the prefill
-worker at random moments, SIGSTOP of the decode worker past its lease, and a thousand client
-disconnects. After each: every greedy request that was running ended with exactly the text of
-an undisturbed run and no error event, every KV block is free on every worker, and the stack
-serves the next request. Bounded in time and request count; `make chaos` runs it."""
+"""Real faults on a real PD stack under load: SIGKILL of the decode worker, of the prefill
+worker and of the tokenizer at random moments, SIGSTOP of the decode worker past its lease, and
+a thousand client disconnects. After each: every greedy request that was running ended with
+exactly the text of an undisturbed run and no error event, every KV block is free on every
+worker, and the stack serves the next request. Bounded in time and request count; `make chaos`
+runs it."""
 from __future__ import annotations
 
 import os
@@ -38,6 +39,16 @@ def test_sigkill_at_a_random_moment_costs_no_request(stack, load, victim):
     os.kill(stack.service(victim)["pid"], signal.SIGKILL)
     run.check_exact(timeout_s=240)
     wait_healed(stack, victim)
+
+
+def test_a_killed_tokenizer_costs_no_request(stack, load):
+    """The tokenizer holds only detokenizer states: `kvrelay up` restarts it, and the gateway
+    gives the new one each stream's state again, so every stream goes on to its exact text."""
+    run = load.start()
+    time.sleep(random.Random(f"{SEED}-tokenizer").uniform(1.0, 2.5))  # after every Encode
+    os.kill(stack.service("tokenizer")["pid"], signal.SIGKILL)
+    run.check_exact(timeout_s=240)
+    wait_healed(stack, "tokenizer")
 
 
 def test_a_stopped_decode_worker_past_its_lease_costs_no_request(stack, load):

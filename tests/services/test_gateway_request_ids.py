@@ -38,7 +38,7 @@ def test_client_ids_never_reach_the_scheduler_as_its_ids():
             own = [state.request_id for state in first.states]
             # the refused request took nothing of the first one with it
             assert all(rid in core.router.requests for rid in own)
-            assert not set(core.pending_aborts) & set(own)
+            assert not set(group.pending_aborts) & set(own)
             assert set(core.groups) == {"dup"}
             assert submitted == own and len(set(own)) == 2
             assert not any(rid.startswith("dup") or "/" in rid for rid in own)

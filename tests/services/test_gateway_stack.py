@@ -1,12 +1,18 @@
 """The gateway in a real stack (scheduler, one `--role both` worker, tokenizer, gateway, each its
 own process): stop strings through streaming, many prompts with echo, request ids, the public
-gRPC client, and aborts on disconnect or early exit that free every block."""
+gRPC client, aborts on disconnect or early exit that free every block, and faults between a
+gateway and its upstreams: a SIGKILLed tokenizer (restarted, or gone for good) and a half-open
+cut of a scheduler's Outputs stream."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -16,6 +22,7 @@ import pytest
 from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.client import KvrelayClient, KvrelayError
 from tests.services.conftest import ServiceProcess, free_port, grpc_health, stop_all
+from tests.services.tcp_proxy import TcpProxy
 
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 LONG = {"max_tokens": 400, "ignore_eos": True}
@@ -241,3 +248,194 @@ def test_a_request_past_the_gateways_deadline_ends_with_a_timeout_and_frees_its_
         assert all(w.num_free_blocks == w.num_blocks for w in stats.workers), stats
     finally:
         gateway.stop()
+
+
+# ---- faults between the gateway and its upstreams ----------------------------------------------
+class OwnTokenizer:
+    """A tokenizer process of these tests' own, SIGKILLed and started again on the same port."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.num_starts = 0
+        self.service: ServiceProcess | None = None
+
+    def spawn(self) -> None:
+        """Start it, without waiting until it serves."""
+        self.num_starts += 1
+        self.service = ServiceProcess(
+            "tokenizer", ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0",
+                          "--log-level", "warning"],
+            self.log_dir / f"tokenizer-{self.num_starts}.log")
+
+    def wait_serving(self) -> None:
+        self.service.wait_for(lambda: grpc_health(self.address) == "SERVING", "the tokenizer")
+
+    def kill(self) -> None:
+        os.kill(self.service.process.pid, signal.SIGKILL)
+        self.service.process.wait()
+        self.service.log_file.close()
+
+
+@pytest.fixture(scope="module")
+def own_tokenizer(tmp_path_factory):
+    tokenizer = OwnTokenizer(tmp_path_factory.mktemp("own-tokenizer"))
+    tokenizer.spawn()
+    try:
+        tokenizer.wait_serving()
+        yield tokenizer
+    finally:
+        tokenizer.service.stop()
+
+
+@contextlib.contextmanager
+def gateway_on(tokenizer_address: str, scheduler_address: str, log_dir: Path, *flags: str):
+    """One more gateway process on the given upstreams; yields an HTTP client of its REST API
+    (with its process, its gRPC address and its metrics URL)."""
+    rest_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    gateway = ServiceProcess("gateway", [
+        "--host", "127.0.0.1", "--log-level", "warning", "--port", str(rest_port),
+        "--grpc-port", str(grpc_port), "--tokenizer-address", tokenizer_address,
+        "--scheduler-address", scheduler_address, "--metrics-port", str(metrics_port), *flags],
+        log_dir / "gateway.log")
+    rest_url = f"http://127.0.0.1:{rest_port}"
+    try:
+        gateway.wait_for(lambda: _healthy(rest_url), "the extra gateway", 60)
+        with httpx.Client(base_url=rest_url, timeout=60, trust_env=False) as http:
+            http.gateway, http.rest_url = gateway, rest_url
+            http.grpc_address = f"127.0.0.1:{grpc_port}"
+            http.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            yield http
+    finally:
+        gateway.stop()
+
+
+def stream_chat(http: httpx.Client, body: dict, after_chunk) -> tuple[str, dict | None, str | None]:
+    """(streamed text, the SSE error event or None, finish reason); `after_chunk(count)` runs
+    after each content chunk."""
+    texts, error, finish = [], None, None
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event
+                continue
+            choice = event["choices"][0]
+            finish = choice.get("finish_reason") or finish
+            if choice["delta"].get("content"):
+                texts.append(choice["delta"]["content"])
+                after_chunk(len(texts))
+    return "".join(texts), error, finish
+
+
+def chat_body(http: httpx.Client, max_tokens: int) -> dict:
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    return {"model": model, "messages": STORY, "temperature": 0, "max_tokens": max_tokens,
+            "ignore_eos": True}
+
+
+def assert_all_blocks_free(stack: Stack, timeout: float) -> None:
+    stats = stack.wait_idle(timeout)
+    assert (stats.num_running, stats.num_waiting) == (0, 0), stats
+    assert all(w.num_free_blocks == w.num_blocks for w in stats.workers), stats
+
+
+def test_a_restarted_tokenizer_costs_a_running_stream_nothing(stack, own_tokenizer, tokenizer,
+                                                              tmp_path):
+    """SIGKILL of the tokenizer right after a stream's first chunk, then a new tokenizer process
+    on the same port: the gateway re-sends the sample's detokenizer state, and the stream goes
+    on to its last token with no error, its text exactly the decode of all its tokens (nothing
+    repeated, nothing skipped)."""
+    with gateway_on(own_tokenizer.address, stack.scheduler_address, tmp_path,
+                    "--tokenizer-wait-timeout", "120") as http:
+        async def stream() -> list:
+            chunks = []
+            async with KvrelayClient(http.grpc_address) as kv:
+                async for chunk in kv.generate(messages=STORY, temperature=0, max_tokens=32,
+                                               ignore_eos=True):
+                    chunks.append(chunk)
+                    if len(chunks) == 1:
+                        own_tokenizer.kill()
+                        own_tokenizer.spawn()  # serves again some seconds later
+            return chunks
+
+        chunks = asyncio.run(asyncio.wait_for(stream(), 180))
+        tokens = [token for chunk in chunks for token in chunk.token_ids]
+        assert len(tokens) == 32 and chunks[-1].finish_reason == "length"
+        assert chunks[0].text  # delivered by the killed tokenizer
+        assert "".join(chunk.text for chunk in chunks) == tokenizer.decode(
+            tokens, skip_special_tokens=True)
+        resumed = metric_value(http.metrics_url,
+                               "kvrelay:gateway_detokenize_resumed_samples_total")
+        assert resumed == 1  # the new stream took the sample over (it did not finish before)
+        own_tokenizer.wait_serving()
+        assert_all_blocks_free(stack, 5)
+        again = http.post("/v1/chat/completions", json=chat_body(http, 4))  # the next one
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+
+
+def metric_value(url: str, name: str) -> float:
+    for line in httpx.get(url, timeout=5, trust_env=False).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_tokenizer_that_stays_away_ends_streams_clearly_and_frees_their_blocks(
+        stack, own_tokenizer, tmp_path):
+    """No tokenizer within --tokenizer-wait-timeout: the stream ends with an error event after
+    that wait (not at once), the scheduler is told to abort it (every block free long before
+    its 4,000 tokens), and once a tokenizer is back the gateway serves again."""
+    with gateway_on(own_tokenizer.address, stack.scheduler_address, tmp_path,
+                    "--tokenizer-wait-timeout", "1") as http:
+        body = chat_body(http, 4000)
+        killed_at = []
+
+        def kill(num_chunks: int) -> None:
+            if num_chunks == 3:
+                killed_at.append(time.monotonic())  # before: the gateway may notice at once
+                own_tokenizer.kill()
+
+        text, error, finish = stream_chat(http, body, kill)
+        waited = time.monotonic() - killed_at[0]
+        assert error is not None and finish is None, (text, error, finish)
+        message = error["error"]["message"]
+        assert "tokenizer" in message and "1 s" in message, message
+        assert 1.0 <= waited < 10, waited
+        assert metric_value(http.metrics_url, "kvrelay:gateway_detokenize_give_ups_total") == 1
+        assert_all_blocks_free(stack, 5)
+        own_tokenizer.spawn()
+        own_tokenizer.wait_serving()
+        http.gateway.wait_for(lambda: _healthy(http.rest_url), "the gateway again", 30)
+        again = http.post("/v1/chat/completions", json={**body, "max_tokens": 4})
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+
+
+def test_aborts_for_a_group_whose_outputs_stream_broke_reach_it_once_back(
+        stack, tokenizer_address, tmp_path):
+    """A half-open cut between a gateway and its scheduler: the gateway's side of the Outputs
+    stream breaks at once, the scheduler's stays open (until its keepalive gives up, after the
+    gateway has registered a new stream, so `_abort_gateway` leaves the requests alone). The
+    abort the gateway queued for the lost request, while no stream was up, must still reach
+    the scheduler: every block is free soon after, not at the end of 4,000 tokens."""
+    proxy = TcpProxy(stack.scheduler_address)
+    try:
+        with gateway_on(tokenizer_address, proxy.address, tmp_path) as http:
+            body = chat_body(http, 4000)
+
+            def cut(num_chunks: int) -> None:
+                if num_chunks == 3:
+                    proxy.cut(half_open=True)
+
+            text, error, finish = stream_chat(http, body, cut)
+            assert error is not None and "output stream" in error["error"]["message"], error
+            assert_all_blocks_free(stack, 5)
+            http.gateway.wait_for(lambda: _healthy(http.rest_url), "the gateway again", 30)
+            again = http.post("/v1/chat/completions", json={**body, "max_tokens": 4})
+            assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proxy.close()

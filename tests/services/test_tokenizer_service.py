@@ -119,3 +119,30 @@ def test_out_of_vocabulary_ids_are_invalid_argument(stub, tokenizer):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Detokenize(iter([batch])))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_stream_resumed_on_a_new_detokenize_stream_continues_its_text(stub, tokenizer):
+    """What a caller sends when its stream broke: the tokens whose text it got, then the rest.
+    Split mid-character (a byte of "界" answered, held back, then lost with the stream), the
+    text goes on with exactly what was missing; resume tokens for an id that already has a
+    state on the stream are refused (the caller would get text twice)."""
+    ids = tokenizer.encode("你好，世界！🚀")
+    split = next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]).endswith("世\ufffd"))
+    old = list(stub.Detokenize(iter(
+        [tokenizer_pb2.DetokenizeBatch(items=[tokenizer_pb2.DetokenizeItem(
+            request_id="r/0", new_token_ids=ids[:split], skip_special_tokens=True)])])))
+    new = list(stub.Detokenize(iter([tokenizer_pb2.DetokenizeBatch(items=[
+        tokenizer_pb2.DetokenizeItem(request_id="r/0", resume_token_ids=ids[:split],
+                                     new_token_ids=ids[split:split + 1],
+                                     skip_special_tokens=True)]),
+        tokenizer_pb2.DetokenizeBatch(items=[tokenizer_pb2.DetokenizeItem(
+            request_id="r/0", new_token_ids=ids[split + 1:], finished=True,
+            skip_special_tokens=True)])])))
+    texts = [old[0].results[0].text] + [result.results[0].text for result in new]
+    assert texts[0] == "你好，世" and "".join(texts) == "你好，世界！🚀"
+    twice = tokenizer_pb2.DetokenizeItem(request_id="r/0", resume_token_ids=ids[:2])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Detokenize(iter([tokenizer_pb2.DetokenizeBatch(items=[twice]),
+                                   tokenizer_pb2.DetokenizeBatch(items=[twice])])))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already has a detokenizer state" in info.value.details()

@@ -46,20 +46,22 @@ class DecodeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class DetokenizeItem(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finished", "skip_special_tokens", "prompt_tail_token_ids", "piece_token_ids")
+    __slots__ = ("request_id", "new_token_ids", "finished", "skip_special_tokens", "prompt_tail_token_ids", "piece_token_ids", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PIECE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     skip_special_tokens: bool
     prompt_tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     piece_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_tail_token_ids: _Optional[_Iterable[int]] = ..., piece_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_tail_token_ids: _Optional[_Iterable[int]] = ..., piece_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeBatch(_message.Message):
     __slots__ = ("items",)

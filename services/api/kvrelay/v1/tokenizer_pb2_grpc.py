@@ -71,6 +71,8 @@ class TokenizerServicer:
         """Incremental detokenization: the caller sends each step's new tokens for many requests at
         once; the service keeps each request's decoding state for the life of the stream and
         answers with the text those tokens completed (never half of a multi-byte character).
+        States die with their stream; a caller that lost one rebuilds them on a new stream from
+        the tokens whose text it already got (DetokenizeItem.resume_token_ids).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
