@@ -225,8 +225,10 @@ void gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& nibbles,
     int64_t lo, hi;
     thread_share(p.N / 32, &lo, &hi);
     configure_tiles();
-    // a panel pair's bf16 tiles, 32 x K: 36 KB for K = 576 (in L1), 96 KB for 1,536 (in L2)
-    std::vector<uint16_t> widened(2 * k_blocks * kTileElems);
+    // a panel pair's bf16 tiles, 32 x K: 36 KB for K = 576 (in L1), 96 KB for 1,536 (in L2);
+    // one per OpenMP thread, kept between calls (120 calls a decode step)
+    thread_local std::vector<uint16_t> widened;
+    widened.resize(2 * k_blocks * kTileElems);
     // Widening a whole pair before multiplying it measured faster than widening each K step
     // just ahead of its multiplies (the tile loads then wait on the fresh stores).
     uint16_t* b0 = widened.data();
