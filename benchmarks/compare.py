@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--long-short-rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16",
-                        help="kvrelay and HF transformers (llama-server runs the GGUF as is)")
+                        help="kvrelay, vLLM and HF transformers (llama-server runs its own "
+                             "Q4_0 GGUF: benchmarks/peers/llama_server.py)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-parallel", type=int, default=16)
     parser.add_argument("--hf-batch-size", type=int, default=16)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 from benchmarks.peers import common, hf_transformers, llama_server
-from services.engine.model_loader import default_gguf_path
 
 
 def test_peers_home_follows_the_flag_then_the_environment(tmp_path, monkeypatch):
@@ -14,15 +13,42 @@ def test_peers_home_follows_the_flag_then_the_environment(tmp_path, monkeypatch)
     assert (tmp_path / "flag").is_dir()
 
 
-def test_llama_server_serves_kvrelays_gguf_with_16_slots_on_2_threads(tmp_path):
-    line = llama_server.command(tmp_path / "llama-server", 8080)
-    assert line[line.index("-m") + 1] == str(default_gguf_path())
+def test_llama_server_serves_with_16_slots_on_2_threads(tmp_path):
+    line = llama_server.command(tmp_path / "llama-server", 8080, tmp_path / "model.gguf")
+    assert line[line.index("-m") + 1] == str(tmp_path / "model.gguf")
     assert line[line.index("--parallel") + 1] == "16"
     assert line[line.index("-t") + 1] == "2" and line[line.index("-tb") + 1] == "2"
     assert int(line[line.index("-c") + 1]) == 16 * llama_server.CONTEXT_PER_SLOT
-    assert "--no-repack" in line and "--host" in line
-    assert "--no-repack" not in llama_server.command(tmp_path / "x", 1, repack=True)
-    assert "-DGGML_NATIVE=ON" in llama_server.CMAKE_FLAGS
+    assert "--no-repack" not in line and "--host" in line
+    assert "--no-repack" in llama_server.command(tmp_path / "x", 1, tmp_path / "m",
+                                                 repack=False)
+
+
+def test_llama_servers_default_build_is_the_fair_one_without_amx():
+    fair = llama_server.BUILDS[llama_server.DEFAULT_BUILD]
+    assert fair.repack and fair.weights == "Q4_0" and "llama-quantize" in fair.targets
+    flags = fair.cmake_flags
+    assert "-DGGML_NATIVE=OFF" in flags and "-DCMAKE_BUILD_TYPE=Release" in flags
+    for name in ("AVX2", "FMA", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
+                 "AVX512_BF16"):
+        assert f"-DGGML_{name}=ON" in flags
+    for name in ("AMX_TILE", "AMX_INT8", "AMX_BF16"):
+        assert f"-DGGML_{name}=OFF" in flags
+    native = llama_server.BUILDS["native"]
+    assert "-DGGML_NATIVE=ON" in native.cmake_flags and not native.repack
+    assert native.folder != fair.folder
+
+
+def test_llama_servers_q4_0_is_made_from_the_converted_model_in_its_home(tmp_path):
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    recipe = llama_server.weights_recipe(tmp_path, "1.0", binary, tmp_path / "model-dir", 2)
+    convert, quantize = recipe["commands"]
+    assert convert[1].endswith("llama.cpp/convert_hf_to_gguf.py")
+    assert convert[2:5] == [str(tmp_path / "model-dir"), "--outtype", "bf16"]
+    assert quantize[:2] == [str(binary.parent / "llama-quantize"), convert[-1]]
+    assert quantize[2:4] == [recipe["file"], "Q4_0"]
+    assert recipe["file"].startswith(str(tmp_path / "llama-cpp-1.0" / "weights"))
+    assert "torch==2.13.0" in llama_server.CONVERTER_PACKAGES
 
 
 def test_transformers_serve_gets_the_converted_weights_with_an_architecture(tmp_path):
