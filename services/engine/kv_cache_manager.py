@@ -95,21 +95,22 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_tokens)
         return True
 
-    # ---- PD decode side: prompts whose KV another worker pushes --------------------------------
+    # ---- PD decode side: sequences whose KV another worker pushes ------------------------------
     def allocate_for_transfer(self, request: Request) -> int | None:
-        """Blocks for a prompt whose pages a prefill worker will push. Leading blocks this cache
-        already holds are shared and need no push; full blocks that another reservation waits
-        for are shared too, and their pages still need a push (from this order, or from the other
-        one when both go out in one step: TransferBook._share_pushes). Returns how many leading blocks
-        need no push (at least one block always does), or None if the blocks do not fit."""
+        """Blocks for the request's tokens (a prompt, and a recovered sample's earlier outputs),
+        whose pages a prefill worker will push. Leading blocks this cache already holds are
+        shared and need no push; full blocks that another reservation waits for are shared too,
+        and their pages still need a push (from this order, or from the other one when both go
+        out in one step: TransferBook._share_pushes). Returns how many leading blocks need no
+        push (at least one block always does), or None if the blocks do not fit."""
         hashes = self._hashes(request)
-        num_full = request.num_prompt_tokens // self.block_size
-        landed = self._leading(hashes[:(request.num_prompt_tokens - 1) // self.block_size],
-                               self.pool.lookup)
+        num_tokens = request.num_tokens
+        num_full = num_tokens // self.block_size
+        landed = self._leading(hashes[:(num_tokens - 1) // self.block_size], self.pool.lookup)
         in_flight = self._leading(hashes[len(landed):num_full],
                                   lambda block_hash: self.landing.get(block_hash.value))
         shared = landed + in_flight
-        num_new_tokens = request.num_prompt_tokens - len(shared) * self.block_size
+        num_new_tokens = num_tokens - len(shared) * self.block_size
         if not self.allocate_slots(request, num_new_tokens, shared, register=False):
             return None
         blocks = self.req_blocks[request.request_id]
@@ -119,9 +120,10 @@ class KVCacheManager:
         return len(landed)
 
     def register_landed(self, request: Request) -> None:
-        """The pushed pages are in: the prompt's full blocks now serve prefix hits."""
+        """The pushed pages are in: the full blocks of the request's tokens (those it was
+        reserved for) now serve prefix hits."""
         self._drop_landing(request.request_id)
-        self._cache_full_blocks(request, request.num_prompt_tokens)
+        self._cache_full_blocks(request, request.num_tokens)
 
     def set_aside(self, request: Request) -> list[KVBlock]:
         """Take a reservation's blocks out of its table, still referenced: a lost sender may

@@ -86,6 +86,27 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def continued(self, num_tokens: int | None = None) -> Request:
+        """The same sequence as a new request, for another worker (moved, recovered, or handed
+        over to a decode worker): its prompt and parameters and its first `num_tokens` tokens
+        (all by default), the generated ones among them still outputs. Stop checks, max_tokens,
+        min_tokens, penalties and a seeded sample's draws (the worker skips one per output:
+        worker/sequences.py) then count them as an uninterrupted run does. No progress carries
+        over (computed tokens, blocks, status, draft state). The grammar matcher does: one
+        sample, one matcher, and it has taken every output already, so none of them is fed
+        to it again (only tokens sampled from now on are: stop_checker.advance_grammar)."""
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        if not self.num_prompt_tokens <= num_tokens <= self.num_tokens:
+            raise ValueError(f"request {self.request_id}: {num_tokens} tokens of "
+                             f"{self.num_prompt_tokens} + {self.num_output_tokens}")
+        copy = Request(self.request_id, self.prompt_token_ids, self.params, self.eos_token_ids,
+                       self.priority, self.arrival_time, self.cache_salt)
+        for token_id in self.all_token_ids[self.num_prompt_tokens:num_tokens]:
+            copy.append_token(token_id)
+        copy.output_logprobs = self.output_logprobs[:copy.num_output_tokens]
+        copy.grammar = self.grammar
+        return copy
+
     def sort_key(self, policy: str) -> tuple:
         """Smaller runs first: by arrival (fcfs) or by priority then arrival."""
         if policy == "priority":

@@ -115,7 +115,7 @@ class Scheduler:
         budget = token_budget or self.config.max_num_batched_tokens
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
-        chunking = decodes_elsewhere or any(req.num_output_tokens for req in self.running)
+        chunking = decodes_elsewhere or any(_decoding(req) for req in self.running)
         self._long_threshold = self.config.long_prefill_token_threshold if chunking else 0
         self._long_slots = self.config.max_long_partial_prefills
         self._step_prefill = 0
@@ -262,8 +262,10 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def reserve_for_transfer(self, request: Request) -> int | None:
-        """Blocks for the prompt's KV on this (decode) worker: how many leading blocks it holds
-        already (their pages need no push), or None when they do not fit."""
+        """Blocks on this (decode) worker for the KV of the request's tokens, which the prefill
+        worker pushes: its prompt, and a recovered sample's outputs from before its recovery.
+        Returns how many leading blocks it holds already (their pages need no push), or None
+        when they do not fit."""
         if len(self.running) + self.num_reserved >= self.config.max_num_seqs:
             return None
         num_held = self.kv.allocate_for_transfer(request)
@@ -275,10 +277,11 @@ class Scheduler:
         return num_held
 
     def activate_transferred(self, request: Request) -> None:
-        """The pages arrived: decode from the token sampled on the prefill worker."""
+        """The pages of every token the request holds arrived: it joins the batch, and decodes
+        once the caller has appended the token sampled on the prefill worker."""
         self.reserved.discard(request.request_id)
         self.kv.register_landed(request)
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -342,3 +345,11 @@ class Scheduler:
         request.draft_state = None
         self.kv.forget(request)
         del self.requests[request.request_id]
+
+
+def _decoding(request: Request) -> bool:
+    """A running request whose next step computes just its last sampled token. One that is
+    computing its tokens again (recomputed after a preemption, or recovered on another
+    worker: its outputs come with it) has outputs but does not decode yet."""
+    return bool(request.num_output_tokens) and \
+        request.num_tokens - request.num_computed_tokens == 1

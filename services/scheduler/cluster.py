@@ -20,7 +20,6 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.deltas import finish_delta
 from services.scheduler.messages import BOTH, DECODE, PREFILL, Delta, FinishReason, WorkerInfo
 from services.scheduler.records import Phase, RequestRecord, SampleRecord
-from services.scheduler.recovery import resumed_request
 from services.scheduler.registry import WorkerRecord, WorkerRegistry
 from services.scheduler.transfers import Transfer, TransferBook, TransferState
 
@@ -79,8 +78,8 @@ class ClusterScheduler:
 
     def move_queued(self, worker: WorkerRecord) -> int:
         """A draining worker's requests that have not started yet go to other workers of its
-        role, so it can leave without making them wait; the ones it computes stay. Returns how
-        many samples moved."""
+        role, so it can leave without making them wait; the ones it computes stay (a recovered
+        sample queued here moves with its outputs). Returns how many samples moved."""
         others = self.registry.live(worker.role)
         if not others:
             return 0  # no one to take them: they finish where they are
@@ -88,13 +87,13 @@ class ClusterScheduler:
         for sample in list(self.samples.values()):
             request = sample.request
             if (sample.worker is not worker or request.status is not RequestStatus.WAITING
-                    or request.num_computed_tokens or request.num_output_tokens
-                    or sample.stranded):
+                    or request.num_computed_tokens or sample.stranded):
                 continue
-            target = _best_placed(others, request.prompt_token_ids)
+            target = _best_placed(others, request.all_token_ids)
+            moved_request = request.continued()  # before the abort lets go of its grammar
             worker.core.abort([sample.seq_id])
             self.forget_on(worker, sample.seq_id)
-            sample.request, sample.worker = _fresh_copy(request, sample.seq_id), target
+            sample.request, sample.worker = moved_request, target
             target.core.add_request(sample.request)
             self.wake(target)
             moved += 1
@@ -205,19 +204,26 @@ class ClusterScheduler:
 
     # ---- the PD handoff ------------------------------------------------------------------------
     def reserve_decode(self, sample: SampleRecord, during_step: bool) -> Transfer | None:
-        """Reserve decode-side blocks for the sample's prompt and open its transfer; None if
+        """Reserve decode-side blocks for the sample's pages and open its transfer; None if
         no decode worker has room now. during_step: the step being planned carries the order
         (its pages go out layer by layer as they are computed); otherwise it waits in the
         book's outbox for the prefill worker's next step."""
         request, source = sample.request, sample.worker
+        # The pages hold every token before the one the prefill worker samples: the prompt,
+        # and a recovered sample's outputs from before its recovery. While the step that
+        # samples it is planned (PREFILL) that is all of the request's tokens; once it is out
+        # (TRANSFER), all but that token, which has no KV yet.
+        num_pushed = request.num_tokens
+        if sample.phase is Phase.TRANSFER:
+            num_pushed -= 1
         for decode in sorted(self.registry.live(DECODE), key=_decode_preference):
             # The prefill side's salt: prompts that share a prefix share its blocks on the
             # decode worker too, and blocks it already holds are not pushed again.
-            clone = _fresh_copy(request, sample.seq_id)
+            clone = request.continued(num_pushed)
             num_held = decode.core.reserve_for_transfer(clone)
             if num_held is None:
                 continue
-            num_blocks = -(-request.num_prompt_tokens // source.info.block_size)
+            num_blocks = -(-num_pushed // source.info.block_size)
             sample.transfer = self.transfers.open_transfer(
                 sample.seq_id, source, decode, clone, num_blocks, num_held,
                 self._transport(source, decode), during_step)
@@ -276,9 +282,9 @@ class ClusterScheduler:
         prefill.core.release_transferred(sample.request)
         self.forget_on(prefill, sample.seq_id)
         clone = transfer.decode_request
-        for token_id in sample.request.output_token_ids:
-            clone.append_token(token_id)
-        decode.core.activate_transferred(clone)
+        decode.core.activate_transferred(clone)  # it holds just the tokens whose pages landed
+        for token_id in sample.request.output_token_ids[clone.num_output_tokens:]:
+            clone.append_token(token_id)  # (the grammar has taken it on the prefill side)
         self.transfers.activate(transfer)
         sample.request, sample.worker, sample.transfer = clone, decode, None
         sample.move(Phase.DECODE)
@@ -404,10 +410,21 @@ class ClusterScheduler:
         if due:
             self.retry_awaiting()
 
-    # ---- recovery (recovery.py) ---------------------------------------------------------------
+    # ---- recovery ------------------------------------------------------------------------------
     def _recover(self, sample: SampleRecord, error: str) -> None:
-        """Start the sample over on a live worker, its tokens so far as the prompt; past its
-        retry budget, or with its pages still being copied out, it ends with the error."""
+        """Start the sample over on a live worker; past its retry budget, or with its pages
+        still being copied out, it ends with the error.
+
+        The scheduler holds every sample's tokens, so nothing is lost with the worker: a new
+        engine request keeps the original prompt and the tokens generated so far as outputs
+        (Request.continued) and is prefilled over all of them (what the new worker's prefix
+        cache holds of them is a hit), then samples its next token and goes on like any other
+        (in a PD group through the usual handoff, its pages covering those outputs too). Its
+        max_tokens, min_tokens, stop checks and penalties count the outputs; the worker skips
+        one draw of a seeded sample's generator per output (worker/sequences.py), so its
+        random stream goes on where it stopped; its grammar matcher, which has taken them
+        all, is not fed them again; the client's stream is untouched. The output is that of
+        an uninterrupted run, token for token."""
         transfer = sample.transfer
         in_flight = transfer is not None and transfer.state not in (
             TransferState.FAILED, TransferState.CANCELLED)
@@ -421,18 +438,18 @@ class ClusterScheduler:
             self.transfers.cancel(transfer)
             self._free_destination(transfer)
             sample.transfer = None
+        resumed = sample.request.continued()  # before freeing it lets go of its grammar
         self._free_source(sample)
-        request, num_folded = resumed_request(sample)
-        sample.request = request
+        sample.request = resumed
         sample.retries += 1
-        sample.resumed_outputs += num_folded
         self.num_recoveries += 1
         log.info("sample recovered", seq_id=sample.seq_id, retry=sample.retries,
-                 num_tokens=request.num_prompt_tokens, reason=error)
+                 num_tokens=sample.request.num_tokens,
+                 num_output_tokens=sample.request.num_output_tokens, reason=error)
         self._place_recovered(sample)
 
     def _place_recovered(self, sample: SampleRecord) -> None:
-        target = self._recovery_target(sample.request.prompt_token_ids)
+        target = self._recovery_target(sample.request.all_token_ids)
         if target is None:  # none alive now: wait (bounded, expire_waits) for one to register
             if not sample.stranded:
                 sample.stranded_since = time.monotonic()
@@ -440,13 +457,18 @@ class ClusterScheduler:
         sample.stranded_since = None
         sample.worker = target
         sample.move(Phase.PREFILL if target.role is PREFILL else Phase.COLOCATED)
-        target.core.add_request(sample.request)
+        try:
+            target.core.add_request(sample.request)
+        except ValueError as exc:  # its tokens so far need more blocks than that cache has
+            self.end_sample(sample, finish_delta(sample, FinishReason.ERROR,
+                                                 f"cannot continue on {target.worker_id}: {exc}"))
+            return
         self.wake(target)
 
-    def _recovery_target(self, prompt: list[int]) -> WorkerRecord | None:
+    def _recovery_target(self, token_ids: list[int]) -> WorkerRecord | None:
         """Where a recovered sample prefills: a prefill worker in a PD group, else a `both`."""
         live = self.registry.live(PREFILL if self._is_pd_group() else BOTH)
-        return _best_placed(live, prompt) if live else None
+        return _best_placed(live, token_ids) if live else None
 
     def _is_pd_group(self) -> bool:
         return any(w.role is PREFILL for w in self.registry.workers.values())
@@ -489,26 +511,19 @@ class ClusterScheduler:
 
 
 
-def _fresh_copy(request: Request, seq_id: str) -> Request:
-    """The same prompt and parameters as a new engine request (progress not carried over)."""
-    clone = Request(seq_id, request.prompt_token_ids, request.params, request.eos_token_ids,
-                    request.priority, request.arrival_time, request.cache_salt)
-    clone.grammar = request.grammar  # one sample, one matcher: it moves with the sample
-    return clone
-
-
 def _decode_preference(worker: WorkerRecord) -> tuple:
     return (-worker.core.kv.num_free_blocks, len(worker.core.running))
 
 
-def _best_placed(candidates: list[WorkerRecord], prompt: list[int]) -> WorkerRecord:
-    """The worker that would finish this prompt's prefill soonest: the fewest tokens to compute
-    there, counting its queue and this prompt less what its prefix cache already holds. Cache
-    affinity wins while queues are even; a backlog outweighs it, so a burst of prompts that
-    share a system prompt still spreads over the workers."""
+def _best_placed(candidates: list[WorkerRecord], token_ids: list[int]) -> WorkerRecord:
+    """The worker that would finish the prefill of these tokens (a prompt, or a recovered
+    sample's prompt and outputs) soonest: the fewest tokens to compute there, counting its
+    queue and these tokens less what its prefix cache already holds. Cache affinity wins while
+    queues are even; a backlog outweighs it, so a burst of prompts that share a system prompt
+    still spreads over the workers."""
     def cost(worker: WorkerRecord) -> tuple:
-        cached_tokens = worker.core.kv.num_cached_blocks(prompt) * worker.info.block_size
-        return (_tokens_to_compute(worker) + len(prompt) - cached_tokens, worker.load())
+        cached_tokens = worker.core.kv.num_cached_blocks(token_ids) * worker.info.block_size
+        return (_tokens_to_compute(worker) + len(token_ids) - cached_tokens, worker.load())
     return min(candidates, key=cost)
 
 

@@ -19,10 +19,10 @@ def token_delta(sample: SampleRecord, request: Request, num_new: int,
         request_id=sample.parent.request_id, index=sample.index,
         new_token_ids=tuple(request.output_token_ids[len(request.output_token_ids) - num_new:]),
         logprobs=logprobs,
-        # the first delta of the sample says how much of its prompt was a prefix hit
+        # the first delta of the sample says how much of its prompt was a prefix hit (a
+        # recovered sample's request holds every output: only its first token's delta is one)
         num_cached_prompt_tokens=(request.num_cached_prompt_tokens
-                                  if request.num_output_tokens == num_new
-                                  and not sample.resumed_outputs else 0),
+                                  if request.num_output_tokens == num_new else 0),
         finish_reason=FINISH_REASONS[request.status] if finished else None,
         stop_token_id=request.stop_token_id if finished else None)
 

@@ -8,7 +8,8 @@ to end in one place.
     PREFILL --first token--> TRANSFER --pages landed--> DECODE --> DONE
     COLOCATED --> DONE;  any phase --ended (finished, aborted, failed)--> DONE
     PREFILL, TRANSFER, DECODE --its worker died, or its transfer failed--> PREFILL (recovery:
-    re-prefilled with its tokens so far as the prompt);  COLOCATED --the same--> COLOCATED
+    prefilled again over its prompt and the tokens it generated so far, which stay outputs);
+    COLOCATED --the same--> COLOCATED
 """
 from __future__ import annotations
 
@@ -54,9 +55,6 @@ class SampleRecord:
     phase: Phase
     transfer: Transfer | None = None  # the handoff under way, or an orphaned one, or None
     retries: int = 0  # recoveries so far (its worker died, or its transfer failed)
-    # Output tokens folded into the prompt of the engine request by recoveries: `request`
-    # counts only what it generated since.
-    resumed_outputs: int = 0
     # Set while a recovered sample waits for a live worker of the role it needs (not on any
     # worker's queue then): when it started waiting.
     stranded_since: float | None = None

@@ -62,13 +62,15 @@ class InFlightSend:
     order: SendOrder
     prefill: WorkerRecord
     decode: WorkerRecord
-    prompt: tuple[int, ...]  # what the pages hold: a recovered sample's prompt has its outputs
+    # the tokens whose KV the pages hold: the prompt, and a recovered sample's earlier outputs
+    tokens: tuple[int, ...]
 
 
 @dataclass
 class Submitted:
     prompt: list[int]
     params: SamplingParams
+    grammar: object = None  # its compiled grammar: one may end it (STOP, no stop token)
     deltas: dict[int, list[scheduler_pb2.SequenceDelta]] = field(
         default_factory=lambda: defaultdict(list))
 
@@ -96,13 +98,17 @@ class ClusterDriver:
         # refuses a replacement's chunks), so pages are kept per instance, not per worker id.
         self.pages: dict[tuple[str, int], tuple] = {}
         self.zombie_sends: list[InFlightSend] = []  # sends of workers declared dead, still running
+        # seq id -> how many of its tokens its latest transfer pushed (the decode side reads
+        # their pages rather than computing them)
+        self.num_pushed: dict[str, int] = {}
 
     # ---- what the gateway does ------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], **params) -> None:
+    def submit(self, request_id: str, prompt_ids: list[int], grammar=None, **params) -> None:
+        """grammar: params' structured_outputs compiled, as the service does."""
         # through the wire's form, as the service receives them (float32 rounding)
         sampling = params_from_proto(params_to_proto(SamplingParams(**params)))
-        self.cluster.submit(request_id, GATEWAY, prompt_ids, sampling, 0)
-        self.requests[request_id] = Submitted(prompt_ids, sampling)
+        self.cluster.submit(request_id, GATEWAY, prompt_ids, sampling, 0, grammar)
+        self.requests[request_id] = Submitted(prompt_ids, sampling, grammar)
         self.flush()
 
     def abort(self, *ids: str) -> list[str]:
@@ -142,8 +148,8 @@ class ClusterDriver:
             self._check_order(order, worker, pushed_now)
             transfer = self.cluster.transfers.open[order.transfer_id]
             self.sends[order.transfer_id] = InFlightSend(
-                order, worker, transfer.destination,
-                tuple(transfer.decode_request.prompt_token_ids))
+                order, worker, transfer.destination, tuple(transfer.decode_request.all_token_ids))
+            self.num_pushed[order.seq_id] = transfer.decode_request.num_tokens
         if worker.role == DECODE:
             for item in plan.output.scheduled:
                 self._read_pages(worker, item)
@@ -154,14 +160,15 @@ class ClusterDriver:
     def finish_step(self, worker_id: str) -> None:
         """The worker answers: one sampled token per sequence whose chunk reached its end."""
         step = self.steps.pop(worker_id)
-        sampled = []
-        for item in step.sampling:
-            if item.request.is_finished:  # ended (or recovered) while the step ran: the
-                continue  # scheduler drops whatever the worker sampled for it
-            token_id = self._next_token(item.request)
-            self.sampled[item.request.request_id].append(token_id)
-            sampled.append(Sampled(item.request.request_id, (token_id,)))
         worker = self.worker(worker_id)
+        requests = {item.request.request_id: item.request for item in step.sampling}
+        sampled = []
+        for token in self._run_step(worker, step):
+            # A sample that ended (or was recovered) while the step ran: the scheduler drops
+            # whatever the worker sampled for it.
+            if not requests[token.seq_id].is_finished:
+                self.sampled[token.seq_id].extend(token.token_ids)
+                sampled.append(token)
         apply_result(self.cluster, worker, step.plan,
                      StepOutcome(step.plan.order.step_id, tuple(sampled)))
         self.cluster.retry_awaiting()  # as WorkerLink._step_loop does after each step
@@ -198,6 +205,11 @@ class ClusterDriver:
             self._write_pages(send, ok=True)
         self.zombie_sends.clear()
 
+    def _run_step(self, worker: WorkerRecord, step: InFlightStep) -> list[Sampled]:
+        """What the worker samples in the step: here, scripted tokens (FILLER by default)."""
+        return [Sampled(item.request.request_id, (self._next_token(item.request),))
+                for item in step.sampling if not item.request.is_finished]
+
     def register(self, info: WorkerInfo) -> None:
         """A (fresh) worker process registers, maybe under a dead one's id."""
         self.all_workers.append(self.cluster.register(info))
@@ -209,12 +221,12 @@ class ClusterDriver:
         return FILLER if token_id in banned_token_ids(request) else token_id
 
     def _write_pages(self, send: InFlightSend, ok: bool) -> None:
-        """What the push wrote: the prompt's pages, whole, or torn when it failed part way."""
-        prompt_ids = send.prompt
+        """What the push wrote: the pages of its tokens, whole, or torn when it failed part
+        way."""
         dst_block_ids = list(send.order.dst_block_ids)
-        first = _num_blocks(len(prompt_ids)) - len(dst_block_ids)
+        first = _num_blocks(len(send.tokens)) - len(dst_block_ids)
         for index, block_id in enumerate(dst_block_ids, start=first):
-            pages = _prompt_pages(prompt_ids, index)
+            pages = _prompt_pages(send.tokens, index)
             key = (send.order.dst_instance_id, block_id)
             if ok or self.pages.get(key) == pages:  # a torn write of the same pages is harmless
                 self.pages[key] = pages
@@ -222,15 +234,17 @@ class ClusterDriver:
                 self.pages[key] = ("torn",)
 
     def _read_pages(self, worker: WorkerRecord, item: ScheduledRequest) -> None:
-        """A decode step reads the prompt blocks it does not compute (a sequence preempted on
-        the decode worker computes its prompt again there): each must hold that prompt's KV."""
+        """A decode step reads the blocks of the pushed tokens (the prompt, and a recovered
+        sample's earlier outputs) that it does not compute (a sequence preempted on the decode
+        worker computes them again there): each must hold those tokens' KV."""
         request = item.request
         start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
+        num_pushed = self.num_pushed[request.request_id]
+        pushed = request.all_token_ids[:num_pushed]
         block_ids = worker.core.kv.block_ids(request.request_id)
-        for index in range(min(_num_blocks(request.num_prompt_tokens), _num_blocks(end))):
-            key, pages = (worker.info.instance_id, block_ids[index]), \
-                _prompt_pages(request.prompt_token_ids, index)
-            if (index + 1) * BLOCK_SIZE <= start or start >= request.num_prompt_tokens:
+        for index in range(min(_num_blocks(num_pushed), _num_blocks(end))):
+            key, pages = (worker.info.instance_id, block_ids[index]), _prompt_pages(pushed, index)
+            if (index + 1) * BLOCK_SIZE <= start or start >= num_pushed:
                 assert self.pages.get(key) == pages, \
                     f"{request.request_id} block {index} on {worker.worker_id} holds other pages"
             elif index * BLOCK_SIZE < end:
@@ -253,16 +267,25 @@ class ClusterDriver:
         num_held = len(decode_blocks) - len(order.dst_block_ids)
         assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
         assert list(order.dst_block_ids) == decode_blocks[num_held:]
-        assert decode.core.requests[order.seq_id] is transfer.decode_request
-        assert transfer.decode_request.status is RequestStatus.TRANSFERRING
-        num_blocks = _num_blocks(sample.request.num_prompt_tokens)
+        clone = transfer.decode_request
+        assert decode.core.requests[order.seq_id] is clone
+        assert clone.status is RequestStatus.TRANSFERRING
+        # It pushes every token before the one the prefill worker samples: the prompt, and a
+        # recovered sample's earlier outputs, which stay outputs on the decode side too.
+        request = sample.request
+        assert clone.prompt_token_ids == request.prompt_token_ids
+        assert clone.all_token_ids == request.all_token_ids[:clone.num_tokens]
+        assert clone.num_tokens == (request.num_tokens if sample.phase is Phase.PREFILL
+                                    else request.num_tokens - 1)
+        assert clone.params is request.params and clone.grammar is request.grammar
+        num_blocks = _num_blocks(clone.num_tokens)
         assert len(decode_blocks) == num_blocks
         assert list(order.src_block_ids) == \
             prefill.core.kv.block_ids(order.seq_id)[num_held:num_blocks]
         for index, block_id in enumerate(decode_blocks[:num_held]):
             assert (order.dst_instance_id, block_id) in pushed_now or \
                 self.pages.get((decode.info.instance_id, block_id)) == \
-                _prompt_pages(sample.request.prompt_token_ids, index), "skipped unlanded pages"
+                _prompt_pages(clone.all_token_ids, index), "skipped unlanded pages"
 
     # ---- driving to the end ------------------------------------------------------------------------
     def run(self, sends: str = "after", max_rounds: int = 1000) -> None:
@@ -355,6 +378,9 @@ class ClusterDriver:
         if final.finish_reason == LENGTH:
             assert len(tokens) == params.max_tokens, (seq_id, tokens)
             assert not tokens or tokens[-1] not in stops or len(tokens) < params.min_tokens
+        elif final.finish_reason == STOP and submitted.grammar is not None \
+                and not final.HasField("stop_token_id"):
+            pass  # the grammar is complete
         elif final.finish_reason == STOP:
             assert tokens[-1] in stops and len(tokens) >= params.min_tokens
             assert final.stop_token_id == tokens[-1]
@@ -400,6 +426,21 @@ class ClusterDriver:
             assert sample.phase is Phase.TRANSFER and sample.transfer is None
         for record in cluster.requests.values():
             assert all(cluster.samples.get(s.seq_id) is s for s in record.samples)
+        for sample in cluster.samples.values():
+            if sample.done:
+                continue
+            # Wherever it is, recovered or not, its engine request is the original one: the
+            # submitted prompt and parameters, and as outputs every token its client has.
+            request, submitted = sample.request, self.requests[sample.parent.request_id]
+            assert request.prompt_token_ids == submitted.prompt, sample.seq_id
+            assert request.params is sample.parent.params, sample.seq_id
+            assert request.output_token_ids == self.tokens(sample.parent.request_id,
+                                                           sample.index), self.describe()
+            if isinstance(submitted.grammar, RecordingGrammar):
+                # Its one matcher, wherever it runs, has taken each of its tokens once.
+                matcher = submitted.grammar.matchers[sample.index]
+                assert request.grammar is matcher, sample.seq_id
+                assert matcher.accepted == request.output_token_ids, sample.seq_id
 
     def assert_quiescent(self) -> None:
         """Nothing left anywhere: every block free on every worker, no record of any request."""
@@ -416,6 +457,41 @@ class ClusterDriver:
             if worker.alive:
                 assert not self.pending_sends(worker.worker_id), self.describe()
                 assert not worker.known_blocks, self.describe()
+
+
+class RecordingMatcher:
+    """A grammar matcher that allows every token and records the ones it is fed."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def fill_bitmask(self, row) -> None:
+        row[:] = -1
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return len(token_ids)
+
+    @property
+    def is_terminated(self) -> bool:
+        return False
+
+
+class RecordingGrammar:
+    """A compiled grammar whose matchers (one per sample, in index order) record their tokens."""
+
+    def __init__(self) -> None:
+        self.matchers: list[RecordingMatcher] = []
+
+    def matcher(self) -> RecordingMatcher:
+        self.matchers.append(RecordingMatcher())
+        return self.matchers[-1]
 
 
 def _num_blocks(num_tokens: int) -> int:

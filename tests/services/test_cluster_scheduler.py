@@ -13,8 +13,8 @@ from services.engine.request import RequestStatus
 from services.scheduler.messages import BOTH, DECODE, PREFILL
 from services.scheduler.records import Phase
 from tests.services.cluster_driver import (ABORT, EOS, ERROR, FILLER, LENGTH, STOP, STOP_ID,
-                                           ClusterDriver, colocated_driver, pd_driver, prompt,
-                                           worker_info)
+                                           ClusterDriver, RecordingGrammar, colocated_driver,
+                                           pd_driver, prompt, worker_info)
 
 TOPOLOGIES = {"pd": pd_driver, "colocated": colocated_driver}
 
@@ -330,6 +330,23 @@ def test_a_recovered_sample_waits_for_a_worker_of_its_role_within_the_bound():
     driver.check_accounting()
 
 
+def test_a_sample_grown_past_the_prefill_workers_cache_ends_with_an_error_on_recovery():
+    """Recovered, a sample is prefilled over its prompt and outputs: where that no longer fits
+    the prefill worker's whole cache, it ends with an error, and the others recover."""
+    driver = pd_driver(prefill_blocks=4, max_num_batched_tokens=64)
+    driver.submit("long", prompt(40), max_tokens=40)
+    driver.submit("short", prompt(20, first=30), max_tokens=40)
+    assert driver.step("p0")  # both prefilled in one step
+    driver.deliver_sends()
+    while len(driver.tokens("long")) < 25:  # 65 tokens and one to come: five blocks
+        assert driver.step("d0")
+    driver.kill("d0")
+    assert "cannot continue on p0" in driver.final("long").error
+    driver.register(worker_info("d0", DECODE, 16))
+    _finish(driver)
+    assert driver.final("short").finish_reason == LENGTH and len(driver.tokens("short")) == 40
+
+
 def test_a_poison_request_stops_after_its_retry_budget():
     driver = pd_driver(max_num_batched_tokens=16, scheduler_config={"max_request_retries": 2})
     driver.submit("r", prompt(40), max_tokens=6)
@@ -453,13 +470,17 @@ class PDClusterMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     @rule(length=st.integers(1, 40), shared=st.booleans(), max_tokens=st.integers(1, 5),
-          min_tokens=st.integers(0, 2), n=st.integers(1, 2), stop=st.booleans())
-    def submit(self, length, shared, max_tokens, min_tokens, n, stop):
+          min_tokens=st.integers(0, 2), n=st.integers(1, 2), stop=st.booleans(),
+          constrained=st.booleans())
+    def submit(self, length, shared, max_tokens, min_tokens, n, stop, constrained):
         if not self.driver.cluster.registry.ready:
             return
         request_id = f"q{self.next_id}"
         self.next_id += 1
+        # (a constrained sample's matcher must take each of its tokens once, however often it
+        # moves or is recovered: check_accounting)
         self.driver.submit(request_id, prompt(length, first=0 if shared else self.next_id),
+                           grammar=RecordingGrammar() if constrained else None,
                            max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), n=n,
                            stop_token_ids=[STOP_ID] if stop else [])
 

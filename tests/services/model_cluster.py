@@ -1,0 +1,60 @@
+"""The cluster driver with real workers: each step the scheduler plans runs, through the wire's
+messages, on a worker's own StepExecutor (sequence table, forward pass, sampler) with its own
+KV cache, and a KV send copies the pages from the prefill worker's cache into the decode
+worker's. The workers share one ModelRunner's weights; nothing else is shared, so a worker
+declared dead takes its sequences and its pages with it, as a killed process would."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from services.api.kvrelay.v1 import worker_pb2
+from services.engine.model_runner import ModelRunner
+from services.scheduler import edge
+from services.scheduler.messages import Role, Sampled, SendOrder, WorkerInfo
+from services.scheduler.registry import WorkerRecord
+from services.worker.step_executor import StepExecutor
+from tests.services.cluster_driver import BLOCK_SIZE, ClusterDriver, InFlightStep, worker_info
+
+
+def model_worker_info(runner: ModelRunner, worker_id: str, role: Role, num_blocks: int,
+                      vocab_size: int, eos_token_ids: tuple[int, ...],
+                      max_model_len: int = 512) -> WorkerInfo:
+    assert runner.block_size == BLOCK_SIZE
+    return dataclasses.replace(worker_info(worker_id, role, num_blocks, max_model_len),
+                               vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+
+
+class ModelClusterDriver(ClusterDriver):
+    def __init__(self, runner: ModelRunner, workers: list[WorkerInfo], **config) -> None:
+        self.runner = runner
+        self.executors: dict[str, StepExecutor] = {}  # worker instance id -> its executor
+        super().__init__(workers, **config)
+
+    def register(self, info: WorkerInfo) -> None:
+        """A fresh worker process: an empty sequence table and a zeroed KV cache."""
+        runner = copy.copy(self.runner)  # the weights are shared, the cache is its own
+        runner.num_blocks = info.num_blocks
+        runner.kv_cache = torch.zeros((runner.num_layers, 2, info.num_blocks, BLOCK_SIZE,
+                                       runner.num_kv_heads, runner.head_dim), dtype=runner.dtype)
+        runner.kv_caches = [(layer[0], layer[1]) for layer in runner.kv_cache]
+        self.executors[info.instance_id] = StepExecutor(runner)
+        super().register(info)
+
+    def _run_step(self, worker: WorkerRecord, step: InFlightStep) -> list[Sampled]:
+        executor = self.executors[worker.info.instance_id]
+        order = step.plan.order
+        prepared = executor.apply(edge.step_to_proto(order))
+        sampled = executor.execute(prepared)
+        for send in order.kv_sends:  # the step computed (or had) their pages: out they go
+            self._push(executor, send)
+        return list(edge.outcome_from_proto(
+            worker_pb2.StepResult(step_id=order.step_id, sampled=sampled)).sampled)
+
+    def _push(self, source: StepExecutor, send: SendOrder) -> None:
+        destination = self.executors[send.dst_instance_id]
+        src = torch.tensor(send.src_block_ids, dtype=torch.long)
+        dst = torch.tensor(send.dst_block_ids, dtype=torch.long)
+        destination.runner.kv_cache[:, :, dst] = source.runner.kv_cache[:, :, src]
