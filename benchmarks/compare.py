@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.memory import tree_memory  # noqa: E402
 from benchmarks import compare_report  # noqa: E402
 from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server, vllm_cpu  # noqa: E402
 from benchmarks.peers.common import Server, log_tail, stop  # noqa: E402
@@ -205,8 +206,10 @@ def run_server_system(name: str, args, by_workload: dict, run_errors: list) -> d
     except Exception as exc:  # noqa: BLE001
         run_errors.append((server.name, "-", f"{exc} {log_tail(log_dir / 'server.log', 3)}"))
     finally:
+        memory = tree_memory(server.process.pid)  # still up: every process's peak so far
         stop(server.process, grace_s=60)
-    return {"name": server.name, "info": server.info, "command": server.command}
+    return {"name": server.name, "info": server.info, "command": server.command,
+            "memory": memory}
 
 
 def run_hf_static(args) -> tuple[dict, dict | None]:

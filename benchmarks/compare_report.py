@@ -32,6 +32,20 @@ def systems_table(systems: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def memory_table(systems: list[dict]) -> str:
+    """Each system's processes by peak resident memory (VmHWM), after its workloads."""
+    lines = ["| system | peak RSS, all processes (MiB) | processes (peak MiB) |", "|---|---|---|"]
+    for system in systems:
+        memory = system.get("memory")
+        if not memory:
+            continue
+        processes = ", ".join(f"{item['name']} {item['peak_mib']:.0f}"
+                              for item in sorted(memory, key=lambda item: -item["peak_mib"]))
+        total = sum(item["peak_mib"] for item in memory)
+        lines.append(f"| {system['name']} | {total:.0f} | {processes} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def workload_table(results: list[tuple[str, dict]]) -> str:
     """One row per system and run of one workload (per short/long subset where tagged)."""
     lines = [HEADER, RULE]
@@ -99,6 +113,9 @@ def section(meta: dict, systems: list[dict], by_workload: dict, static: list[dic
              f"server first got {meta['warmup']} untimed requests). SLOs for goodput: TTFT <= "
              f"{meta['slo_ttft']} s, TPOT <= {meta['slo_tpot'] * 1e3:.0f} ms.", "",
              "### Systems", "", systems_table(systems)]
+    memory = memory_table(systems)
+    if memory:
+        parts += ["", "### Memory", "", memory]
     for workload, results in by_workload.items():
         parts += ["", f"### {workload}", ""]
         blocks = _workload_blocks(workload, results, static)
