@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "(default: the scheduler's, 1024; 0: no limit)")
     add_flag(parser, "--request-timeout", type=float, default=None,
              help="the gateways' per-request deadline in seconds (default: none)")
+    add_flag(parser, "--tokenizer-wait-timeout", type=float, default=None,
+             help="seconds the gateways' requests in flight wait for a lost tokenizer to come "
+                  "back (default: the gateway's, 30)")
     add_flag(parser, "--worker-wait-timeout", type=float, default=None,
              help="seconds a request whose worker died waits for a live one (default: the "
                   "scheduler's, 60)")

@@ -163,7 +163,8 @@ def _gateway(args: Namespace, index: int, dial: str, tokenizer_address: str,
             "--port", str(rest_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port),
             "--tokenizer-address", tokenizer_address, "--scheduler-address", scheduler_addresses,
-            *_optional(args, "--served-model-name", "--api-key", "--request-timeout"),
+            *_optional(args, "--served-model-name", "--api-key", "--request-timeout",
+                       "--tokenizer-wait-timeout"),
             *tls_flags(args, "gateway")]
     rest_url = f"http://{dial}:{rest_port}"
     return ServiceSpec(name=_numbered("gateway", index, args.gateways), kind="gateway",
