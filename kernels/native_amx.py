@@ -64,12 +64,17 @@ def shape_supported(out_features: int, in_features: int) -> bool:
     return out_features % 32 == 0 and in_features % 32 == 0
 
 
+def _tile_lanes(matrix: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 16, 32]: lane l of tile row r is M[n0 + l // 2, k0 + 2r + l % 2]
+    (the pairs AMX's bf16 dot product reads), for the weights and for their 4-bit codes."""
+    n, k = matrix.shape
+    tiles = matrix.reshape(n // 16, 16, k // 32, 16, 2)  # [nb, col, kb, row, pair]
+    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 -> [N/16, K/32, 16, 32]: lane l of tile row r is
-    W[n0 + l // 2, k0 + 2r + l % 2] (the pairs AMX's bf16 dot product reads)."""
-    n, k = weight.shape
-    tiles = weight.detach().reshape(n // 16, 16, k // 32, 16, 2)  # [nb, col, kb, row, pair]
-    return tiles.permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32).contiguous()
+    """weight [N, K] bf16 -> its B tiles, [N/16, K/32, 16, 32] (_tile_lanes)."""
+    return _tile_lanes(weight.detach()).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +90,7 @@ def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
     """q [N, K] in 0..15, scale and zero [N, K/32] float32 (weight = (q - 8) * scale + zero,
     per 32 weights of a row) -> the kernel's tiles."""
     n, k = q.shape
-    lanes = (torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8))
-             .reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
-             .reshape(n // 16, k // 32, 16, 32))
+    lanes = _tile_lanes(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)))
     nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
 
     def per_tile(values: np.ndarray) -> torch.Tensor:  # [N, K/32] -> [N/16, K/32, 16]

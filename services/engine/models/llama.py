@@ -133,10 +133,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = ops
 
+    @property
+    def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
     def pack_for_cpu_(self) -> None:
         """After loading bf16 weights on CPU: pre-pack every matmul's weight for oneDNN."""
-        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        self.packed_head = PackedLinear(head, None)
+        self.packed_head = PackedLinear(self.head_weight, None)
         pack_linears_(self.layers)
 
     def use_amx_(self, ops, q4_tiles: dict, max_tokens: int) -> None:
@@ -148,8 +151,7 @@ class LlamaForCausalLM(nn.Module):
         head = self.packed_head
         if head is not None and native_amx.shape_supported(head.out_features,
                                                            self.config.hidden_size):
-            weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            head.use_amx_(ops, native_amx.pack_bf16(weight), max_tokens)
+            head.use_amx_(ops, native_amx.pack_bf16(self.head_weight), max_tokens)
 
     def use_int4_weights_(self, weights: dict, max_tokens: int) -> None:
         """weights: parameter name ("layers.3.mlp.down_proj") -> its Int4Weight; steps of at
@@ -178,8 +180,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.norm(hidden[logits_indices])
         if self.packed_head is not None:
             return self.packed_head(hidden).float()
-        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        return F.linear(hidden, self.head_weight).float()
 
     def _layers_fused(self, rope, hidden, kv_caches, slot_mapping, attn_meta, logits_indices,
                       on_layer_done) -> torch.Tensor:
