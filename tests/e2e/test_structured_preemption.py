@@ -15,7 +15,7 @@ from tests.e2e.stack import start_stack, stop_and_check
 from tests.e2e.test_disconnect import wait_until_all_free
 from tests.structured_schemas import SCHEMAS, validate
 
-NUM_KV_BLOCKS = 24  # 8 sequences of ~40 prompt + 160 output tokens need ~100 blocks of 16
+NUM_KV_BLOCKS = 16  # 6 sequences of ~40 prompt + 96 output tokens need ~54 blocks of 16
 LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 1000}},
              "required": ["text"], "additionalProperties": False}
 
@@ -29,7 +29,7 @@ def small_stack(tmp_path_factory):
 
 
 def test_preempted_constrained_samples_match_the_offline_engine(small_stack, offline_llm):
-    schemas = [schema for _, schema in SCHEMAS[:2]] + [LONG_TEXT] * 6
+    schemas = [schema for _, schema in SCHEMAS[:2]] + [LONG_TEXT] * 4
     questions = [f"Example {index}, as JSON." for index in range(len(schemas))]
     client = openai_client(small_stack)
     model = client.models.list().data[0].id
@@ -37,7 +37,7 @@ def test_preempted_constrained_samples_match_the_offline_engine(small_stack, off
     def ask(index: int):
         return client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": questions[index]}],
-            temperature=0, max_tokens=160, logprobs=True,
+            temperature=0, max_tokens=96, logprobs=True,
             response_format={"type": "json_schema", "json_schema": {
                 "name": "x", "schema": schemas[index]}}).choices[0]
 
@@ -46,7 +46,7 @@ def test_preempted_constrained_samples_match_the_offline_engine(small_stack, off
     assert small_stack.scheduler_stats().num_preemptions > 0
     offline = offline_llm.chat(
         [[{"role": "user", "content": question}] for question in questions],
-        [SamplingParams(temperature=0, max_tokens=160,
+        [SamplingParams(temperature=0, max_tokens=96,
                         structured_outputs=StructuredOutputs.json_schema(schema))
          for schema in schemas], use_tqdm=False)
     for schema, choice, reference in zip(schemas, served, offline):

@@ -4,6 +4,7 @@ result round trip works, auto may answer in text, and bad tool requests are 400s
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -62,17 +63,35 @@ def streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None, str]:
                                          {"type": "function", "function": {"name": "add"}}])
 def test_required_and_named_calls_always_validate_streamed_or_not(pd_client, model_id,
                                                                   tool_choice):
-    for question in QUESTIONS:
-        args = dict(model=model_id, messages=ask(question), tools=TOOLS,
+    def args(question: str) -> dict:
+        return dict(model=model_id, messages=ask(question), tools=TOOLS,
                     tool_choice=tool_choice, temperature=0, max_tokens=120)
-        choice = pd_client.chat.completions.create(**args).choices[0]
+
+    def whole(question: str) -> list[tuple[str, dict]]:
+        choice = pd_client.chat.completions.create(**args(question)).choices[0]
         assert choice.finish_reason == "tool_calls", choice
-        whole = check_calls(choice.message.tool_calls)
+        calls = check_calls(choice.message.tool_calls)
         if isinstance(tool_choice, dict):
-            assert {name for name, _ in whole} == {"add"}
-        streamed, finish, content = streamed_calls(
-            pd_client.chat.completions.create(stream=True, **args))
-        assert streamed == whole and finish == "tool_calls" and content == ""
+            assert {name for name, _ in calls} == {"add"}
+        return calls
+
+    def streamed(question: str) -> list[tuple[str, dict]]:
+        calls, finish, content = streamed_calls(
+            pd_client.chat.completions.create(stream=True, **args(question)))
+        assert calls and finish == "tool_calls" and content == ""
+        for name, arguments in calls:
+            validate(arguments, SCHEMAS[name])
+        return calls
+
+    # Every question, both ways, in one batch: each call validates whatever its neighbours.
+    with ThreadPoolExecutor(2 * len(QUESTIONS)) as pool:
+        futures = [pool.submit(way, question) for question in QUESTIONS
+                   for way in (whole, streamed)]
+        [future.result() for future in futures]
+    # One at a time (so both replies are computed by the same batch shapes): the streamed
+    # deltas reassemble to exactly the reply's calls.
+    for question in QUESTIONS[:2]:
+        assert streamed(question) == whole(question)
 
 
 def test_a_tool_result_round_trip(pd_client, model_id):
@@ -91,10 +110,14 @@ def test_a_tool_result_round_trip(pd_client, model_id):
 
 
 def test_auto_may_answer_in_text_and_any_call_validates(pd_client, model_id):
-    for question in QUESTIONS[:4]:
-        choice = pd_client.chat.completions.create(
+    def reply(question: str):
+        return pd_client.chat.completions.create(
             model=model_id, messages=ask(question), tools=TOOLS, temperature=0,
             max_tokens=60).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        choices = list(pool.map(reply, QUESTIONS[:4]))
+    for choice in choices:
         if choice.message.tool_calls:
             check_calls(choice.message.tool_calls)
             assert choice.finish_reason == "tool_calls"
