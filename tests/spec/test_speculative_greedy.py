@@ -108,12 +108,12 @@ def test_logprobs_are_those_of_the_emitted_tokens(plain, speculative):
 
 
 def test_penalties_bad_words_and_n_apply_at_every_verified_position(plain, speculative):
-    params = SamplingParams(temperature=0, max_tokens=64, repetition_penalty=1.3,
+    params = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3,
                             frequency_penalty=0.2, n=2)
     want, got = _both(plain, speculative, [COPY_PROMPT], params)
     _assert_same(want, got)
     banana = plain.get_tokenizer().encode(" banana")
-    params = SamplingParams(temperature=0, max_tokens=64, bad_words_token_ids=[banana])
+    params = SamplingParams(temperature=0, max_tokens=40, bad_words_token_ids=[banana])
     want, got = _both(plain, speculative, [COPY_PROMPT], params)
     _assert_same(want, got)
 
