@@ -255,7 +255,18 @@ class TransferBook:
             else:
                 continue
             ended.append(transfer)
-        return ended
+        return ended + self._cancel_dependents_of({t.transfer_id for t in ended})
+
+    def _cancel_dependents_of(self, ended_ids: set[str]) -> list[Transfer]:
+        """Delivered transfers that rely on a shared-prefix push which ended unwritten: their
+        own pages landed, the shared ones never will, so they cannot decode (CANCELLED: no page
+        of theirs is in flight, the caller frees their blocks and recovers their samples)."""
+        cancelled = []
+        for transfer in list(self.open.values()):
+            if transfer.state is S.DELIVERED and transfer.relies_on & ended_ids:
+                self._end(transfer, S.CANCELLED)
+                cancelled.append(transfer)
+        return cancelled
 
     def _end(self, transfer: Transfer, state: TransferState) -> None:
         transfer.move(state)

@@ -443,6 +443,24 @@ def test_colocated_worker_death_continues_both_samples_on_its_replacement():
     driver.assert_quiescent()
 
 
+def test_pd_a_lost_shared_prefix_push_takes_its_delivered_dependents_with_it():
+    """n = 2 samples share their prompt's first block on the decode worker: the first order
+    pushes it, the second only its own block. The second's result is in, the first's is not,
+    when the prefill worker dies: the second must not decode over the shared block that was
+    never written; both start over and end with their tokens (found by the machines below)."""
+    driver = pd_driver()
+    driver.submit("r", prompt(17), max_tokens=2, n=2)
+    driver.start_step("p0")
+    first, second = sorted(driver.sends)
+    assert driver.cluster.transfers.open[second].relies_on == {first}
+    driver.send_result(second)
+    driver.finish_step("p0")
+    driver.kill("p0")
+    driver.register(worker_info("p0", PREFILL, 16))
+    _finish(driver)
+    assert [driver.tokens("r", index) for index in range(2)] == [[FILLER] * 2] * 2
+
+
 def test_decode_reservations_are_prompt_sized_and_on_a_decode_worker():
     driver = pd_driver()
     driver.submit("r", prompt(33), max_tokens=2)
@@ -558,3 +576,134 @@ TestDrainingPDClusterMachine.settings = settings(max_examples=80, stateful_step_
 TestColocatedClusterMachine = ColocatedClusterMachine.TestCase
 TestColocatedClusterMachine.settings = settings(max_examples=80, stateful_step_count=40,
                                                 deadline=None, print_blob=True)
+
+
+def test_prefill_only_workers_take_their_own_larger_step_budget():
+    driver = ClusterDriver([], {"prefill_max_num_batched_tokens": 512},
+                           max_num_batched_tokens=64)
+    for info in (worker_info("p0", PREFILL, 64, 1024), worker_info("d0", DECODE, 64, 1024),
+                 worker_info("c0", BOTH, 64, 1024)):
+        driver.register(info)
+    budgets = {w.worker_id: w.core.config.max_num_batched_tokens for w in driver.all_workers}
+    assert budgets == {"p0": 512, "d0": 64, "c0": 64}
+    driver.submit("long", prompt(300), max_tokens=2)
+    assert driver.start_step("p0")  # the whole 300-token prompt in one prefill step
+    assert driver.cluster.samples["long/0"].transfer is not None
+
+
+def test_pd_samples_of_one_prefill_step_join_the_decode_batch_together():
+    driver = pd_driver()
+    driver.submit("r", prompt(20), max_tokens=4, n=2)
+    assert driver.start_step("p0")
+    first, second = list(driver.sends)
+    driver.finish_step("p0")
+    driver.send_result(first)
+    samples = [driver.cluster.samples[f"r/{i}"] for i in range(2)]
+    assert [s.phase for s in samples] == [Phase.TRANSFER, Phase.TRANSFER]  # waits for its group
+    driver.send_result(second)
+    assert [s.phase for s in samples] == [Phase.DECODE, Phase.DECODE]
+    assert len(driver.worker("d0").core.running) == 2
+    _finish(driver)
+
+
+# ---- decode-side prefix sharing -----------------------------------------------------------------
+def _shared_prompt(tail_first: int) -> list[int]:
+    """Two full blocks every such prompt shares, then a tail of its own."""
+    return prompt(32) + prompt(8, first=tail_first)
+
+
+def _order_for(driver, seq_id: str):
+    [send] = [s for s in driver.sends.values() if s.order.seq_id == seq_id]
+    return send.order
+
+
+def test_pd_decode_worker_holding_a_prefix_gets_only_the_rest_pushed():
+    driver = pd_driver()
+    driver.submit("a", _shared_prompt(50), max_tokens=2)
+    _finish(driver)  # a's blocks are free again on the decode worker, and still cached
+    driver.submit("b", _shared_prompt(60), max_tokens=2)
+    driver.start_step("p0")
+    order = _order_for(driver, "b/0")
+    decode_blocks = driver.worker("d0").core.kv.block_ids("b/0")
+    assert list(order.dst_block_ids) == decode_blocks[2:]  # the shared two blocks stay home
+    assert len(order.src_block_ids) == 1
+    _finish(driver)  # the driver checks every block b's decode steps read holds b's prefix
+
+
+def test_pd_whole_prompt_held_still_pushes_its_last_block():
+    driver = pd_driver()
+    driver.submit("a", prompt(32), max_tokens=2)
+    _finish(driver)
+    driver.submit("b", prompt(32), max_tokens=2)
+    driver.start_step("p0")
+    assert len(_order_for(driver, "b/0").dst_block_ids) == 1
+    _finish(driver)
+
+
+def test_pd_prefix_in_flight_is_shared_and_pushed_once_per_step():
+    driver = pd_driver(decode_blocks=5)  # two unshared 40-token prompts would need six blocks
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.start_step("p0")  # one step prefills both and orders both sends
+    a_blocks, b_blocks = (driver.worker("d0").core.kv.block_ids(s) for s in ("a/0", "b/0"))
+    assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
+    assert list(_order_for(driver, "a/0").dst_block_ids) == a_blocks
+    assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks[2:]  # a pushes the rest
+    _finish(driver)  # b's decode steps read the shared blocks a filled
+    assert len(driver.tokens("b")) == 3
+
+
+def test_pd_a_failed_push_of_a_shared_prefix_fails_who_relies_on_it():
+    driver = pd_driver(decode_blocks=5, scheduler_config={"max_request_retries": 0})
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.start_step("p0")
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "b/0").transfer_id)
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    assert driver.final("a").finish_reason == ERROR
+    assert driver.final("b").finish_reason == ERROR and "shared prefix" in driver.final("b").error
+    _finish(driver)
+
+
+def test_pd_prefix_shared_with_an_earlier_steps_transfer_is_pushed_again():
+    """Only sends of one step land together; across steps each transfer pushes its blocks."""
+    driver = pd_driver(decode_blocks=5, max_num_batched_tokens=40, scheduler_config={"max_request_retries": 0})  # one prompt a step
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.step("p0")  # a, its send still in flight
+    driver.start_step("p0")  # b
+    b_blocks = driver.worker("d0").core.kv.block_ids("b/0")
+    assert b_blocks[:2] == driver.worker("d0").core.kv.block_ids("a/0")[:2]
+    assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    driver.send_result(_order_for(driver, "b/0").transfer_id)
+    _finish(driver)
+    assert driver.final("a").finish_reason == ERROR and len(driver.tokens("b")) == 3
+
+
+def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
+    driver = pd_driver(scheduler_config={"max_request_retries": 0})
+    driver.submit("a", _shared_prompt(50), max_tokens=2)
+    driver.start_step("p0")
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    driver.submit("b", _shared_prompt(60), max_tokens=2)
+    driver.start_step("p0")
+    order = _order_for(driver, "b/0")
+    assert len(order.dst_block_ids) == len(driver.worker("d0").core.kv.block_ids("b/0")) == 3
+    _finish(driver)
+
+
+def test_pd_a_shared_push_failing_before_its_step_returns_fails_who_relies_on_it():
+    """Sends go out during their step: the failure can come before the step's result."""
+    driver = pd_driver(decode_blocks=5)
+    driver.submit("a", _shared_prompt(50), max_tokens=3)
+    driver.submit("b", _shared_prompt(60), max_tokens=3)
+    driver.start_step("p0")
+    driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    driver.finish_step("p0")
+    driver.send_result(_order_for(driver, "b/0").transfer_id)
+    assert driver.final("b").finish_reason == ERROR and "shared prefix" in driver.final("b").error
+    _finish(driver)
