@@ -77,27 +77,41 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return _tile_lanes(weight.detach()).contiguous()
 
 
+# One 4-bit tile in memory: 16 K pairs x 16 columns of nibbles, then the 16 columns' scale and
+# offset as float16 (the GGUF block's own d and m).
+Q4_TILE_BYTES = 256 + 32 + 32
+
+
 @dataclass(frozen=True, slots=True)
 class Q4Tiles:
-    """A weight's 4-bit blocks in the kernel's tile order (see cpu_amx_gemm.cpp)."""
-    nibbles: torch.Tensor  # [N/16, K/32, 16, 16] uint8
-    scale: torch.Tensor  # [N/16, K/32, 16] float32
-    zero: torch.Tensor  # [N/16, K/32, 16] float32
+    """A weight's 4-bit blocks in the kernels' tile order (cpu_amx_gemm.cpp, cpu_gemv.cpp):
+    tiles [N/16, K/32, Q4_TILE_BYTES] uint8, each 256 bytes of nibbles, 16 float16 scales d
+    and 16 float16 offsets m, the weight being q * d + m per 32 weights of a column."""
+    tiles: torch.Tensor
     out_features: int
 
 
 def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
     """q [N, K] in 0..15, scale and zero [N, K/32] float32 (weight = (q - 8) * scale + zero,
-    per 32 weights of a row) -> the kernel's tiles."""
+    per 32 weights of a row) -> the kernels' tiles. Raises ValueError where scale and
+    zero - 8 * scale are not float16 values (they are for GGUF's Q4_0 and Q4_1 blocks)."""
     n, k = q.shape
     lanes = _tile_lanes(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)))
-    nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).contiguous()
+    nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(n // 16, k // 32, 256)
+    scale = np.asarray(scale, dtype=np.float32)
+    d = scale.astype(np.float16)
+    m = (np.asarray(zero, dtype=np.float32) - 8 * scale).astype(np.float16)
+    # the kernels rebuild zero as m + 8 d in float32: it must come back bit for bit
+    if not (np.array_equal(d.astype(np.float32), scale)
+            and np.array_equal(m.astype(np.float32) + 8 * scale, zero)):
+        raise ValueError("4-bit scales or offsets are not float16 values")
 
-    def per_tile(values: np.ndarray) -> torch.Tensor:  # [N, K/32] -> [N/16, K/32, 16]
-        grid = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-        return grid.reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+    def per_tile(values: np.ndarray) -> torch.Tensor:  # [N, K/32] f16 -> [N/16, K/32, 32] u8
+        grid = torch.from_numpy(np.ascontiguousarray(values)).view(torch.uint8)
+        return grid.reshape(n // 16, 16, k // 32, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 32, 32)
 
-    return Q4Tiles(nibbles, per_tile(scale), per_tile(zero), n)
+    tiles = torch.cat([nibbles, per_tile(d), per_tile(m)], dim=-1).contiguous()
+    return Q4Tiles(tiles, n)
 
 
 def matmul_bf16(ops, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -110,5 +124,5 @@ def matmul_bf16(ops, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def matmul_q4(ops, x: torch.Tensor, tiles: Q4Tiles) -> torch.Tensor:
     """x [M, K] bf16 -> [M, N] with `tiles` from pack_q4."""
     out = x.new_empty(x.shape[0], tiles.out_features)
-    ops.gemm_q4(out, x.contiguous(), tiles.nibbles, tiles.scale, tiles.zero)
+    ops.gemm_q4(out, x.contiguous(), tiles.tiles)
     return out

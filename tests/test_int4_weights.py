@@ -1,6 +1,7 @@
 """The 4-bit path (gguf_int4.py): GGUF blocks unpacked as gguf itself dequantizes them, torch's
 int4 matmul against the float32 product of the dequantized weights, and the engine's greedy
-tokens on them against HF transformers' float32 model of the same (dequantized) weights."""
+tokens on them (native kernel and torch's) against HF transformers' float32 model of the same
+(dequantized) weights."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
+from kernels import native_gemv
 from services.engine import LLM, SamplingParams
 from services.engine.models import gguf_int4
 from tests.prompts import chat_conversations
@@ -44,10 +46,18 @@ def test_rows_are_put_back_in_rotary_order():
     assert order.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
-@pytest.fixture(scope="module")
-def int4_llm():
-    llm = LLM(dtype="bfloat16", int4_max_tokens=4)
-    assert llm.engine.runner.uses_int4, "the default model's GGUF has Q4_1 layer weights"
+@pytest.fixture(scope="module", params=["native", "torch"])
+def int4_llm(request):
+    """The engine with small steps on the 4-bit weights, on each kernel that can run them: the
+    native AVX512-BF16 one (kernels/native_gemv.py, where the CPU has it) and torch's."""
+    if request.param == "native" and native_gemv.gemv_ops() is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "torch":
+            patch.setattr(native_gemv, "gemv_ops", lambda: None)
+        llm = LLM(dtype="bfloat16", int4_max_tokens=4)
+    assert llm.engine.runner.int4_kernel == request.param, \
+        "the default model's GGUF has Q4_1 layer weights"
     return llm
 
 

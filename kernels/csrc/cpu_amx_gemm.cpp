@@ -5,12 +5,13 @@
 // Two weight forms, one compute core:
 //   * bf16, packed once into AMX's B-tile layout: [N/16, K/32, 16 rows, 32 lanes], lane l of
 //     row r holding W[n0 + l/2][k0 + 2r + l%2] (the VNNI pairs TDPBF16PS reads);
-//   * 4-bit GGUF blocks (Q4_0 / Q4_1: w = (q - 8) * scale + zero per 32 weights of a row),
-//     [N/16, K/32, 16 rows, 16 bytes] where byte j of a row holds lane j (low nibble) and lane
-//     j + 16 (high nibble), with scale and zero [N/16, K/32, 16] float32. Each 16 x 32 tile is
+//   * 4-bit GGUF blocks (Q4_0 / Q4_1: w = q * d + m per 32 weights of a row), [N/16, K/32]
+//     tiles of 320 bytes: 16 rows of 16 bytes, byte j of a row holding lane j (low nibble) and
+//     lane j + 16 (high nibble), then the 16 columns' d and m as float16. Each 16 x 32 tile is
 //     widened into an L1 buffer right before it is multiplied, rounded to bf16 exactly as the
-//     bf16 copy of the same weights is (a float32 multiply, an add, round-to-nearest-even), so
-//     both forms give the same bits; the 4-bit form reads 384 bytes a tile instead of 1,024.
+//     bf16 copy of the same weights is ((q - 8) * d + (m + 8 d), float32 multiplies and adds,
+//     round-to-nearest-even), so both forms give the same bits; the 4-bit form reads 320 bytes
+//     a tile instead of 1,024.
 //
 // Blocking: each thread owns a range of 32-column panel pairs; for each, up to 32 rows at a
 // time accumulate in four C tiles (2 x 2) while the pair's K/32 B tiles stream through. Activations
@@ -34,7 +35,7 @@ namespace {
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for AMX tile state
 constexpr int kXfeatureXtiledata = 18;
 constexpr int64_t kTileElems = 16 * 32;     // bf16 elements of one A or B tile
-constexpr int64_t kNibbleBytes = 16 * 16;   // one 4-bit B tile
+constexpr int64_t kQ4TileBytes = 256 + 32 + 32;  // one 4-bit B tile: nibbles, d, m
 
 bool amx_permitted() {
   static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -75,13 +76,16 @@ void pack_rows(uint16_t* dst, const uint16_t* x, int64_t M, int64_t K) {
 }
 
 // One 4-bit tile -> bf16 B tile. Lanes 0-15 are columns 0-7 (two K each), 16-31 columns 8-15.
-inline void widen_q4_tile(uint16_t* dst, const uint8_t* nibbles, const float* scale,
-                          const float* zero) {
+inline void widen_q4_tile(uint16_t* dst, const uint8_t* tile) {
+  const uint8_t* nibbles = tile;
   const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
   // q - 8 for q in 0..15, by table lookup (exact, one instruction)
   const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-  const __m512 s = _mm512_loadu_ps(scale), z = _mm512_loadu_ps(zero);
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+  // zero = m + 8 d, as the float32 dequantization computed it (8 d is exact)
+  const __m512 z = _mm512_add_ps(m, _mm512_mul_ps(_mm512_set1_ps(8.f), s));
   const __m512 s_lo = _mm512_permutexvar_ps(lo_cols, s), s_hi = _mm512_permutexvar_ps(hi_cols, s);
   const __m512 z_lo = _mm512_permutexvar_ps(lo_cols, z), z_hi = _mm512_permutexvar_ps(hi_cols, z);
   const __m512i low_nibble = _mm512_set1_epi32(0x0F);
@@ -207,19 +211,14 @@ void gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
   }
 }
 
-// The same with W as 4-bit tiles: nibbles [N/16, K/32, 16, 16] uint8, scale and zero
-// [N/16, K/32, 16] float32 (see the top of the file).
-void gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& nibbles,
-             const at::Tensor& scale, const at::Tensor& zero) {
+// The same with W as 4-bit tiles, [N/16, K/32, kQ4TileBytes] uint8 (see the top of the file).
+void gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
   thread_local std::vector<uint16_t> a_buffer;
   const Problem p = prepare(out, x, a_buffer);
   const int64_t k_blocks = p.K / 32, tiles = (p.N / 16) * k_blocks;
-  TORCH_CHECK(nibbles.numel() == tiles * kNibbleBytes && scale.numel() == tiles * 16 &&
-              zero.numel() == tiles * 16 && scale.scalar_type() == at::kFloat &&
-              zero.scalar_type() == at::kFloat, "4-bit weight does not match [N, K]");
-  const auto* q = nibbles.data_ptr<uint8_t>();
-  const float* scales = scale.data_ptr<float>();
-  const float* zeros = zero.data_ptr<float>();
+  TORCH_CHECK(q4_tiles.numel() == tiles * kQ4TileBytes && q4_tiles.scalar_type() == at::kByte &&
+              q4_tiles.is_contiguous(), "4-bit weight does not match [N, K]");
+  const auto* q = q4_tiles.data_ptr<uint8_t>();
 #pragma omp parallel
   {
     int64_t lo, hi;
@@ -235,8 +234,7 @@ void gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& nibbles,
     for (int64_t pair = lo; pair < hi; ++pair) {
       const int64_t tile0 = 2 * pair * k_blocks;  // tiles are [N/16, K/32]: two panels in a row
       for (int64_t t = 0; t < 2 * k_blocks; ++t)
-        widen_q4_tile(b0 + t * kTileElems, q + (tile0 + t) * kNibbleBytes,
-                      scales + (tile0 + t) * 16, zeros + (tile0 + t) * 16);
+        widen_q4_tile(b0 + t * kTileElems, q + (tile0 + t) * kQ4TileBytes);
       panel(p.out + pair * 32, p.M, p.N, p.a_packed, b0, b0 + k_blocks * kTileElems, k_blocks);
     }
     _tile_release();

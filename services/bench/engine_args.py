@@ -40,4 +40,5 @@ def engine_description(llm) -> dict:
             "max_num_seqs": engine.config.max_num_seqs,
             "prefix_caching": engine.config.enable_prefix_caching,
             "int4_max_tokens": engine.config.int4_max_tokens if engine.runner.uses_int4 else 0,
+            "int4_kernel": engine.runner.int4_kernel,
             "amx_max_tokens": engine.config.amx_max_tokens if engine.runner.uses_amx else 0}

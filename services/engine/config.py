@@ -33,8 +33,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Steps of at most this many tokens multiply the checkpoint's own 4-bit weights (a GGUF
-    # Q4_0/Q4_1 source, bf16 on CPU) with torch's int4 kernel: they are bound by reading the
-    # weights. 0: never. (Without AMX, 8 measured best: the AMX range below then is oneDNN's.)
+    # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. The native
+    # AVX512-BF16 kernel where it builds (the head too), else torch's int4 kernel
+    # (models/small_steps.py). 0: never.
     int4_max_tokens: int = 4
     # Steps of int4_max_tokens + 1 up to this many tokens run on AMX tiles (kernels/
     # native_amx.py: the 4-bit weights widened in L1, the head in bf16) where the CPU has

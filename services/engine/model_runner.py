@@ -11,8 +11,7 @@ import torch
 from kernels import build_attention_metadata
 from kernels.native_cpu import paged_decode_op
 from kernels.native_elementwise import elementwise_ops
-from kernels import native_amx
-from services.engine.models import gguf_int4
+from services.engine.models import gguf_int4, small_steps
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.no_init import skip_weight_init
 from services.engine.models.packed_linear import packing_supported
@@ -48,6 +47,7 @@ class ModelRunner:
         self.int4_max_tokens = int4_max_tokens
         self.amx_max_tokens = amx_max_tokens
         self.uses_int4 = False  # the checkpoint's 4-bit weights run small steps
+        self.int4_kernel: str | None = None  # which kernel multiplies them: "native", "torch"
         self.uses_amx = False  # AMX tiles run the steps just above those
         self.model = self._load_model(hf_config, model_dir)
         self.num_kv_heads = hf_config.num_key_value_heads
@@ -96,19 +96,12 @@ class ModelRunner:
         return model
 
     def _use_small_step_kernels(self, model: LlamaForCausalLM, q4_blocks: dict) -> None:
-        """Steps of up to int4_max_tokens tokens on torch's int4 kernel, then up to
-        amx_max_tokens on AMX tiles (4-bit where the checkpoint has blocks); oneDNN above."""
-        if q4_blocks and self.int4_max_tokens and gguf_int4.int4_supported():
-            model.use_int4_weights_({name: blocks.to_torch() for name, blocks in
-                                     q4_blocks.items()}, self.int4_max_tokens)
-            self.uses_int4 = True
-        ops = native_amx.amx_ops() if self.amx_max_tokens > self.int4_max_tokens else None
-        if ops is not None:
-            tiles = {name: native_amx.pack_q4(blocks.q, blocks.scale, blocks.zero)
-                     for name, blocks in q4_blocks.items()
-                     if native_amx.shape_supported(*blocks.q.shape)}
-            model.use_amx_(ops, tiles, self.amx_max_tokens)
-            self.uses_amx = True
+        """Steps of up to int4_max_tokens tokens on the 4-bit weights, then up to
+        amx_max_tokens on AMX tiles; oneDNN above (small_steps.py)."""
+        kernels = small_steps.attach(model, q4_blocks, self.int4_max_tokens, self.amx_max_tokens)
+        self.int4_kernel = kernels.int4_kernel
+        self.uses_int4 = kernels.int4_kernel is not None
+        self.uses_amx = kernels.amx
 
     def _q4_blocks(self, hf_config, model_dir: Path | None, model) -> dict | None:
         """The GGUF source's 4-bit matmul blocks (checked against the loaded weights), where

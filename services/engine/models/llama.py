@@ -14,7 +14,6 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv
 from kernels import native_elementwise as fused
-from kernels import native_amx
 from services.engine.models.packed_linear import PackedLinear, pack_linears_
 from services.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -142,23 +141,15 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = PackedLinear(self.head_weight, None)
         pack_linears_(self.layers)
 
-    def use_amx_(self, ops, q4_tiles: dict, max_tokens: int) -> None:
-        """Steps of at most max_tokens tokens (past the int4 kernel's) run on AMX tiles:
-        q4_tiles maps parameter name -> native_amx.Q4Tiles; the head gets a bf16 copy."""
+    def add_small_step_kernels_(self, max_rows: int, layer_matmuls: dict,
+                                head_matmul: Callable | None) -> None:
+        """Steps of at most max_rows tokens run on other kernels (small_steps.py):
+        layer_matmuls maps parameter name ("layers.3.mlp.down_proj") -> its matmul."""
         for name, module in self.named_modules():
-            if name in q4_tiles:
-                module.use_amx_(ops, q4_tiles[name], max_tokens)
-        head = self.packed_head
-        if head is not None and native_amx.shape_supported(head.out_features,
-                                                           self.config.hidden_size):
-            head.use_amx_(ops, native_amx.pack_bf16(self.head_weight), max_tokens)
-
-    def use_int4_weights_(self, weights: dict, max_tokens: int) -> None:
-        """weights: parameter name ("layers.3.mlp.down_proj") -> its Int4Weight; steps of at
-        most max_tokens tokens multiply those (after pack_for_cpu_)."""
-        for name, module in self.named_modules():
-            if name in weights:
-                module.int4, module.int4_max_tokens = weights[name], max_tokens
+            if name in layer_matmuls:
+                module.add_small_step_kernel_(max_rows, layer_matmuls[name])
+        if head_matmul is not None and self.packed_head is not None:
+            self.packed_head.add_small_step_kernel_(max_rows, head_matmul)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,

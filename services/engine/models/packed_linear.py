@@ -10,12 +10,11 @@ on F.linear and the small-step kernels (int4) still apply.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-from kernels import native_amx
-from services.engine.models.gguf_int4 import Int4Weight
 
 _PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the blocked layout for; any M still works
 
@@ -44,37 +43,26 @@ class PackedLinear(nn.Module):
         else:
             self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        # The checkpoint's own 4-bit weight, for steps of at most int4_max_tokens tokens: they
-        # are bound by reading the weights, and it is a quarter of the bytes (gguf_int4.py).
-        self.int4: Int4Weight | None = None
-        self.int4_max_tokens = 0
-        # AMX tiles (kernels/native_amx.py) for steps of int4_max_tokens + 1 to amx_max_tokens
-        # tokens, where oneDNN runs its slowest: the 4-bit tiles where the checkpoint has
-        # them, else a bf16 copy (the head).
-        self.amx_ops = None
-        self.amx_weight: torch.Tensor | native_amx.Q4Tiles | None = None
-        self.amx_max_tokens = 0
+        # Kernels for small steps (services/engine/models/small_steps.py), as (max_rows,
+        # matmul) in increasing max_rows: a step of T rows runs on the first with max_rows >= T
+        # (the checkpoint's 4-bit weights, AMX tiles), larger ones on oneDNN.
+        self.small_steps: list[tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = []
 
-    def use_amx_(self, ops, weight: "torch.Tensor | native_amx.Q4Tiles", max_tokens: int) -> None:
-        self.amx_ops, self.amx_weight, self.amx_max_tokens = ops, weight, max_tokens
+    def add_small_step_kernel_(self, max_rows: int,
+                               matmul: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """matmul: x [T, in_features] bf16 contiguous -> [T, out_features], without the bias."""
+        self.small_steps = sorted([*self.small_steps, (max_rows, matmul)], key=lambda k: k[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features]
         rows = x.shape[0]
-        if self.int4 is not None and rows <= self.int4_max_tokens:
-            out = self.int4.matmul(x.contiguous())
-        elif self.amx_weight is not None and rows <= self.amx_max_tokens:
-            out = self._amx_matmul(x)
-        elif self.packed_weight is None:
+        for max_rows, matmul in self.small_steps:
+            if rows <= max_rows:
+                out = matmul(x.contiguous())
+                return out if self.bias is None else out + self.bias
+        if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        else:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
-                                                      self.bias, "none", [], "")
-        return out if self.bias is None else out + self.bias
-
-    def _amx_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.amx_weight, native_amx.Q4Tiles):
-            return native_amx.matmul_q4(self.amx_ops, x, self.amx_weight)
-        return native_amx.matmul_bf16(self.amx_ops, x, self.amx_weight)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
+                                                  self.bias, "none", [], "")
 
 
 def pack_linears_(model: nn.Module) -> None:

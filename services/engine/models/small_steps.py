@@ -1,0 +1,68 @@
+"""Which kernel multiplies the matmuls of a step of few tokens (bf16 on CPU).
+
+Decode steps are bound by reading the weights, and oneDNN's bf16 GEMM reads them slowest at
+few rows (BENCHMARKS.md). Steps of up to `int4_max_tokens` tokens multiply the checkpoint's own
+4-bit blocks: the native AVX512-BF16 kernel (kernels/native_gemv.py, the head too, in bf16)
+where it builds, else torch's int4 kernel (layers only). Steps of up to `amx_max_tokens` run on
+AMX tiles (kernels/native_amx.py). The native kernels share one copy of each weight: the 4-bit
+tiles and the head's bf16 tiles. Larger steps stay on oneDNN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels import native_amx, native_gemv
+from services.engine.models import gguf_int4
+
+
+@dataclass(frozen=True, slots=True)
+class SmallStepKernels:
+    """What was attached: the kernel of the smallest steps ("native", "torch" or None) and
+    whether AMX runs the next ones."""
+    int4_kernel: str | None
+    amx: bool
+
+
+def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int) -> SmallStepKernels:
+    """q4_blocks: parameter name -> gguf_int4.Q4Blocks (empty where the source has none)."""
+    gemv = native_gemv.gemv_ops() if int4_max_tokens else None
+    amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
+    tiles = _q4_tiles(q4_blocks) if (gemv or amx) else {}
+    head = None
+    if (gemv or amx) and model.packed_head is not None and native_amx.shape_supported(
+            model.packed_head.out_features, model.config.hidden_size):
+        head = native_amx.pack_bf16(model.head_weight)
+    int4_kernel = None
+    if gemv is not None:
+        model.add_small_step_kernels_(
+            int4_max_tokens,
+            {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()},
+            None if head is None else _bound(native_gemv, "matmul_bf16", gemv, head))
+        int4_kernel = "native" if tiles else None
+    elif q4_blocks and int4_max_tokens and gguf_int4.int4_supported():
+        model.add_small_step_kernels_(
+            int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
+            None)
+        int4_kernel = "torch"
+    if amx is not None:
+        model.add_small_step_kernels_(
+            amx_max_tokens,
+            {name: _bound(native_amx, "matmul_q4", amx, t) for name, t in tiles.items()},
+            None if head is None else _bound(native_amx, "matmul_bf16", amx, head))
+    return SmallStepKernels(int4_kernel, amx is not None)
+
+
+def _bound(module, kernel: str, ops, weight):
+    """x -> module.kernel(ops, x, weight), the kernel looked up per call (tests count calls)."""
+    return lambda x: getattr(module, kernel)(ops, x, weight)
+
+
+def _q4_tiles(q4_blocks: dict) -> dict:
+    tiles = {}
+    for name, blocks in q4_blocks.items():
+        if native_amx.shape_supported(*blocks.q.shape):
+            try:
+                tiles[name] = native_amx.pack_q4(blocks.q, blocks.scale, blocks.zero)
+            except ValueError:  # scales that are not float16: that matmul stays on oneDNN
+                continue
+    return tiles
