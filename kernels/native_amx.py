@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
+from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_amx_gemm.cpp"
 ENV_SWITCH = "KVRELAY_NATIVE_AMX"  # 0: keep oneDNN and torch's int4 kernel
@@ -27,12 +27,7 @@ _AMX_CFLAGS = CFLAGS + ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-ffp-contra
 
 
 def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= set(flags)
+    return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"} <= cpu_flags()
 
 
 @functools.cache

@@ -74,6 +74,17 @@ def _build():
     )
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next((line for line in cpuinfo if line.startswith("flags")),
+                                  "").split())
+    except OSError:
+        return frozenset()
+
+
 def _put_pip_ninja_on_path() -> None:
     """pip installs ninja next to the interpreter, which is not on PATH unless the virtual
     environment is activated, and cpp_extension looks for ninja on PATH only."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kernels.native_amx import Q4Tiles
-from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
+from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.cpp"
 ENV_SWITCH = "KVRELAY_NATIVE_GEMV"  # 0: keep torch's int4 kernel for the smallest steps
@@ -25,12 +25,7 @@ _GEMV_CFLAGS = CFLAGS + ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
 
 
 def cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags)
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
 @functools.cache

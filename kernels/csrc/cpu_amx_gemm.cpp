@@ -30,7 +30,11 @@
 #include <cstring>
 #include <vector>
 
+#include "omp_share.h"
+
 namespace {
+
+using kvrelay::thread_share;
 
 constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for AMX tile state
 constexpr int kXfeatureXtiledata = 18;
@@ -181,13 +185,6 @@ Problem prepare(at::Tensor& out, const at::Tensor& x, std::vector<uint16_t>& a_b
   a_buffer.resize(((M + 15) / 16) * 16 * K);
   pack_rows(a_buffer.data(), reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K);
   return {M, N, K, a_buffer.data(), reinterpret_cast<uint16_t*>(out.data_ptr())};
-}
-
-// Panels [lo, hi) of this thread's share.
-inline void thread_share(int64_t panels, int64_t* lo, int64_t* hi) {
-  const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-  *lo = panels * me / threads;
-  *hi = panels * (me + 1) / threads;
 }
 
 // out [M, N] = x [M, K] @ W^T with W packed by pack_bf16 ([N/16, K/32, 16, 32] bf16).

@@ -37,7 +37,11 @@
 #include <cstring>
 #include <vector>
 
+#include "omp_share.h"
+
 namespace {
+
+using kvrelay::thread_share;
 
 constexpr int64_t kQ4TileBytes = 256 + 32 + 32;  // one 4-bit tile: nibbles, d, m
 constexpr int64_t kTileElems = 16 * 32;    // one bf16 tile
@@ -181,12 +185,6 @@ void for_row_passes(int64_t M, Fn&& pass) {
     const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m0);
     pass(m0, rows);
   }
-}
-
-inline void thread_share(int64_t panels, int64_t* lo, int64_t* hi) {
-  const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-  *lo = panels * me / threads;
-  *hi = panels * (me + 1) / threads;
 }
 
 struct Shapes {
