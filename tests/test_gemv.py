@@ -1,16 +1,17 @@
 """Small-step matmuls on AVX512-BF16 (kernels/native_gemv.py) against the float32 product of the
 same weights on fresh random inputs: the 4-bit kernel on the checkpoint's blocks (Q4_0, Q4_1),
-the bf16 kernel on the head's tiles, and the refusals. The engine's greedy tokens on these
+the 8-bit kernel on Q8_0 blocks (a head's), the bf16 kernel on the head's tiles, and the
+refusals. The engine's greedy tokens on these
 kernels are checked in test_int4_weights.py."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf.quants import GGMLQuantizationType, quantize
+from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 from kernels import native_amx, native_gemv
-from services.engine.models import gguf_int4
+from services.engine.models import gguf_int4, gguf_q8_head
 
 pytestmark = pytest.mark.skipif(native_gemv.gemv_ops() is None, reason="no AVX512-BF16 here")
 
@@ -45,6 +46,32 @@ def test_4_bit_kernel_matches_the_float32_product_of_the_dequantized_weights(kin
         assert_close_to_rounded(native_gemv.matmul_q4(ops, x, tiles), x.float() @ weight.T)
 
 
+def q8_blocks(out_features: int, in_features: int) -> gguf_q8_head.Q8Blocks:
+    rng = np.random.default_rng()
+    raw = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05,
+                   GGMLQuantizationType.Q8_0)
+    return gguf_q8_head.unpack_q8_0(raw, in_features)
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (96, 576), (4096, 576)])
+def test_8_bit_kernel_matches_the_float32_product_of_the_dequantized_weights(shape):
+    ops = native_gemv.gemv_ops()
+    blocks = q8_blocks(*shape)
+    tiles = native_gemv.pack_q8(blocks.q, blocks.d)
+    weight = blocks.dequantized()
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, shape[1]).bfloat16()
+        assert_close_to_rounded(native_gemv.matmul_q8(ops, x, tiles), x.float() @ weight.T)
+
+
+def test_q8_0_blocks_unpack_to_what_gguf_dequantizes():
+    rng = np.random.default_rng()
+    raw = quantize(rng.standard_normal((48, 128)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    blocks = gguf_q8_head.unpack_q8_0(raw, 128)
+    np.testing.assert_array_equal(blocks.dequantized().numpy(),
+                                  dequantize(raw, GGMLQuantizationType.Q8_0))
+
+
 @pytest.mark.parametrize("shape", [(16, 32), (4096, 576)])
 def test_bf16_kernel_matches_the_float32_product(shape):
     ops = native_gemv.gemv_ops()
@@ -66,6 +93,9 @@ def test_mismatched_weights_and_shapes_are_refused():
     with pytest.raises(RuntimeError, match="does not match"):
         ops.gemv_q4(torch.empty(1, 16, dtype=torch.bfloat16), x,
                     torch.zeros(320, dtype=torch.uint8))  # one tile where two are needed
+    with pytest.raises(RuntimeError, match="8-bit weight does not match"):
+        ops.gemv_q8(torch.empty(1, 16, dtype=torch.bfloat16), x,
+                    torch.zeros(544, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="bf16"):
         ops.gemv_bf16(torch.empty(1, 16, dtype=torch.bfloat16), x.float(),
                       torch.ones(16 * 64, dtype=torch.bfloat16))
@@ -75,3 +105,6 @@ def test_scales_that_are_not_float16_values_are_refused():
     blocks = q4_blocks("Q4_1", 16, 32)
     with pytest.raises(ValueError, match="float16"):
         native_amx.pack_q4(blocks.q, blocks.scale * (1 + 2 ** -20), blocks.zero)
+    head = q8_blocks(16, 32)
+    with pytest.raises(ValueError, match="float16"):
+        native_gemv.pack_q8(head.q, head.d * (1 + 2 ** -20))

@@ -58,6 +58,8 @@ def int4_llm(request):
         llm = LLM(dtype="bfloat16", int4_max_tokens=4)
     assert llm.engine.runner.int4_kernel == request.param, \
         "the default model's GGUF has Q4_1 layer weights"
+    # and a Q8_0 head, which the native kernels multiply as such
+    assert llm.engine.runner.q8_head == (request.param == "native")
     return llm
 
 

@@ -37,10 +37,16 @@
 #include <cstring>
 #include <vector>
 
+#include "gemv_io.h"
 #include "omp_share.h"
 
 namespace {
 
+using kvrelay::check_io;
+using kvrelay::for_row_passes;
+using kvrelay::kMaxRowsPerPass;
+using kvrelay::Shapes;
+using kvrelay::store_bf16;
 using kvrelay::thread_share;
 
 constexpr int64_t kQ4TileBytes = 256 + 32 + 32;  // one 4-bit tile: nibbles, d, m
@@ -51,7 +57,6 @@ constexpr int64_t kTileElems = 16 * 32;    // one bf16 tile
 constexpr int kPrefetchL2Tiles = 32;
 constexpr int kPrefetchL1Tiles = 4;
 constexpr int kBf16PrefetchTiles = 4;  // 4 KB ahead
-constexpr int kMaxRowsPerPass = 3;         // rows whose accumulators fit the 32 registers
 
 // The activations of one call, laid out for the loops: per row, K/8 operands of 16 dwords
 // (128-bit lane i: the K pair 4g + i, four times) and the K/32 block sums.
@@ -94,11 +99,6 @@ void prepare_activations(Activations& acts, const uint16_t* x, int64_t M, int64_
 
 inline __m512 load_halves(const uint8_t* src) {  // 16 float16 -> float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-}
-
-// 16 columns' float32 results -> bf16 at out.
-inline void store_bf16(uint16_t* out, __m512 values) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(values));
 }
 
 // Sums the four 128-bit lanes of each of a, b, c, d (columns 0-3, 4-7, 8-11, 12-15, one K
@@ -177,28 +177,6 @@ void q4_panel_rows(uint16_t* out, int64_t N, const Activations& acts, int64_t m0
     const __m512 dots = reduce_lanes(total[r][0], total[r][1], total[r][2], total[r][3]);
     store_bf16(out + r * N, _mm512_add_ps(dots, shift));
   }
-}
-
-template <typename Fn>
-void for_row_passes(int64_t M, Fn&& pass) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
-    const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m0);
-    pass(m0, rows);
-  }
-}
-
-struct Shapes {
-  int64_t M, N, K;
-};
-
-Shapes check_io(const at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous [M, K] bf16 matrix");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
-              out.size(0) == x.size(0), "out must be a contiguous [M, N] bf16 matrix");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
-  return {M, N, K};
 }
 
 // out [M, N] = x [M, K] @ W^T with W as 4-bit tiles (see the top of the file).
@@ -287,7 +265,13 @@ void gemv_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
 
 }  // namespace
 
+namespace kvrelay {
+void gemv_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& q8_tiles);  // cpu_gemv_q8.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_q4", &gemv_q4, "out = x @ W^T for a few rows, W as 4-bit tiles (AVX512-BF16)");
+  m.def("gemv_q8", &kvrelay::gemv_q8,
+        "out = x @ W^T for a few rows, W as 8-bit tiles (AVX-512 float32 FMAs)");
   m.def("gemv_bf16", &gemv_bf16, "out = x @ W^T for a few rows, W as bf16 tiles (AVX512-BF16)");
 }

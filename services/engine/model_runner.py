@@ -11,7 +11,7 @@ import torch
 from kernels import build_attention_metadata
 from kernels.native_cpu import paged_decode_op
 from kernels.native_elementwise import elementwise_ops
-from services.engine.models import gguf_int4, small_steps
+from services.engine.models import gguf_int4, gguf_q8_head, small_steps
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.no_init import skip_weight_init
 from services.engine.models.packed_linear import packing_supported
@@ -49,6 +49,7 @@ class ModelRunner:
         self.uses_int4 = False  # the checkpoint's 4-bit weights run small steps
         self.int4_kernel: str | None = None  # which kernel multiplies them: "native", "torch"
         self.uses_amx = False  # AMX tiles run the steps just above those
+        self.q8_head = False  # the head's small steps read the checkpoint's 8-bit blocks
         self.model = self._load_model(hf_config, model_dir)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
@@ -81,6 +82,7 @@ class ModelRunner:
             model = model.to_empty(device="cpu")
             load_weights(model, model_dir)
         q4_blocks = self._q4_blocks(hf_config, model_dir, model)
+        q8_head = self._q8_head(model_dir, model) if q4_blocks else None
         model.rotary.reset_tables()  # buffers built on the meta device hold nothing
         rotary = model.rotary
         cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
@@ -92,16 +94,19 @@ class ModelRunner:
             ops = elementwise_ops()
             if ops is not None:
                 model.use_native_cpu_ops_(ops)
-            self._use_small_step_kernels(model, q4_blocks or {})
+            self._use_small_step_kernels(model, q4_blocks or {}, q8_head)
         return model
 
-    def _use_small_step_kernels(self, model: LlamaForCausalLM, q4_blocks: dict) -> None:
+    def _use_small_step_kernels(self, model: LlamaForCausalLM, q4_blocks: dict,
+                                q8_head) -> None:
         """Steps of up to int4_max_tokens tokens on the 4-bit weights, then up to
         amx_max_tokens on AMX tiles; oneDNN above (small_steps.py)."""
-        kernels = small_steps.attach(model, q4_blocks, self.int4_max_tokens, self.amx_max_tokens)
+        kernels = small_steps.attach(model, q4_blocks, self.int4_max_tokens, self.amx_max_tokens,
+                                     q8_head)
         self.int4_kernel = kernels.int4_kernel
         self.uses_int4 = kernels.int4_kernel is not None
         self.uses_amx = kernels.amx
+        self.q8_head = kernels.q8_head
 
     def _q4_blocks(self, hf_config, model_dir: Path | None, model) -> dict | None:
         """The GGUF source's 4-bit matmul blocks (checked against the loaded weights), where
@@ -112,6 +117,14 @@ class ModelRunner:
             return None
         params = {name: param.detach() for name, param in model.named_parameters()}
         return gguf_int4.load_from_gguf(source, hf_config, params)
+
+    def _q8_head(self, model_dir: Path | None, model):
+        """The GGUF source's Q8_0 head as split 4-bit blocks (gguf_q8_head.py), for the small
+        steps' kernel; None where the head is not Q8_0 or small steps have no 4-bit kernel."""
+        source = gguf_source(model_dir)
+        if not self.int4_max_tokens or source is None:
+            return None
+        return gguf_q8_head.load_head_from_gguf(source, model.head_weight.detach())
 
     def prepare(self, scheduled) -> StepInput:
         """scheduled: list of ScheduledRequest, in batch order."""

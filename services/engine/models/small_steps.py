@@ -2,17 +2,23 @@
 
 Decode steps are bound by reading the weights, and oneDNN's bf16 GEMM reads them slowest at
 few rows (BENCHMARKS.md). Steps of up to `int4_max_tokens` tokens multiply the checkpoint's own
-4-bit blocks: the native AVX512-BF16 kernel (kernels/native_gemv.py, the head too, in bf16)
-where it builds, else torch's int4 kernel (layers only). Steps of up to `amx_max_tokens` run on
-AMX tiles (kernels/native_amx.py). The native kernels share one copy of each weight: the 4-bit
-tiles and the head's bf16 tiles. Larger steps stay on oneDNN.
+blocks: the native AVX512-BF16 kernel (kernels/native_gemv.py) where it builds, the head too
+(its 8-bit blocks where the checkpoint has them, models/gguf_q8_head.py, else bf16 tiles); else
+torch's int4 kernel (layers only). Steps of up to `amx_max_tokens` run on AMX tiles
+(kernels/native_amx.py). The native kernels share one copy of each layer weight, the 4-bit
+tiles. Larger steps stay on oneDNN.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kernels import native_amx, native_gemv
 from services.engine.models import gguf_int4
+from services.engine.models.gguf_q8_head import Q8Blocks
+
+# 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
+Q8_HEAD_SWITCH = "KVRELAY_Q8_HEAD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,23 +27,31 @@ class SmallStepKernels:
     whether AMX runs the next ones."""
     int4_kernel: str | None
     amx: bool
+    q8_head: bool = False  # the head's small steps on its 8-bit blocks
 
 
-def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int) -> SmallStepKernels:
-    """q4_blocks: parameter name -> gguf_int4.Q4Blocks (empty where the source has none)."""
+def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
+           q8_head: Q8Blocks | None = None) -> SmallStepKernels:
+    """q4_blocks: parameter name -> gguf_int4.Q4Blocks (empty where the source has none);
+    q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None."""
     gemv = native_gemv.gemv_ops() if int4_max_tokens else None
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
     tiles = _q4_tiles(q4_blocks) if (gemv or amx) else {}
+    head_fits = model.packed_head is not None and native_amx.shape_supported(
+        model.packed_head.out_features, model.config.hidden_size)
+    q8_tiles = None
+    if gemv is not None and head_fits and q8_head is not None and \
+            os.environ.get(Q8_HEAD_SWITCH, "1") != "0":
+        q8_tiles = native_gemv.pack_q8(q8_head.q, q8_head.d)
     head = None
-    if (gemv or amx) and model.packed_head is not None and native_amx.shape_supported(
-            model.packed_head.out_features, model.config.hidden_size):
+    if head_fits and (amx is not None or (gemv is not None and q8_tiles is None)):
         head = native_amx.pack_bf16(model.head_weight)
     int4_kernel = None
     if gemv is not None:
         model.add_small_step_kernels_(
             int4_max_tokens,
             {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()},
-            None if head is None else _bound(native_gemv, "matmul_bf16", gemv, head))
+            _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else None
     elif q4_blocks and int4_max_tokens and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
@@ -49,7 +63,15 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int) ->
             amx_max_tokens,
             {name: _bound(native_amx, "matmul_q4", amx, t) for name, t in tiles.items()},
             None if head is None else _bound(native_amx, "matmul_bf16", amx, head))
-    return SmallStepKernels(int4_kernel, amx is not None)
+    return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None)
+
+
+def _gemv_head(gemv, q8_tiles, bf16_tiles):
+    """The head on the native kernels: its 8-bit blocks where the checkpoint has them, else its
+    bf16 tiles, else None (oneDNN)."""
+    if q8_tiles is not None:
+        return _bound(native_gemv, "matmul_q8", gemv, q8_tiles)
+    return None if bf16_tiles is None else _bound(native_gemv, "matmul_bf16", gemv, bf16_tiles)
 
 
 def _bound(module, kernel: str, ops, weight):
