@@ -38,16 +38,14 @@
 #include <vector>
 
 #include "gemv_io.h"
-#include "omp_share.h"
 
 namespace {
 
 using kvrelay::check_io;
-using kvrelay::for_row_passes;
+using kvrelay::for_each_pass;
 using kvrelay::kMaxRowsPerPass;
 using kvrelay::Shapes;
 using kvrelay::store_bf16;
-using kvrelay::thread_share;
 
 constexpr int64_t kQ4TileBytes = 256 + 32 + 32;  // one 4-bit tile: nibbles, d, m
 constexpr int64_t kTileElems = 16 * 32;    // one bf16 tile
@@ -192,20 +190,12 @@ void gemv_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
   prepare_activations(caller_acts, reinterpret_cast<const uint16_t*>(x.data_ptr()), p.M, p.K);
   const auto* q = q4_tiles.data_ptr<uint8_t>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    thread_share(p.N / 16, &lo, &hi);
-    for (int64_t panel = lo; panel < hi; ++panel) {
-      const uint8_t* panel_q = q + panel * k_blocks * kQ4TileBytes;
-      for_row_passes(p.M, [&](int64_t m0, int64_t rows) {
-        uint16_t* o = dst + m0 * p.N + panel * 16;
-        if (rows == 3) q4_panel_rows<3>(o, p.N, acts, m0, panel_q, k_blocks);
-        else if (rows == 2) q4_panel_rows<2>(o, p.N, acts, m0, panel_q, k_blocks);
-        else q4_panel_rows<1>(o, p.N, acts, m0, panel_q, k_blocks);
-      });
-    }
-  }
+  for_each_pass(dst, p, [&](int64_t panel, int64_t m0, int64_t rows, uint16_t* o) {
+    const uint8_t* panel_q = q + panel * k_blocks * kQ4TileBytes;
+    if (rows == 3) q4_panel_rows<3>(o, p.N, acts, m0, panel_q, k_blocks);
+    else if (rows == 2) q4_panel_rows<2>(o, p.N, acts, m0, panel_q, k_blocks);
+    else q4_panel_rows<1>(o, p.N, acts, m0, panel_q, k_blocks);
+  });
 }
 
 // Rows m0 .. m0 + R of one 16-column panel of the bf16 weight: tile row r is one K pair for the
@@ -245,22 +235,14 @@ void gemv_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
   const auto* x_pairs = reinterpret_cast<const uint32_t*>(x.data_ptr());  // [M, K/2]
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t k_blocks = p.K / 32;
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    thread_share(p.N / 16, &lo, &hi);
-    for (int64_t panel = lo; panel < hi; ++panel) {
-      const uint16_t* w = weights + panel * k_blocks * kTileElems;
-      for_row_passes(p.M, [&](int64_t m0, int64_t rows) {
-        const uint32_t* rows_x[kMaxRowsPerPass];
-        for (int64_t r = 0; r < rows; ++r) rows_x[r] = x_pairs + (m0 + r) * (p.K / 2);
-        uint16_t* o = dst + m0 * p.N + panel * 16;
-        if (rows == 3) bf16_panel_rows<3>(o, p.N, rows_x, w, k_blocks);
-        else if (rows == 2) bf16_panel_rows<2>(o, p.N, rows_x, w, k_blocks);
-        else bf16_panel_rows<1>(o, p.N, rows_x, w, k_blocks);
-      });
-    }
-  }
+  for_each_pass(dst, p, [&](int64_t panel, int64_t m0, int64_t rows, uint16_t* o) {
+    const uint16_t* w = weights + panel * k_blocks * kTileElems;
+    const uint32_t* rows_x[kMaxRowsPerPass];
+    for (int64_t r = 0; r < rows; ++r) rows_x[r] = x_pairs + (m0 + r) * (p.K / 2);
+    if (rows == 3) bf16_panel_rows<3>(o, p.N, rows_x, w, k_blocks);
+    else if (rows == 2) bf16_panel_rows<2>(o, p.N, rows_x, w, k_blocks);
+    else bf16_panel_rows<1>(o, p.N, rows_x, w, k_blocks);
+  });
 }
 
 }  // namespace

@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "gemv_io.h"
-#include "omp_share.h"
 
 namespace {
 
@@ -95,22 +94,14 @@ void gemv_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& q8_tiles) {
   const float* wide = caller_wide.data();
   const auto* q = q8_tiles.data_ptr<uint8_t>();
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-#pragma omp parallel
-  {
-    int64_t lo, hi;
-    thread_share(p.N / 16, &lo, &hi);
-    for (int64_t panel = lo; panel < hi; ++panel) {
-      const uint8_t* panel_q = q + panel * k_blocks * kQ8TileBytes;
-      for_row_passes(p.M, [&](int64_t m0, int64_t rows) {
-        const float* x_rows[kMaxRowsPerPass];
-        for (int64_t r = 0; r < rows; ++r) x_rows[r] = wide + (m0 + r) * p.K;
-        uint16_t* o = dst + m0 * p.N + panel * 16;
-        if (rows == 3) q8_panel_rows<3>(o, p.N, x_rows, panel_q, k_blocks);
-        else if (rows == 2) q8_panel_rows<2>(o, p.N, x_rows, panel_q, k_blocks);
-        else q8_panel_rows<1>(o, p.N, x_rows, panel_q, k_blocks);
-      });
-    }
-  }
+  for_each_pass(dst, p, [&](int64_t panel, int64_t m0, int64_t rows, uint16_t* o) {
+    const uint8_t* panel_q = q + panel * k_blocks * kQ8TileBytes;
+    const float* x_rows[kMaxRowsPerPass];
+    for (int64_t r = 0; r < rows; ++r) x_rows[r] = wide + (m0 + r) * p.K;
+    if (rows == 3) q8_panel_rows<3>(o, p.N, x_rows, panel_q, k_blocks);
+    else if (rows == 2) q8_panel_rows<2>(o, p.N, x_rows, panel_q, k_blocks);
+    else q8_panel_rows<1>(o, p.N, x_rows, panel_q, k_blocks);
+  });
 }
 
 }  // namespace kvrelay

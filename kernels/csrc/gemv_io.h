@@ -1,5 +1,5 @@
 // What the few-row matmul kernels (cpu_gemv.cpp, cpu_gemv_q8.cpp) share: the checks on their
-// input and output, the bf16 store and the passes over rows.
+// input and output, the bf16 store and the passes over panels and rows.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "omp_share.h"
 
 namespace kvrelay {
 
@@ -39,6 +41,21 @@ inline Shapes check_io(const at::Tensor& out, const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "K must be a multiple of 32 and N of 16");
   return {M, N, K};
+}
+
+// Every (16-column panel, pass of rows) of the [M, N] output, the panels shared among the
+// OpenMP team: pass(panel, m0, rows, out + m0 * N + panel * 16).
+template <typename Pass>
+void for_each_pass(uint16_t* out, const Shapes& p, Pass&& pass) {
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    thread_share(p.N / 16, &lo, &hi);
+    for (int64_t panel = lo; panel < hi; ++panel)
+      for_row_passes(p.M, [&](int64_t m0, int64_t rows) {
+        pass(panel, m0, rows, out + m0 * p.N + panel * 16);
+      });
+  }
 }
 
 }  // namespace kvrelay
