@@ -5,9 +5,8 @@ For decode steps of 1 to a few tokens, which are bound by reading the weights on
 8-bit form a Q8_0 head's (1.06 bytes a weight), the bf16 form any other head. The 4-bit and
 bf16 forms take the AMX kernel's weight layouts (kernels/native_amx.py: `pack_q4`,
 `pack_bf16`), so one copy of the weights serves both kernels; the 8-bit one is its own
-(`pack_q8`). Same build, cache and
-fallback rules as the other native kernels (kernels/native_cpu.py); built where the CPU has
-AVX512-BF16 (AMX is not needed).
+(`pack_q8`). Same build, cache and fallback rules as the other native kernels
+(kernels/native_cpu.py); built where the CPU has AVX512-BF16 (AMX is not needed).
 """
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 import numpy as np
+import torch
 
 from kernels.native_amx import Q4Tiles
 from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
@@ -35,14 +33,16 @@ def cpu_has_avx512_bf16() -> bool:
 
 @functools.cache
 def gemv_ops():
-    """The built extension (gemv_q4, gemv_q8, gemv_bf16), or None where off, unsupported or unbuildable."""
+    """The built extension (gemv_q4, gemv_q8, gemv_bf16), or None where off, unsupported or
+    unbuildable."""
     if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has_avx512_bf16():
         return None
     try:
         from torch.utils import cpp_extension
 
         _put_pip_ninja_on_path()
-        return cpp_extension.load(name=f"kvrelay_gemv_{_machine_tag()}", sources=[str(source) for source in SOURCES],
+        return cpp_extension.load(name=f"kvrelay_gemv_{_machine_tag()}",
+                                  sources=[str(source) for source in SOURCES],
                                   extra_cflags=_GEMV_CFLAGS, extra_ldflags=["-fopenmp"],
                                   verbose=False)
     except Exception as error:  # no compiler: torch's int4 kernel stays

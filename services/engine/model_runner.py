@@ -119,8 +119,8 @@ class ModelRunner:
         return gguf_int4.load_from_gguf(source, hf_config, params)
 
     def _q8_head(self, model_dir: Path | None, model):
-        """The GGUF source's Q8_0 head as split 4-bit blocks (gguf_q8_head.py), for the small
-        steps' kernel; None where the head is not Q8_0 or small steps have no 4-bit kernel."""
+        """The GGUF source's Q8_0 head (gguf_q8_head.py, checked against the loaded head), for
+        the small steps' 8-bit kernel; None where the head is not Q8_0 or small steps are off."""
         source = gguf_source(model_dir)
         if not self.int4_max_tokens or source is None:
             return None
