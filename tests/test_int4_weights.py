@@ -98,3 +98,11 @@ def test_greedy_tokens_on_4_bit_weights_agree_with_the_float32_reference(int4_ll
 
 
 NEAR_TIE = 0.25
+
+
+def test_the_q8_head_switch_keeps_the_head_on_bf16_tiles(monkeypatch):
+    if native_gemv.gemv_ops() is None:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    monkeypatch.setenv("KVRELAY_Q8_HEAD", "0")
+    runner = LLM(dtype="bfloat16", int4_max_tokens=4).engine.runner
+    assert runner.int4_kernel == "native" and not runner.q8_head
