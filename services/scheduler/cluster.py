@@ -323,7 +323,7 @@ class ClusterScheduler:
         if state is not TransferState.ORPHANED or sample.request.status is RequestStatus.RUNNING:
             self._free_source(sample)
         if state in (TransferState.CANCELLED, TransferState.FAILED):
-            self._free_destination(transfer)
+            self._let_go_of_destination(transfer)
         sample.move(Phase.DONE)
         self.sink.emit(sample.parent.gateway_id, delta)
         self._drop_if_done(sample.parent)
@@ -345,6 +345,15 @@ class ClusterScheduler:
                 worker.core.abort([sample.seq_id])
         self.forget_on(worker, sample.seq_id)
         self.wake(worker)
+
+    def _let_go_of_destination(self, transfer: Transfer) -> None:
+        """The blocks of a transfer that ended without its pages: a failed send's bytes may
+        still be on their way (a sender that gave up, a stream cut while its frames were in a
+        buffer), so its blocks are set aside until its deadline; a cancelled one's are free."""
+        if transfer.state is TransferState.FAILED:
+            self._set_aside(transfer)
+        else:
+            self._free_destination(transfer)
 
     def _free_destination(self, transfer: Transfer) -> None:
         decode = transfer.destination
@@ -395,8 +404,9 @@ class ClusterScheduler:
 
     def _set_aside(self, transfer: Transfer) -> None:
         """A prefill worker declared dead may be alive and still pushing (a partition, a
-        stall): its pages could land in the decode blocks after they went to another request.
-        The blocks stay held, by no request, until the order's deadline has passed."""
+        stall), and a failed send's frames may still be in a buffer: its pages could land in
+        the decode blocks after they went to another request. The blocks stay held, by no
+        request, until the order's deadline has passed."""
         decode = transfer.destination
         self.transfers.hold_aside(transfer, decode.core.set_aside(transfer.decode_request))
         self.forget_on(decode, transfer.seq_id)
@@ -426,8 +436,7 @@ class ClusterScheduler:
         all, is not fed them again; the client's stream is untouched. The output is that of
         an uninterrupted run, token for token."""
         transfer = sample.transfer
-        in_flight = transfer is not None and transfer.state not in (
-            TransferState.FAILED, TransferState.CANCELLED)
+        in_flight = transfer is not None and transfer.awaits_result
         if sample.retries >= self.config.max_request_retries or in_flight:
             suffix = f" (after {sample.retries} retries)" if sample.retries else ""
             self.end_sample(sample, finish_delta(sample, FinishReason.ERROR, error + suffix))
@@ -436,7 +445,7 @@ class ClusterScheduler:
             self.awaiting_decode.remove(sample)
         if transfer is not None:
             self.transfers.cancel(transfer)
-            self._free_destination(transfer)
+            self._let_go_of_destination(transfer)
             sample.transfer = None
         resumed = sample.request.continued()  # before freeing it lets go of its grammar
         self._free_source(sample)

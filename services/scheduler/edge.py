@@ -29,6 +29,7 @@ def worker_info_from_proto(message: scheduler_pb2.RegisterWorkerRequest) -> Work
                          "block size")
     return WorkerInfo(
         worker_id=message.worker_id, role=ROLES[message.role], address=message.address,
+        kv_address=message.kv_address,
         num_blocks=message.num_blocks, block_size=message.block_size, model=message.model,
         dtype=message.dtype, max_model_len=message.max_model_len,
         vocab_size=message.vocab_size, instance_id=message.instance_id,

@@ -45,6 +45,11 @@ class WorkerInfo:
     compute_domain: str = ""  # workers on the same CPUs or GPU report the same domain
     attention_crossover: int = 0  # see prefill_chunks.py; 0: unknown
     num_threads: int = 0  # its forward pass's threads (0: not reported)
+    kv_address: str = ""  # where other workers push KV pages over gRPC (empty: address)
+
+    @property
+    def push_address(self) -> str:
+        return self.kv_address or self.address
 
 
 @dataclass(frozen=True, slots=True)

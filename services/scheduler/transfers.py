@@ -15,7 +15,10 @@ held whatever happens to the sample (ORPHANED keeps them once the sample ended),
 land in a block given to someone else. A source lost mid-send may still be writing (a
 partition, a stall): its destination blocks are set aside until the order's deadline (LOST).
 Samples whose sends one step carried join the decode batch together (the step's group), once
-the last of those sends is back and each has its first token.
+the last of those sends is back and each has its first token. FAILED: the send's bytes may still
+be on their way (a sender that gave up, frames left in a buffer of a cut stream), so its
+destination blocks are set aside until the deadline, as for LOST. A send that relied on a failed
+shared-prefix push while its own was in flight is doomed: its result counts as a failure.
 
 The book only keeps states and indexes; it tells the scheduler core (cluster.py) which
 transfers need what, and never calls into it. Illegal transitions raise.
@@ -79,6 +82,9 @@ class Transfer:
     first_token_out: bool = False  # the source sampled the first token; it may decode
     # transfers of the same step that push leading blocks this one shares
     relies_on: frozenset[str] = frozenset()
+    # set when a push it relies on failed while its own was still in flight: its result
+    # counts as a failure with this error (its pages may be landing until then)
+    doomed: str = ""
 
     def move(self, to: TransferState) -> None:
         if to not in _NEXT.get(self.state, ()):
@@ -97,7 +103,7 @@ class Transfer:
     def order(self) -> SendOrder:
         return SendOrder(
             transfer_id=self.transfer_id, seq_id=self.seq_id,
-            src_block_ids=tuple(self.src_block_ids), dst_address=self.destination.info.address,
+            src_block_ids=tuple(self.src_block_ids), dst_address=self.destination.info.push_address,
             dst_block_ids=tuple(self.dst_block_ids), transport=self.transport,
             dst_shm_path=self.destination.info.shm_path if self.transport == "shm" else "",
             during_step=self.during_step, deadline_unix_ms=self.deadline_unix_ms,
@@ -204,15 +210,18 @@ class TransferBook:
         if transfer.state is S.ORPHANED:
             self._end(transfer, S.RELEASED)
             effects.released = transfer
-        elif ok:
+        elif ok and not transfer.doomed:
             transfer.move(S.DELIVERED)
         else:
             self._end(transfer, S.FAILED)
-            effects.failed.append((transfer, f"KV transfer failed: {error}"))
+            effects.failed.append((transfer, transfer.doomed or f"KV transfer failed: {error}"))
         if not ok:
-            effects.failed.extend(
-                (dependent, f"KV transfer of a shared prefix failed: {error}")
-                for dependent in dependents if dependent.is_open)
+            for dependent in dependents:
+                message = f"KV transfer of a shared prefix failed: {error}"
+                if dependent.state is S.IN_FLIGHT:  # its own pages may still be landing
+                    dependent.doomed = message
+                elif dependent.is_open:
+                    effects.failed.append((dependent, message))
         return effects
 
     def first_token(self, transfer: Transfer) -> None:

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--port", type=int, default=50060, help="Worker + KvTransfer gRPC port")
     add_flag(parser, "--advertise-address", default=None,
              help="host:port the scheduler and other workers dial (default 127.0.0.1:PORT)")
+    add_flag(parser, "--kv-advertise-address", default=None,
+             help="host:port other workers push KV pages to over gRPC, where that traffic "
+                  "takes another network or path (default: --advertise-address)")
     add_flag(parser, "--metrics-port", type=int, default=9110, help="0: no metrics endpoint")
     add_flag(parser, "--scheduler-address", default="127.0.0.1:50052")
     add_flag(parser, "--worker-id", default=None, help="default: role-hostname-random")
@@ -110,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     registration = Registration(args.scheduler_address, scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=ROLES[args.role],
         address=args.advertise_address or f"127.0.0.1:{server.port}",
+        kv_address=args.kv_advertise_address or "",
         num_blocks=runner.num_blocks, block_size=runner.block_size, model=loaded.model_name,
         dtype=str(runner.dtype).removeprefix("torch."), kv_transports=transports,
         host_id=_host_id(), shm_path=shm_path or "", max_model_len=loaded.max_model_len,

@@ -94,9 +94,11 @@ def free_port_block(count: int) -> int:
 
 
 def start_stack(topology: str, log_dir: Path, *extra: str, num_internal_ports: int = 0,
-                num_gateways: int = 1, num_kv_blocks: int = NUM_KV_BLOCKS) -> RunningStack:
+                num_gateways: int = 1, num_kv_blocks: int = NUM_KV_BLOCKS,
+                env: dict[str, str] | None = None) -> RunningStack:
     """num_internal_ports: what the topology in `extra` needs (default: one group of one
-    tokenizer, one scheduler and the topology's default workers)."""
+    tokenizer, one scheduler and the topology's default workers); env: KVRELAY_* variables
+    for the services' own flags (the stack's come from `extra`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     num_workers = 2 if topology == "pd" else 1
     # The internal block: gRPC and metrics of each service, then each gateway's metrics.
@@ -108,9 +110,10 @@ def start_stack(topology: str, log_dir: Path, *extra: str, num_internal_ports: i
                "--num-kv-blocks", str(num_kv_blocks), "--log-dir", str(log_dir),
                "--startup-timeout", str(STARTUP_TIMEOUT_S), *extra]
     # The stack's flags come from the command line only, never from the test's environment.
+    services_env = env or {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")
            or k == "KVRELAY_CACHE_DIR"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **services_env)
     with open(log_dir / "up.log", "wb") as up_log:
         process = subprocess.Popen(command, env=env, stdout=up_log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)

@@ -696,14 +696,25 @@ def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
     _finish(driver)
 
 
-def test_pd_a_shared_push_failing_before_its_step_returns_fails_who_relies_on_it():
-    """Sends go out during their step: the failure can come before the step's result."""
-    driver = pd_driver(decode_blocks=5)
+@pytest.mark.parametrize("retries", [0, 2])
+def test_pd_a_shared_push_failing_while_a_dependent_push_is_in_flight(retries):
+    """Sends go out during their step: the failure can come before the step's result, while b's
+    own push is still writing. b waits for its result, then is prefilled again (or, with no
+    retries, ends with the error): it never decodes over the shared blocks that did not land."""
+    driver = pd_driver(decode_blocks=5, scheduler_config={"max_request_retries": retries})
     driver.submit("a", _shared_prompt(50), max_tokens=3)
     driver.submit("b", _shared_prompt(60), max_tokens=3)
     driver.start_step("p0")
     driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
+    deltas = driver.requests["b"].deltas[0]  # its pages may still be landing: it waits
+    assert not (deltas and deltas[-1].finish_reason)
     driver.finish_step("p0")
+    driver.check_accounting()
     driver.send_result(_order_for(driver, "b/0").transfer_id)
-    assert driver.final("b").finish_reason == ERROR and "shared prefix" in driver.final("b").error
+    driver.check_accounting()
     _finish(driver)
+    if retries:
+        assert [driver.final(r).finish_reason for r in "ab"] == [LENGTH, LENGTH]
+        assert len(driver.tokens("b")) == 3 and driver.cluster.num_recoveries == 2
+    else:
+        assert "shared prefix" in driver.final("b").error

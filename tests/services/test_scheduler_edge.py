@@ -26,6 +26,12 @@ def test_a_registration_becomes_worker_info():
     assert (info.num_blocks, info.num_threads, info.compute_domain) == (64, 2, "boot/cpus:0,1")
 
 
+def test_kv_pages_go_to_the_kv_address_where_one_is_registered():
+    assert edge.worker_info_from_proto(_registration()).push_address == "d0:1"
+    info = edge.worker_info_from_proto(_registration(kv_address="10.0.0.7:50070"))
+    assert (info.address, info.push_address) == ("d0:1", "10.0.0.7:50070")
+
+
 @pytest.mark.parametrize("fields", [{"role": scheduler_pb2.WORKER_ROLE_UNSPECIFIED},
                                     {"num_blocks": 0}, {"address": ""}])
 def test_a_registration_the_core_cannot_take_is_refused(fields):

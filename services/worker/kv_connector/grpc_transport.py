@@ -33,7 +33,11 @@ class GrpcKvTransport(KvTransport):
 
     async def push(self, order: worker_pb2.KvSendOrder, feed: LayerFeed) -> int:
         try:
-            ack = await self._stub(order.dst_address).Push(self._chunks(order, feed))
+            # wait_for_ready: a connection that dropped and is coming back (a network blip, a
+            # restarting proxy) delays the push until the sender's deadline rather than failing
+            # it at once, which would cost the sample a re-prefill and one of its retries.
+            ack = await self._stub(order.dst_address).Push(self._chunks(order, feed),
+                                                            wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise TransferFailed(f"push to {order.dst_address} failed: {exc.code().name}: "
                                  f"{exc.details()}") from None

@@ -82,7 +82,7 @@ class OutputBatch(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id", "num_threads")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id", "num_threads", "kv_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class RegisterWorkerRequest(_message.Message):
     ATTENTION_CROSSOVER_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -117,7 +118,8 @@ class RegisterWorkerRequest(_message.Message):
     attention_crossover: int
     instance_id: str
     num_threads: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_threads: _Optional[int] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_threads: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ms",)
