@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: test chaos compose-test fuzz up bench protos venv clean
+.PHONY: test chaos soak compose-test fuzz up bench protos venv clean
 
 venv: $(STAMP)
 
@@ -19,9 +19,17 @@ $(STAMP): requirements.txt pyproject.toml
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests
 
-# Real faults (SIGKILL, SIGSTOP, 1,000 disconnects) on a real stack under load: ~10 minutes.
+# Real faults (24 SIGKILLs, SIGSTOP, 1,000 disconnects, a cut KV link) on real stacks under
+# load: ~20 minutes.
 chaos: $(STAMP)
 	KVRELAY_CHAOS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/chaos
+
+# 30 minutes of mixed traffic on a PD stack (tests/soak): no error, no restart, every process's
+# memory and open descriptors flat, every block free at the end. SOAK_MINUTES=5 for a short one.
+SOAK_MINUTES ?= 30
+soak: $(STAMP)
+	KVRELAY_SOAK=1 KVRELAY_SOAK_MINUTES=$(SOAK_MINUTES) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+		$(PY) -m pytest -q -s tests/soak
 
 # docker-compose.yml for real (tests/compose): builds the image here (deploy/build-offline-image.sh:
 # a debootstrap base, wheels from this machine's pip), runs the stack with mutual TLS, compares its

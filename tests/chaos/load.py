@@ -43,6 +43,7 @@ class LoadRun:
     def __init__(self, load: GreedyLoad) -> None:
         self.load = load
         self.texts: list[list[str]] = [[] for _ in load.bodies]
+        self.times: list[list[float]] = [[] for _ in load.bodies]  # monotonic, per piece
         self.errors: list[object] = [None] * len(load.bodies)
         self.threads = [threading.Thread(target=self._stream, args=(i,), daemon=True)
                         for i in range(len(load.bodies))]
@@ -67,6 +68,7 @@ class LoadRun:
                         piece = event["choices"][0]["delta"].get("content")
                         if piece:
                             self.texts[index].append(piece)
+                            self.times[index].append(time.monotonic())
         except httpx.HTTPError as exc:
             self.errors[index] = exc
 
@@ -82,6 +84,25 @@ class LoadRun:
         got = ["".join(pieces) for pieces in self.texts]
         assert got == self.load.expected
 
+
+    def gaps_after(self, moment: float) -> list[float]:
+        """Seconds from `moment` (monotonic) to each stream's first piece after it, for the
+        streams still going then: how long a fault held them (the first token after it)."""
+        return [min(t for t in times if t > moment) - moment
+                for times in self.times if times and times[-1] > moment]
+
+    def check_exact_or_cut(self, timeout_s: float) -> int:
+        """Each stream either ended with the undisturbed text or lost its connection (its
+        gateway died): never a hang, never a wrong text. Returns how many were cut."""
+        self.join(timeout_s)
+        num_cut = 0
+        for index, error in enumerate(self.errors):
+            if error is None:
+                assert "".join(self.texts[index]) == self.load.expected[index]
+            else:
+                assert isinstance(error, httpx.HTTPError), error
+                num_cut += 1
+        return num_cut
 
     def check_exact_or_clear_error(self, timeout_s: float) -> int:
         """Each stream either ended with the undisturbed text or with an error event (never a
