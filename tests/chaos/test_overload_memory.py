@@ -49,13 +49,15 @@ def test_ten_times_the_limit_keeps_memory_flat(stack):
     model = httpx.get(f"{stack.base_url}/models", trust_env=False).json()["data"][0]["id"]
     pids = {name: stack.service(name)["pid"] for name in ("gateway", "scheduler", "tokenizer")}
     after_wave = []
-    for _ in range(NUM_WAVES):
+    for wave in range(NUM_WAVES):
         statuses = asyncio.run(_wave(stack.base_url, model))
         assert set(statuses) <= {200, 503}, sorted(set(statuses))
         assert statuses.count(200) >= LIMIT  # what fits is served, never refused
         assert statuses.count(503) > 0  # and the rest is not queued without bound
         wait_healed(stack, None)
         after_wave.append({name: _rss_mb(pid) for name, pid in pids.items()})
+        print(f"wave {wave}: {statuses.count(200)} served, {statuses.count(503)} refused; RSS MB "
+              + ", ".join(f"{name} {mb:.1f}" for name, mb in after_wave[-1].items()))
     # The first wave grows the pools (allocator arenas, gRPC buffers); later ones must not.
     for name in pids:
         growth = after_wave[-1][name] - after_wave[1][name]
