@@ -94,26 +94,24 @@ class LoadRun:
     def check_exact_or_cut(self, timeout_s: float) -> int:
         """Each stream either ended with the undisturbed text or lost its connection (its
         gateway died): never a hang, never a wrong text. Returns how many were cut."""
-        self.join(timeout_s)
-        num_cut = 0
-        for index, error in enumerate(self.errors):
-            if error is None:
-                assert "".join(self.texts[index]) == self.load.expected[index]
-            else:
-                assert isinstance(error, httpx.HTTPError), error
-                num_cut += 1
-        return num_cut
+        return self._exact_or(timeout_s, lambda error: isinstance(error, httpx.HTTPError))
 
     def check_exact_or_clear_error(self, timeout_s: float) -> int:
         """Each stream either ended with the undisturbed text or with an error event (never a
         hang, never a wrong text); returns how many ended with an error."""
+        return self._exact_or(timeout_s, lambda error: isinstance(error, dict)
+                              and bool(error["error"]["message"]))
+
+    def _exact_or(self, timeout_s: float, acceptable) -> int:
+        """Streams without an error have the undisturbed text; the others' errors are
+        `acceptable`. Returns how many ended with one."""
         self.join(timeout_s)
         num_errors = 0
         for index, error in enumerate(self.errors):
             if error is None:
                 assert "".join(self.texts[index]) == self.load.expected[index]
             else:
-                assert isinstance(error, dict) and error["error"]["message"], error
+                assert acceptable(error), error
                 num_errors += 1
         return num_errors
 
