@@ -76,6 +76,13 @@ class Scheduler:
         self._long_slots = 0
         self._step_prefill = 0  # prompt tokens scheduled in this step so far
         self._deferred: list[Request] = []  # prompts part way through their chunks
+        # Steps sent to the worker and not yet applied, per request they compute (the service
+        # marks them: begin_step). A request that ends meanwhile keeps its blocks out of the
+        # pool until then, since the worker may still write its KV there and a block handed
+        # to another worker's push could be overwritten (see finish_step).
+        self._in_flight: dict[str, int] = {}
+        # (by id: a sample recovered onto this worker comes back under the same id)
+        self._held_for_step: dict[str, list[list[KVBlock]]] = {}
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,6 +133,76 @@ class Scheduler:
             self._schedule_deferred(output, budget)
         self.stats.num_steps += 1
         return output
+
+    def schedule_ahead(self, previous: SchedulerOutput,
+                       token_budget: int | None = None) -> SchedulerOutput | None:
+        """The step after `previous`, planned while `previous` still runs (async scheduling):
+        each of its sequences computes the token `previous` samples for it, which the worker
+        already holds when it gets there. Only a batch of plain decodes continues this way,
+        with nothing else to join it; None when a full `schedule` has to come first (a new
+        sequence, drafts, a grammar, a prefill chunk, blocks that do not fit without
+        preempting). Sequences whose previous token is their last are left out."""
+        if self.drafter is not None or self.waiting:
+            return None
+        live = [item for item in previous.scheduled if not item.request.is_finished]
+        if not all(_plain_decode(item) for item in live):
+            return None
+        requests = [item.request for item in live]
+        in_batch = {id(request) for request in requests}
+        if any(id(request) not in in_batch for request in self.running):
+            return None  # a sequence joined: the next step is planned in full
+        output = SchedulerOutput()
+        for request in requests:
+            if self._ends_after_next_token(request):
+                continue
+            if not self.kv.allocate_slots(request, 2):  # (slots taken early stay its own)
+                return None
+            output.scheduled.append(self._scheduled(request, 1))
+        if output.is_empty or len(output.scheduled) > (token_budget
+                                                       or self.config.max_num_batched_tokens):
+            return None
+        self.stats.num_steps += 1
+        return output
+
+    def _ends_after_next_token(self, request: Request) -> bool:
+        """The token the step in flight samples is the request's last by length."""
+        max_tokens = request.params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + 1 >= max_tokens)
+                or request.num_tokens + 1 >= self.max_model_len)
+
+    def begin_step(self, output: SchedulerOutput) -> None:
+        """The step goes to the worker: until finish_step, what it computes keeps its blocks."""
+        for item in output.scheduled:
+            request_id = item.request.request_id
+            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+
+    def finish_step(self, output: SchedulerOutput) -> None:
+        """The step's result is in (or it will never come): blocks held for it go back."""
+        for item in output.scheduled:
+            request_id = item.request.request_id
+            count = self._in_flight.get(request_id)
+            if count is None:
+                continue  # never marked (the offline engine, tests)
+            if count > 1:
+                self._in_flight[request_id] = count - 1
+                continue
+            del self._in_flight[request_id]
+            for blocks in self._held_for_step.pop(request_id, ()):
+                self.kv.release(blocks)
+
+    def abandon_steps(self) -> None:
+        """The worker is gone: no step in flight will answer, and nothing writes these blocks."""
+        self._in_flight.clear()
+        for held in self._held_for_step.values():
+            for blocks in held:
+                self.kv.release(blocks)
+        self._held_for_step.clear()
+
+    @property
+    def held_for_steps(self) -> list[list[KVBlock]]:
+        """Ended requests' blocks, out of the pool until the steps in flight that write them
+        are back."""
+        return [blocks for held in self._held_for_step.values() for blocks in held]
 
     def _chunk_long(self, num_new: int, num_computed: int) -> int:
         """A new prompt's share of this step: whole within the threshold; a long one gets a
@@ -300,9 +377,10 @@ class Scheduler:
         sampled: per request, the tokens the step emitted (a verified speculative step: its
         accepted drafts, then the token sampled after them)."""
         finished = []
+        self.finish_step(output)
         for item in output.scheduled:
             request = item.request
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted while the step ran, or ended by an earlier one
                 continue
             request.num_computed_tokens += item.num_new_tokens
             token_ids = sampled.get(request.request_id)
@@ -343,8 +421,19 @@ class Scheduler:
         if self.drafter is not None and status != RequestStatus.FINISHED_ABORTED:
             self.drafter.on_finished(request)
         request.draft_state = None
-        self.kv.forget(request)
+        if self._in_flight.get(request.request_id):
+            self._held_for_step.setdefault(request.request_id, []).append(
+                self.kv.set_aside(request))
+        else:
+            self.kv.forget(request)
         del self.requests[request.request_id]
+
+
+def _plain_decode(item: ScheduledRequest) -> bool:
+    """One token computed and one sampled, nothing a grammar or a draft depends on."""
+    request = item.request
+    return (item.num_new_tokens == 1 and not item.draft_token_ids and request.grammar is None
+            and request.status == RequestStatus.RUNNING and item.samples)
 
 
 def _decoding(request: Request) -> bool:

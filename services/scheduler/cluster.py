@@ -385,6 +385,7 @@ class ClusterScheduler:
         for sample in list(self.samples.values()):
             if sample.worker is worker and not sample.done and not sample.stranded:
                 self._recover(sample, error)
+        worker.core.abandon_steps()
         self.retry_awaiting()
 
     def _transfer_lost(self, transfer: Transfer, sample: SampleRecord, error: str) -> None:

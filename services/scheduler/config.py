@@ -21,6 +21,9 @@ class SchedulerConfig:
     # While a decode worker of its compute domain has sequences running, a prefill step this
     # big at most keeps their inter-token latency in check (None: no cap).
     shared_prefill_max_num_batched_tokens: int | None = None
+    # While a step of plain decodes runs, plan the next one and send it, so the worker goes on
+    # without waiting for the round trip (worker_link.py).
+    async_scheduling: bool = True
     # How workers of one compute domain share it (core_share.py).
     shared_compute_steps: str = "split"
     transfer_timeout_s: float = 30.0  # an order's pages are written within this, or never

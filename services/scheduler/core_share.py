@@ -86,6 +86,9 @@ class CoreShare:
         """A worker's work changed: the first waiter's share may have shrunk enough to fit."""
         self._dispatch()
 
+    def contended(self, worker: WorkerRecord) -> bool:
+        return any(other is not worker and not future.done() for other, future in self.waiting)
+
     def _release(self, worker: WorkerRecord) -> None:
         self.held.pop(id(worker), None)
         self._dispatch()

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-long-partial-prefills", type=int, default=1,
              help="how many such long prompts may advance in one step")
     add_flag(parser, "--no-prefix-caching", action="store_true")
+    add_flag(parser, "--no-async-scheduling", action="store_true",
+             help="plan each step only after the previous one's tokens are back (by default a "
+                  "step of plain decodes is planned and sent while the one before it runs)")
     add_flag(parser, "--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     add_flag(parser, "--kv-transport", choices=["grpc", "shm"], default="shm",
              help="how prefill workers push KV pages: shm copies straight into the decode "
@@ -117,6 +120,7 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens or None,
         shared_prefill_max_num_batched_tokens=args.shared_prefill_max_num_batched_tokens or None,
         shared_compute_steps=args.shared_compute_steps,
+        async_scheduling=not args.no_async_scheduling,
         transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport,
         model=args.model, structured_outputs_backend=args.structured_outputs_backend,
         max_queued_requests=args.max_queued_requests,

@@ -17,6 +17,10 @@ class StepGate(Protocol):
     def refresh(self) -> None:
         """A worker's work changed: a waiting turn may be granted now."""
 
+    def contended(self, worker: WorkerRecord) -> bool:
+        """Another worker waits for a turn: the worker's step loop lets go after this step
+        rather than plan the next one ahead (worker_link.py)."""
+
 
 class OwnCores:
     @contextlib.asynccontextmanager
@@ -25,6 +29,9 @@ class OwnCores:
 
     def refresh(self) -> None:
         pass
+
+    def contended(self, worker: WorkerRecord) -> bool:
+        return False
 
 
 OWN_CORES = OwnCores()

@@ -31,6 +31,23 @@ def plan_step(cluster: ClusterScheduler, worker: WorkerRecord) -> StepPlan | Non
                                   decodes_elsewhere=registry.shares_compute_with_decodes(worker))
     for request in output.preempted:  # recomputed later: the worker gets it anew then
         cluster.forget_on(worker, request.request_id)
+    return _order(cluster, worker, output)
+
+
+def plan_ahead(cluster: ClusterScheduler, worker: WorkerRecord,
+               previous: StepPlan) -> StepPlan | None:
+    """The step after `previous`, planned and sent while it runs, so the worker starts it as
+    soon as `previous` is done instead of after a round trip through here (the scheduler's
+    apply and plan, two messages): a batch of plain decodes only (Scheduler.schedule_ahead).
+    A prefill worker's steps end in a handoff, and never continue this way."""
+    if worker.role is PREFILL or previous.order.kv_sends:
+        return None
+    output = worker.core.schedule_ahead(previous.output, cluster.registry.step_budget(worker))
+    return None if output is None else _order(cluster, worker, output)
+
+
+def _order(cluster: ClusterScheduler, worker: WorkerRecord,
+           output: SchedulerOutput) -> StepPlan | None:
     order = StepOrder(step_id=next(_step_ids), finished_seq_ids=worker.forget)
     worker.forget = []
     sends: list[Transfer] = []
@@ -43,6 +60,7 @@ def plan_step(cluster: ClusterScheduler, worker: WorkerRecord) -> StepPlan | Non
     if not order.scheduled and not order.kv_sends:
         worker.forget = order.finished_seq_ids  # nothing to run: keep them for later
         return None
+    worker.core.begin_step(output)
     return StepPlan(order, output)
 
 
@@ -74,7 +92,10 @@ def _add_item(cluster: ClusterScheduler, worker: WorkerRecord, order: StepOrder,
 
 
 def apply_result(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
-                 outcome: StepOutcome) -> None:
+                 outcome: StepOutcome) -> int:
+    """Returns how many tokens the step added to its sequences (a step planned ahead computes
+    sequences that ended meanwhile: their tokens are dropped)."""
+    num_emitted = 0
     sampled = {token.seq_id: token for token in outcome.sampled}
     num_before = {item.request.request_id: item.request.num_output_tokens
                   for item in plan.output.scheduled}
@@ -91,6 +112,7 @@ def apply_result(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan
         num_new = request.num_output_tokens - num_before[request.request_id]
         if num_new <= 0:
             continue
+        num_emitted += num_new
         *leading, delta = token_deltas(sample, request, num_new, token.logprobs[:num_new])
         for earlier in leading:
             cluster.sink.emit(sample.parent.gateway_id, earlier)
@@ -100,3 +122,4 @@ def apply_result(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan
         cluster.sink.emit(sample.parent.gateway_id, delta)
         if sample.phase is Phase.PREFILL:
             cluster.after_first_token(sample)
+    return num_emitted

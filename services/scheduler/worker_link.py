@@ -1,6 +1,7 @@
 """The scheduler's side of one worker's step stream: plan a step, send it, wait for its result,
-apply it, repeat while the worker has work. Steps to different workers run concurrently; KV send
-results arrive on the same stream between steps."""
+apply it, repeat while the worker has work. While a step of plain decodes runs, the next one is
+planned and sent ahead, so the worker never waits for this round trip between them. Steps to
+different workers run concurrently; KV send results arrive on the same stream between steps."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,7 @@ from services.scheduler import edge, scheduler_metrics
 from services.scheduler.cluster import ClusterScheduler
 from services.scheduler.registry import WorkerRecord
 from services.scheduler.step_gate import StepGate
-from services.scheduler.step_plan import apply_result, plan_step
+from services.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
 
 log = get_logger(__name__)
 
@@ -26,7 +27,7 @@ class WorkerLink:
         self.gate = gate  # when the worker may step, and on how many threads (step_gate.py)
         self.wakeup = asyncio.Event()
         self.wakeup.set()
-        self.pending_result: asyncio.Future | None = None
+        self.pending: dict[int, asyncio.Future] = {}  # step id -> its result, steps in flight
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -67,26 +68,40 @@ class WorkerLink:
                 self.wakeup.set()
 
     async def _one_step(self, call, reader: asyncio.Task, num_threads: int) -> None:
+        """One planned step, and while each step runs the next one planned ahead (async
+        scheduling: plain decodes, and no other worker waiting for these cores)."""
         if not self.worker.alive:  # died while waiting for its turn
             return
         plan = plan_step(self.cluster, self.worker)
         if plan is None:
             self.cluster.sink.flush()
             return
+        await self._send(call, plan, num_threads)
+        while plan is not None:
+            ahead = None
+            if (self.cluster.config.async_scheduling and self.worker.alive
+                    and not self.gate.contended(self.worker)):
+                ahead = plan_ahead(self.cluster, self.worker, plan)
+            if ahead is not None:
+                await self._send(call, ahead, num_threads)
+            outcome = edge.outcome_from_proto(await _first(self.pending[plan.order.step_id],
+                                                           reader))
+            del self.pending[plan.order.step_id]
+            log.debug("step done", worker_id=self.worker.worker_id, step_id=outcome.step_id,
+                      num_sampled=len(outcome.sampled))
+            num_emitted = apply_result(self.cluster, self.worker, plan, outcome)
+            self.cluster.retry_awaiting()
+            self.cluster.sink.flush()
+            scheduler_metrics.after_step(self.cluster, self.worker, plan, num_emitted)
+            plan = ahead
+
+    async def _send(self, call, plan: StepPlan, num_threads: int) -> None:
         plan.order.num_threads = num_threads
-        self.pending_result = asyncio.get_running_loop().create_future()
+        self.pending[plan.order.step_id] = asyncio.get_running_loop().create_future()
         await call.write(edge.step_to_proto(plan.order))
         log.debug("step sent", worker_id=self.worker.worker_id,
                   step_id=plan.order.step_id, num_scheduled=len(plan.order.scheduled),
                   num_threads=num_threads)
-        outcome = edge.outcome_from_proto(await _first(self.pending_result, reader))
-        log.debug("step done", worker_id=self.worker.worker_id, step_id=outcome.step_id,
-                  num_sampled=len(outcome.sampled))
-        apply_result(self.cluster, self.worker, plan, outcome)
-        self.cluster.retry_awaiting()
-        self.cluster.sink.flush()
-        scheduler_metrics.after_step(self.cluster, self.worker, plan,
-                                     sum(len(token.token_ids) for token in outcome.sampled))
 
     async def _read(self, call) -> None:
         try:
@@ -103,8 +118,9 @@ class WorkerLink:
                     scheduler_metrics.transfer_result(send.ok)
                     self.cluster.on_send_result(send.transfer_id, send.ok, send.error)
                 self.cluster.sink.flush()
-            elif self.pending_result is not None and not self.pending_result.done():
-                self.pending_result.set_result(result)
+            elif (pending := self.pending.get(result.step_id)) is not None \
+                    and not pending.done():
+                pending.set_result(result)
         raise ConnectionError("the worker closed its step stream")
 
     def _fail(self, reason: str) -> None:

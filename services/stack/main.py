@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="a prefill worker's step budget (default: the scheduler's, "
                   "--max-num-batched-tokens)")
     add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
+    add_flag(parser, "--no-async-scheduling", action="store_true", default=False,
+             help="the scheduler plans each step after the previous one's result "
+                  "(`kvrelay scheduler --help`)")
     add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)
     add_flag(parser, "--shared-compute-steps", choices=("serialize", "split", "overlap"),
              default=None, help="how workers on the same cores step: serialize, split "

@@ -193,6 +193,8 @@ def _scheduler_flags(args: Namespace) -> list[str]:
                       "--prefill-max-num-batched-tokens", "--worker-wait-timeout")
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
+    if args.no_async_scheduling:
+        flags.append("--no-async-scheduling")
     return flags
 
 

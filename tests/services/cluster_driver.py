@@ -21,7 +21,7 @@ from services.scheduler.messages import (BOTH, DECODE, PREFILL, Role, Sampled, S
 from services.scheduler.outputs import DeltaSink
 from services.scheduler.records import Phase
 from services.scheduler.registry import WorkerRecord
-from services.scheduler.step_plan import StepPlan, apply_result, plan_step
+from services.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
 from services.scheduler.transfers import SetAside, TransferState
 from services.wire import params_from_proto, params_to_proto
 
@@ -55,6 +55,7 @@ def prompt(length: int, first: int = 10) -> list[int]:
 class InFlightStep:
     plan: StepPlan
     sampling: list[ScheduledRequest]  # items whose chunk completes the known tokens
+    writes: set[int] = field(default_factory=set)  # block ids whose KV the step writes
 
 
 @dataclass
@@ -88,6 +89,10 @@ class ClusterDriver:
         for info in workers:
             self.register(info)
         self.steps: dict[str, InFlightStep] = {}  # worker id -> its unanswered step
+        # worker id -> the step planned ahead behind it (async scheduling: worker_link.py)
+        self.ahead: dict[str, InFlightStep] = {}
+        self.pipeline = False  # run() plans ahead wherever the scheduler allows it
+        self.num_planned_ahead = 0
         self.sends: dict[str, InFlightSend] = {}  # transfer id -> a send a prefill worker runs
         self.sampled: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens sampled for it
         self.script: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens to sample next
@@ -150,12 +155,34 @@ class ClusterDriver:
             self.sends[order.transfer_id] = InFlightSend(
                 order, worker, transfer.destination, tuple(transfer.decode_request.all_token_ids))
             self.num_pushed[order.seq_id] = transfer.decode_request.num_tokens
-        if worker.role == DECODE:
+        self.steps[worker_id] = self._in_flight(worker, plan, ahead=False)
+        return True
+
+    def start_ahead(self, worker_id: str) -> bool:
+        """Plan the step after the one in flight, as WorkerLink does while it runs; False when
+        the scheduler does not continue this way."""
+        assert worker_id in self.steps and worker_id not in self.ahead, worker_id
+        worker = self.worker(worker_id)
+        plan = plan_ahead(self.cluster, worker, self.steps[worker_id].plan)
+        if plan is None:
+            return False
+        assert not plan.order.kv_sends and not plan.order.new_sequences
+        self.ahead[worker_id] = self._in_flight(worker, plan, ahead=True)
+        self.num_planned_ahead += 1
+        return True
+
+    def _in_flight(self, worker: WorkerRecord, plan: StepPlan, ahead: bool) -> InFlightStep:
+        if worker.role == DECODE and not ahead:
             for item in plan.output.scheduled:
                 self._read_pages(worker, item)
+        writes = set()
+        for item in plan.output.scheduled:
+            # A step planned ahead computes the token the one before it samples.
+            start = item.request.num_computed_tokens + (1 if ahead else 0)
+            for position in range(start, start + item.num_new_tokens):
+                writes.add(item.block_ids[position // BLOCK_SIZE])
         sampling = [item for item in plan.output.scheduled if item.samples]
-        self.steps[worker_id] = InFlightStep(plan, sampling)
-        return True
+        return InFlightStep(plan, sampling, writes)
 
     def finish_step(self, worker_id: str) -> None:
         """The worker answers: one sampled token per sequence whose chunk reached its end."""
@@ -171,6 +198,8 @@ class ClusterDriver:
                 sampled.append(token)
         apply_result(self.cluster, worker, step.plan,
                      StepOutcome(step.plan.order.step_id, tuple(sampled)))
+        if worker_id in self.ahead:  # the worker goes straight on to it
+            self.steps[worker_id] = self.ahead.pop(worker_id)
         self.cluster.retry_awaiting()  # as WorkerLink._step_loop does after each step
         self.flush()
 
@@ -193,6 +222,7 @@ class ClusterDriver:
         self.cluster.worker_died(worker, "step stream broke")
         self.flush()
         self.steps.pop(worker_id, None)
+        self.ahead.pop(worker_id, None)
         for transfer_id, send in list(self.sends.items()):
             if send.prefill is worker:
                 del self.sends[transfer_id]
@@ -263,6 +293,11 @@ class ClusterDriver:
         decode = transfer.destination
         assert decode.alive and decode.role is DECODE
         assert order.dst_instance_id == decode.info.instance_id
+        written = set().union(*(step.writes for steps in (self.steps, self.ahead)
+                                for worker_id, step in steps.items()
+                                if self.worker(worker_id) is decode))
+        assert not written & set(order.dst_block_ids), \
+            f"a push into blocks a running step of {decode.worker_id} writes: {self.describe()}"
         decode_blocks = decode.core.kv.block_ids(order.seq_id)
         num_held = len(decode_blocks) - len(order.dst_block_ids)
         assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
@@ -305,8 +340,13 @@ class ClusterDriver:
             if sends == "after":
                 self.deliver_sends(carried)
             for worker in list(self.cluster.registry.workers.values()):
-                if worker.alive and self.cluster.has_work(worker):
+                if (worker.alive and worker.worker_id not in self.steps
+                        and self.cluster.has_work(worker)):
                     progressed |= self.start_step(worker.worker_id)
+            if self.pipeline:
+                for worker_id in list(self.steps):
+                    if worker_id not in self.ahead and self.worker(worker_id).alive:
+                        self.start_ahead(worker_id)
             self.deliver_sends(carried)
             if not progressed and self.cluster.transfers.set_aside:
                 # What waits may wait for blocks a lost sender's deadline holds: time passes.
@@ -508,7 +548,8 @@ def _check_pool(worker: WorkerRecord, set_aside: list[SetAside]) -> None:
     for block in kv.landing.values():  # reserved, pages not in yet: never a prefix hit
         assert block.block_hash is None and block.ref_cnt > 0, (worker.worker_id, block)
     holders: dict[int, int] = defaultdict(int)
-    for blocks in [*kv.req_blocks.values(), *(entry.blocks for entry in set_aside)]:
+    for blocks in [*kv.req_blocks.values(), *(entry.blocks for entry in set_aside),
+                   *worker.core.held_for_steps]:
         for block in blocks:
             holders[block.block_id] += 1
     for block in kv.pool.blocks:

@@ -480,11 +480,13 @@ class PDClusterMachine(RuleBasedStateMachine):
     the end every request has ended with one final delta and every block is free."""
 
     WORKERS = (("p0", PREFILL, 8), ("d0", DECODE, 6))
+    PIPELINE = True  # the teardown's run plans steps ahead too
 
     def __init__(self):
         super().__init__()
         self.driver = ClusterDriver([worker_info(*w, max_model_len=64) for w in self.WORKERS],
                                     max_num_batched_tokens=24, max_num_seqs=3)
+        self.driver.pipeline = self.PIPELINE
         self.next_id = 0
 
     @rule(length=st.integers(1, 40), shared=st.booleans(), max_tokens=st.integers(1, 5),
@@ -507,6 +509,14 @@ class PDClusterMachine(RuleBasedStateMachine):
         worker = self.WORKERS[index % len(self.WORKERS)][0]
         if self.driver.worker(worker).alive and worker not in self.driver.steps:
             self.driver.start_step(worker)
+
+    @precondition(lambda self: set(self.driver.steps) - set(self.driver.ahead))
+    @rule(data=st.data())
+    def plan_ahead(self, data):
+        """While a step runs, the next one is planned and sent (async scheduling), where the
+        scheduler lets it: tokens, stops, aborts and deaths then meet two steps in flight."""
+        worker = data.draw(st.sampled_from(sorted(set(self.driver.steps) - set(self.driver.ahead))))
+        self.driver.start_ahead(worker)
 
     @precondition(lambda self: self.driver.steps)
     @rule(data=st.data())
@@ -558,6 +568,7 @@ class DrainingPDClusterMachine(PDClusterMachine):
     """Two prefill workers, either of which may start draining at any moment: its queued
     samples move to the other one, the rest finish where they are."""
     WORKERS = (("p0", PREFILL, 8), ("p1", PREFILL, 8), ("d0", DECODE, 6))
+    PIPELINE = False
 
     @rule(index=st.integers(0, 1))
     def drain_prefill_worker(self, index):

@@ -280,3 +280,27 @@ async def _play(share: CoreShare, driver: ClusterDriver, ops, busy: set[str]) ->
     await asyncio.gather(*(task for task, _ in turns.values()), return_exceptions=True)
     await _settle()
     assert share.held == {} and not share.waiting
+
+
+def test_a_worker_waiting_for_a_turn_makes_the_holder_stop_planning_ahead():
+    """Serialized: d0 holds the cores; once p0 asks, d0's step loop sends no step ahead, so
+    p0 waits for one step at most (worker_link.py)."""
+    driver = _decoding_pair()
+    share = _share(driver, split=False)
+    decode, prefill = driver.worker("d0"), driver.worker("p0")
+
+    async def scenario():
+        log, release = [], asyncio.Event()
+        holder = asyncio.create_task(_enter(share, decode, log, "d0", release))
+        await _settle()
+        alone = share.contended(decode)
+        waiter = asyncio.create_task(_enter(share, prefill, log, "p0", asyncio.Event()))
+        await _settle()
+        contended = (share.contended(decode), share.contended(prefill))
+        release.set()
+        await holder
+        waiter.cancel()
+        return alone, contended
+
+    alone, (for_decode, for_prefill) = asyncio.run(scenario())
+    assert not alone and for_decode and not for_prefill
