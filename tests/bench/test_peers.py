@@ -29,9 +29,9 @@ def test_llama_servers_default_build_is_the_fair_one_without_amx():
     assert fair.repack and fair.weights == "Q4_0" and "llama-quantize" in fair.targets
     flags = fair.cmake_flags
     assert "-DGGML_NATIVE=OFF" in flags and "-DCMAKE_BUILD_TYPE=Release" in flags
-    for name in ("AVX2", "FMA", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
-                 "AVX512_BF16"):
-        assert f"-DGGML_{name}=ON" in flags
+    have = llama_server.cpu_flags()
+    for name, need in llama_server.SIMD_OPTIONS.items():  # as this machine has them
+        assert f"-DGGML_{name}={'ON' if need in have else 'OFF'}" in flags
     for name in ("AMX_TILE", "AMX_INT8", "AMX_BF16"):
         assert f"-DGGML_{name}=OFF" in flags
     native = llama_server.BUILDS["native"]
@@ -73,3 +73,18 @@ def test_vllm_cpu_serves_the_converted_weights_offline_on_the_same_cpus(tmp_path
     env = vllm_cpu.serve_env(threads=2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["HF_HUB_OFFLINE"] == "1"
     assert vllm_cpu.serve_env(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+def test_the_fair_llama_build_turns_on_only_the_extensions_this_cpu_has(tmp_path):
+    """A build with an extension the CPU lacks dies with SIGILL (AVX-VNNI on a machine with
+    only AVX512-VNNI did); each set of extensions gets its own build folder."""
+    from benchmarks.peers import llama_server
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma f16c bmi2 avx512f "
+                       "avx512vbmi avx512_vnni avx512_bf16 amx_tile\n")
+    flags = llama_server.cpu_flags(str(cpuinfo))
+    built = llama_server.fair_ggml_flags(flags)
+    assert "-DGGML_AVX_VNNI=OFF" in built and "-DGGML_AVX512_VNNI=ON" in built
+    assert "-DGGML_AVX512_VBMI=ON" in built and "-DGGML_AMX_TILE=OFF" in built
+    assert "-DGGML_NATIVE=OFF" in built
+    assert llama_server.fair_ggml_flags(set()).count("-DGGML_AVX=OFF") == 1
