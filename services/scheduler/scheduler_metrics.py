@@ -33,6 +33,8 @@ SET_ASIDE_BLOCKS = metrics.gauge(
     "kv_blocks_set_aside", "Decode blocks held until a lost prefill worker's sends expire",
     ("worker",))
 STEPS = metrics.counter("worker_steps", "Steps run per worker", ("worker",))
+AHEAD_STEPS = metrics.counter("worker_steps_planned_ahead", "Steps planned and sent while the "
+                              "step before them ran (async scheduling)", ("worker",))
 SPLIT_STEPS = metrics.counter("worker_split_steps", "Steps run on a share of the cores, beside "
                               "another worker's (--shared-compute-steps split)", ("worker",))
 # Speculative decoding (vLLM's names): a draft is one sequence's proposal for one step.
@@ -75,6 +77,8 @@ def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
     _advance(PREFIX_HITS, name, "hits", core.kv.stats.hits)
     _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
     STEPS.labels(name).inc()
+    if plan.ahead:
+        AHEAD_STEPS.labels(name).inc()
     if plan.order.num_threads:
         SPLIT_STEPS.labels(name).inc()
     TRANSFERRING.set(cluster.transfers.num_open)

@@ -23,6 +23,7 @@ _step_ids = itertools.count(1)  # 0 marks results that are not a step's (KV send
 class StepPlan:
     order: StepOrder
     output: SchedulerOutput  # what the worker's engine core scheduled
+    ahead: bool = False  # planned while the step before it ran (async scheduling)
 
 
 def plan_step(cluster: ClusterScheduler, worker: WorkerRecord) -> StepPlan | None:
@@ -43,11 +44,11 @@ def plan_ahead(cluster: ClusterScheduler, worker: WorkerRecord,
     if worker.role is PREFILL or previous.order.kv_sends:
         return None
     output = worker.core.schedule_ahead(previous.output, cluster.registry.step_budget(worker))
-    return None if output is None else _order(cluster, worker, output)
+    return None if output is None else _order(cluster, worker, output, ahead=True)
 
 
-def _order(cluster: ClusterScheduler, worker: WorkerRecord,
-           output: SchedulerOutput) -> StepPlan | None:
+def _order(cluster: ClusterScheduler, worker: WorkerRecord, output: SchedulerOutput,
+           ahead: bool = False) -> StepPlan | None:
     order = StepOrder(step_id=next(_step_ids), finished_seq_ids=worker.forget)
     worker.forget = []
     sends: list[Transfer] = []
@@ -61,7 +62,7 @@ def _order(cluster: ClusterScheduler, worker: WorkerRecord,
         worker.forget = order.finished_seq_ids  # nothing to run: keep them for later
         return None
     worker.core.begin_step(output)
-    return StepPlan(order, output)
+    return StepPlan(order, output, ahead)
 
 
 def _add_item(cluster: ClusterScheduler, worker: WorkerRecord, order: StepOrder,

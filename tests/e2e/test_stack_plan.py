@@ -125,3 +125,11 @@ def test_scheduling_and_recovery_flags_reach_the_scheduler_only():
         assert "--worker-wait-timeout" not in specs[name].argv
     defaults = {s.name: s for s in plan_stack(parse())}
     assert "--prefill-max-num-batched-tokens" not in defaults["scheduler"].argv
+
+
+def test_no_async_scheduling_reaches_the_scheduler_only():
+    specs = {s.name: s for s in plan_stack(parse("--no-async-scheduling"))}
+    assert "--no-async-scheduling" in specs["scheduler"].argv
+    for name in ("prefill-0", "decode-0", "gateway", "tokenizer"):
+        assert "--no-async-scheduling" not in specs[name].argv
+    assert "--no-async-scheduling" not in {s.name: s for s in plan_stack(parse())}["scheduler"].argv
