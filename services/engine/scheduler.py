@@ -193,9 +193,8 @@ class Scheduler:
     def abandon_steps(self) -> None:
         """The worker is gone: no step in flight will answer, and nothing writes these blocks."""
         self._in_flight.clear()
-        for held in self._held_for_step.values():
-            for blocks in held:
-                self.kv.release(blocks)
+        for blocks in self.held_for_steps:
+            self.kv.release(blocks)
         self._held_for_step.clear()
 
     @property
