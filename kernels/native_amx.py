@@ -86,13 +86,9 @@ class Q4Tiles:
     out_features: int
 
 
-def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
-    """q [N, K] in 0..15, scale and zero [N, K/32] float32 (weight = (q - 8) * scale + zero,
-    per 32 weights of a row) -> the kernels' tiles. Raises ValueError where scale and
-    zero - 8 * scale are not float16 values (they are for GGUF's Q4_0 and Q4_1 blocks)."""
-    n, k = q.shape
-    lanes = _tile_lanes(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)))
-    nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(n // 16, k // 32, 256)
+def q4_scales_as_float16(scale: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K/32] float32 scale and zero (weight = (q - 8) * scale + zero) -> the tiles' d and m
+    as float16 (weight = q * d + m). Raises ValueError where they are not float16 values."""
     scale = np.asarray(scale, dtype=np.float32)
     d = scale.astype(np.float16)
     m = (np.asarray(zero, dtype=np.float32) - 8 * scale).astype(np.float16)
@@ -100,12 +96,26 @@ def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
     if not (np.array_equal(d.astype(np.float32), scale)
             and np.array_equal(m.astype(np.float32) + 8 * scale, zero)):
         raise ValueError("4-bit scales or offsets are not float16 values")
+    return d, m
 
-    def per_tile(values: np.ndarray) -> torch.Tensor:  # [N, K/32] f16 -> [N/16, K/32, 32] u8
-        grid = torch.from_numpy(np.ascontiguousarray(values)).view(torch.uint8)
-        return grid.reshape(n // 16, 16, k // 32, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 32, 32)
 
-    tiles = torch.cat([nibbles, per_tile(d), per_tile(m)], dim=-1).contiguous()
+def tile_scales(values: np.ndarray) -> torch.Tensor:
+    """[N, K/32] float16 -> [N/16, K/32, 32] bytes: each tile's 16 columns' values, in order."""
+    n, k_blocks = values.shape
+    grid = torch.from_numpy(np.ascontiguousarray(values)).view(torch.uint8)
+    return grid.reshape(n // 16, 16, k_blocks, 2).permute(0, 2, 1, 3).reshape(n // 16, k_blocks, 32)
+
+
+def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
+    """q [N, K] in 0..15, scale and zero [N, K/32] float32 (weight = (q - 8) * scale + zero,
+    per 32 weights of a row) -> the kernels' tiles. Raises ValueError where scale and
+    zero - 8 * scale are not float16 values (they are for GGUF's Q4_0 and Q4_1 blocks)."""
+    n, k = q.shape
+    lanes = _tile_lanes(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)))
+    nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(n // 16, k // 32, 256)
+    d, m = q4_scales_as_float16(scale, zero)
+
+    tiles = torch.cat([nibbles, tile_scales(d), tile_scales(m)], dim=-1).contiguous()
     return Q4Tiles(tiles, n)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from kernels import native_gemv
+from kernels import native_amx, native_gemv, native_q4a8
 from services.engine import LLM, SamplingParams
 from services.engine.models import gguf_int4
 from tests.prompts import chat_conversations
@@ -46,40 +46,65 @@ def test_rows_are_put_back_in_rotary_order():
     assert order.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
-@pytest.fixture(scope="module", params=["native", "torch"])
+# kernel -> (LLM arguments, the int4_kernel it reports)
+KERNELS = {"native": ({"q4a8_max_tokens": 0}, "native"),
+           "torch": ({"q4a8_max_tokens": 0}, "torch"),
+           "split": ({}, "native"), "int8": ({"int8_activations": True}, "q4a8")}
+
+
+@pytest.fixture(scope="module", params=list(KERNELS))
 def int4_llm(request):
     """The engine with small steps on the 4-bit weights, on each kernel that can run them: the
-    native AVX512-BF16 one (kernels/native_gemv.py, where the CPU has it) and torch's."""
-    if request.param == "native" and native_gemv.gemv_ops() is None:
+    native AVX512-BF16 one (kernels/native_gemv.py, where the CPU has it), torch's, and where
+    AMX does not run the VNNI kernel (kernels/native_q4a8.py): "split" (the default, steps of
+    5-8 rows; the test decodes its prompts together for it) or "int8" (every layer step)."""
+    if request.param in ("native", "split") and native_gemv.gemv_ops() is None:
         pytest.skip("no AVX512-BF16 on this CPU")
+    if request.param in ("split", "int8") and (native_q4a8.q4a8_ops() is None
+                                               or native_amx.amx_ops() is not None):
+        pytest.skip("no AVX512-VNNI on this CPU, or AMX runs these steps")
+    arguments, kernel = KERNELS[request.param]
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "torch":
             patch.setattr(native_gemv, "gemv_ops", lambda: None)
-        llm = LLM(dtype="bfloat16", int4_max_tokens=4)
-    assert llm.engine.runner.int4_kernel == request.param, \
-        "the default model's GGUF has Q4_1 layer weights"
+        llm = LLM(dtype="bfloat16", int4_max_tokens=4, **arguments)
+    runner = llm.engine.runner
+    assert runner.int4_kernel == kernel, "the default model's GGUF has Q4_1 layer weights"
     # and a Q8_0 head, which the native kernels multiply as such
-    assert llm.engine.runner.q8_head == (request.param == "native")
+    assert runner.q8_head == (request.param != "torch")
+    assert runner.q4a8 == {"split": "split", "int8": "int8"}.get(request.param)
+    llm.kernel = request.param
     return llm
+
+
+def _generate(llm, prompts: list[list[int]], params) -> list:
+    """Each prompt alone (every decode step one row), or all at once for the split kernel
+    (whose steps are 5-8 rows)."""
+    if llm.kernel == "split":
+        return [output.outputs[0] for output in llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)]
+    return [llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            for prompt in prompts]
 
 
 def test_greedy_tokens_on_4_bit_weights_agree_with_the_float32_reference(int4_llm, hf_model,
                                                                           tokenizer):
-    """Each prompt alone (so every decode step runs on the 4-bit weights); at every generated
-    position the engine's token is compared with HF float32's argmax given the same prefix
-    (teacher forcing, so one early difference does not count for the rest). Activations are
-    bf16, so near-ties may go either way, as on the bf16 weights (which measured 374 of 384 on
-    these prompts with and without the system prompt, against 375 for the 4-bit path): a
-    token that differs must be within NEAR_TIE nats of the reference's best."""
+    """At every generated position the engine's token is compared with HF float32's argmax
+    given the same prefix (teacher forcing, so one early difference does not count for the
+    rest). Activations are bf16, so near-ties may go either way, as on the bf16 weights (which
+    measured 374 of 384 on these prompts with and without the system prompt, against 375 for
+    the 4-bit path): a token that differs must be within NEAR_TIE nats of the reference's best.
+    With int8 activations (opt-in, llama.cpp's coding) the bound is the one that path
+    measured: 178 of 192, one token 0.73 nats below the best."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
     agree = total = 0
     margins, logprob_gaps = [], []
+    prompts = []
     for conversation in chat_conversations(with_system=False):
         prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                tokenize=True)
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-        [output] = int4_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        completion = output.outputs[0]
+        prompts.append(list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt))
+    for prompt, completion in zip(prompts, _generate(int4_llm, prompts, params)):
         with torch.inference_mode():
             logits = hf_model(torch.tensor([prompt + completion.token_ids])).logits[0].float()
         reference = logits[len(prompt) - 1:-1].log_softmax(-1)  # [generated, vocab]
@@ -90,11 +115,13 @@ def test_greedy_tokens_on_4_bit_weights_agree_with_the_float32_reference(int4_ll
             margins.append(best - reference[position, token_id].item())
             engine_logprob = completion.logprobs[position][token_id].logprob
             logprob_gaps.append(abs(engine_logprob - reference[position, token_id].item()))
+    coarse = int4_llm.kernel == "int8"
     # bf16 activations round differently per CPU (oneDNN's packed GEMM on AVX-512, F.linear on
     # AVX2): 97-99% agree; every token that does not is a near-tie (below).
-    assert agree >= 0.95 * total, f"{agree} of {total} tokens agree"
-    assert max(margins) < NEAR_TIE, f"a token {max(margins):.3f} nats below the reference's best"
-    assert max(logprob_gaps) < 0.5, max(logprob_gaps)
+    assert agree >= (0.9 if coarse else 0.95) * total, f"{agree} of {total} tokens agree"
+    assert max(margins) < (1.0 if coarse else NEAR_TIE), \
+        f"a token {max(margins):.3f} nats below the reference's best"
+    assert max(logprob_gaps) < (1.0 if coarse else 0.5), max(logprob_gaps)
 
 
 NEAR_TIE = 0.25

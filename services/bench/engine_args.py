@@ -18,13 +18,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amx-max-tokens", type=int, default=None,
                         help="steps up to this many tokens run on AMX tiles "
                              "(default: the engine's; 0: never)")
+    parser.add_argument("--q4a8-max-tokens", type=int, default=None,
+                        help="where AMX does not run, steps up to this many tokens use the "
+                             "VNNI kernel (default: the engine's; 0: never)")
+    parser.add_argument("--int8-activations", action="store_true", default=None,
+                        help="where AMX does not run, every layer step on the VNNI kernel "
+                             "with int8 activations")
 
 
 def make_llm(args):
     from services.engine import LLM
     engine_args = {"num_threads": args.num_threads,
                    "enable_prefix_caching": args.prefix_caching}
-    for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens", "amx_max_tokens"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens", "amx_max_tokens",
+                 "q4a8_max_tokens", "int8_activations"):
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     return LLM(model=args.model, dtype=args.dtype, **engine_args)
@@ -41,4 +48,6 @@ def engine_description(llm) -> dict:
             "prefix_caching": engine.config.enable_prefix_caching,
             "int4_max_tokens": engine.config.int4_max_tokens if engine.runner.uses_int4 else 0,
             "int4_kernel": engine.runner.int4_kernel,
-            "amx_max_tokens": engine.config.amx_max_tokens if engine.runner.uses_amx else 0}
+            "amx_max_tokens": engine.config.amx_max_tokens if engine.runner.uses_amx else 0,
+            "q4a8": engine.runner.q4a8,
+            "q4a8_max_tokens": engine.config.q4a8_max_tokens if engine.runner.q4a8 else 0}

@@ -41,6 +41,15 @@ class EngineConfig:
     # native_amx.py: the 4-bit weights widened in L1, the head in bf16) where the CPU has
     # AMX-BF16; oneDNN above, where it is faster. 0: never.
     amx_max_tokens: int = 32
+    # Where AMX does not run and the CPU has AVX512-VNNI, the layers' steps above
+    # int4_max_tokens up to this many tokens multiply the 4-bit weights on integer dot products,
+    # the activations coded as two int8 per value per 32 values (~15 bits: finer than bf16;
+    # kernels/native_q4a8.py). 0: never (oneDNN).
+    q4a8_max_tokens: int = 8
+    # There, every layer step (prefill included) on that kernel with the activations coded
+    # once, as int8 per 32 values (llama.cpp's Q8 activations): 1.3-1.5x the bf16 matmuls at
+    # 64 rows and more at few, at a cost in accuracy (BENCHMARKS.md). Off by default.
+    int8_activations: bool = False
     seed: int = 0  # for unseeded sampling
     structured_outputs_backend: str = "llguidance"  # or "xgrammar" (structured/compiler.py)
     # Speculative decoding (spec/config.py): a SpeculativeConfig, or its dict or JSON text as
@@ -61,7 +70,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         for name in ("long_prefill_token_threshold", "long_prefill_chunk_size",
-                     "int4_max_tokens", "amx_max_tokens"):
+                     "int4_max_tokens", "amx_max_tokens", "q4a8_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.scheduling_policy not in POLICIES:

@@ -53,7 +53,9 @@ class EngineCore:
         self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
                                   config.block_size, config.num_kv_blocks, config.kv_cache_memory,
                                   int4_max_tokens=config.int4_max_tokens,
-                                  amx_max_tokens=config.amx_max_tokens)
+                                  amx_max_tokens=config.amx_max_tokens,
+                                  q4a8_max_tokens=config.q4a8_max_tokens,
+                                  int8_activations=config.int8_activations)
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         drafter = None if config.speculative_config is None else \
             Drafter(config.speculative_config)

@@ -40,16 +40,20 @@ class ModelRunner:
     def __init__(self, hf_config, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
                  block_size: int, num_blocks: int | None, kv_cache_memory: int,
                  kv_cache_path: str | None = None, int4_max_tokens: int = 0,
-                 amx_max_tokens: int = 0) -> None:
+                 amx_max_tokens: int = 0, q4a8_max_tokens: int = 0,
+                 int8_activations: bool = False) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.int4_max_tokens = int4_max_tokens
         self.amx_max_tokens = amx_max_tokens
+        self.q4a8_max_tokens = q4a8_max_tokens
+        self.int8_activations = int8_activations
         self.uses_int4 = False  # the checkpoint's 4-bit weights run small steps
         self.int4_kernel: str | None = None  # which kernel multiplies them: "native", "torch"
         self.uses_amx = False  # AMX tiles run the steps just above those
         self.q8_head = False  # the head's small steps read the checkpoint's 8-bit blocks
+        self.q4a8: str | None = None  # how the VNNI kernel codes activations, where it runs
         self.model = self._load_model(hf_config, model_dir)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
@@ -102,17 +106,20 @@ class ModelRunner:
         """Steps of up to int4_max_tokens tokens on the 4-bit weights, then up to
         amx_max_tokens on AMX tiles; oneDNN above (small_steps.py)."""
         kernels = small_steps.attach(model, q4_blocks, self.int4_max_tokens, self.amx_max_tokens,
-                                     q8_head)
+                                     q8_head, self.q4a8_max_tokens, self.int8_activations)
         self.int4_kernel = kernels.int4_kernel
         self.uses_int4 = kernels.int4_kernel is not None
         self.uses_amx = kernels.amx
         self.q8_head = kernels.q8_head
+        self.q4a8 = kernels.q4a8
 
     def _q4_blocks(self, hf_config, model_dir: Path | None, model) -> dict | None:
         """The GGUF source's 4-bit matmul blocks (checked against the loaded weights), where
         small steps can run on them: bf16 on CPU (the packed path), a Q4_0/Q4_1 source."""
         source = gguf_source(model_dir)
-        if (not (self.int4_max_tokens or self.amx_max_tokens) or source is None
+        if (not (self.int4_max_tokens or self.amx_max_tokens or self.q4a8_max_tokens
+                 or self.int8_activations)
+                or source is None
                 or not packing_supported(self.device, self.dtype)):
             return None
         params = {name: param.detach() for name, param in model.named_parameters()}

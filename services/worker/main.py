@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
                   "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
                   "AMX-BF16 (0: never)")
+    add_flag(parser, "--q4a8-max-tokens", type=int, default=8,
+             help="where AMX does not run and the CPU has AVX512-VNNI, steps above "
+                  "--int4-max-tokens up to this many tokens multiply the 4-bit weights on "
+                  "integer dot products, activations coded finer than bf16 (0: never)")
+    add_flag(parser, "--int8-activations", action="store_true", default=False,
+             help="there, every layer step (prefill included) on that kernel with activations "
+                  "coded as int8 per 32 values, as llama.cpp does: faster, less accurate")
     add_flag(parser, "--block-size", type=int, default=16)
     add_flag(parser, "--no-warmup", action="store_true", default=False,
              help="register as soon as the model is loaded, without first running each step "

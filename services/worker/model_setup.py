@@ -36,7 +36,9 @@ def load_worker_model(args, shm_path: str | None) -> LoadedModel:
     runner = ModelRunner(hf_config, model_dir, dtype, device, args.block_size,
                          args.num_kv_blocks, args.kv_cache_memory, kv_cache_path=shm_path,
                          int4_max_tokens=args.int4_max_tokens,
-                         amx_max_tokens=args.amx_max_tokens)
+                         amx_max_tokens=args.amx_max_tokens,
+                         q4a8_max_tokens=args.q4a8_max_tokens,
+                         int8_activations=args.int8_activations)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(runner, _model_name(args.model, model_dir),
                        max_model_len_for(hf_config, args.max_model_len), hf_config.vocab_size,

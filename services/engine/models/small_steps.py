@@ -7,36 +7,50 @@ blocks: the native AVX512-BF16 kernel (kernels/native_gemv.py) where it builds, 
 torch's int4 kernel (layers only). Steps of up to `amx_max_tokens` run on AMX tiles
 (kernels/native_amx.py). The native kernels share one copy of each layer weight, the 4-bit
 tiles. Larger steps stay on oneDNN.
+
+Where AMX does not run and the CPU has AVX512-VNNI, the VNNI kernel (kernels/native_q4a8.py:
+integer dot products, twice the multiply-adds per instruction of bf16 ones) takes the layers'
+steps above `int4_max_tokens` up to `q4a8_max_tokens` instead, its activations coded twice per
+32 values (finer than bf16); with `int8_activations` it takes every layer step, prefill
+included, its activations coded once (llama.cpp's Q8: faster, coarser). The head keeps its
+kernels.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from kernels import native_amx, native_gemv
+from kernels import native_amx, native_gemv, native_q4a8
 from services.engine.models import gguf_int4
 from services.engine.models.gguf_q8_head import Q8Blocks
 
 # 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
 Q8_HEAD_SWITCH = "KVRELAY_Q8_HEAD"
+EVERY_STEP = 1 << 30  # max_rows that takes any step
 
 
 @dataclass(frozen=True, slots=True)
 class SmallStepKernels:
-    """What was attached: the kernel of the smallest steps ("native", "torch" or None) and
-    whether AMX runs the next ones."""
+    """What was attached: the kernel of the smallest steps ("native", "torch", "q4a8" or None),
+    whether AMX runs the next ones, and how the VNNI kernel codes activations where it runs
+    ("split", "int8" or None)."""
     int4_kernel: str | None
     amx: bool
     q8_head: bool = False  # the head's small steps on its 8-bit blocks
+    q4a8: str | None = None
 
 
 def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
-           q8_head: Q8Blocks | None = None) -> SmallStepKernels:
+           q8_head: Q8Blocks | None = None, q4a8_max_tokens: int = 0,
+           int8_activations: bool = False) -> SmallStepKernels:
     """q4_blocks: parameter name -> gguf_int4.Q4Blocks (empty where the source has none);
     q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None."""
     gemv = native_gemv.gemv_ops() if int4_max_tokens else None
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
-    tiles = _q4_tiles(q4_blocks) if (gemv or amx) else {}
+    q4a8 = None if amx is not None else _attach_q4a8(model, q4_blocks, q4a8_max_tokens,
+                                                     int8_activations)
+    every_step = q4a8 == "int8"  # then no other kernel multiplies the layers
+    tiles = _q4_tiles(q4_blocks) if (gemv or amx) and not every_step else {}
     head_fits = model.packed_head is not None and native_amx.shape_supported(
         model.packed_head.out_features, model.config.hidden_size)
     q8_tiles = None
@@ -46,14 +60,14 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
     head = None
     if head_fits and (amx is not None or (gemv is not None and q8_tiles is None)):
         head = native_amx.pack_bf16(model.head_weight)
-    int4_kernel = None
+    int4_kernel = "q4a8" if every_step else None
     if gemv is not None:
         model.add_small_step_kernels_(
             int4_max_tokens,
             {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()},
             _gemv_head(gemv, q8_tiles, head))
-        int4_kernel = "native" if tiles else None
-    elif q4_blocks and int4_max_tokens and gguf_int4.int4_supported():
+        int4_kernel = "native" if tiles else int4_kernel
+    elif q4_blocks and int4_max_tokens and not every_step and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
             int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
             None)
@@ -63,7 +77,21 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
             amx_max_tokens,
             {name: _bound(native_amx, "matmul_q4", amx, t) for name, t in tiles.items()},
             None if head is None else _bound(native_amx, "matmul_bf16", amx, head))
-    return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None)
+    return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None, q4a8)
+
+
+def _attach_q4a8(model, q4_blocks: dict, max_tokens: int, int8_activations: bool) -> str | None:
+    """The layers' steps of up to max_tokens (every step with int8_activations) on the VNNI
+    kernel; its coding of the activations ("split" or "int8"), or None where it does not run."""
+    ops = native_q4a8.q4a8_ops() if q4_blocks and (max_tokens or int8_activations) else None
+    tiles = {} if ops is None else _q4a8_tiles(q4_blocks)
+    if not tiles:
+        return None
+    split = not int8_activations
+    model.add_small_step_kernels_(
+        max_tokens if split else EVERY_STEP,
+        {name: _q4a8_matmul(ops, t, split) for name, t in tiles.items()}, None)
+    return "split" if split else "int8"
 
 
 def _gemv_head(gemv, q8_tiles, bf16_tiles):
@@ -87,4 +115,19 @@ def _q4_tiles(q4_blocks: dict) -> dict:
                 tiles[name] = native_amx.pack_q4(blocks.q, blocks.scale, blocks.zero)
             except ValueError:  # scales that are not float16: that matmul stays on oneDNN
                 continue
+    return tiles
+
+
+def _q4a8_matmul(ops, tiles, split: bool):
+    """x -> native_q4a8.matmul(ops, x, tiles, split), looked up per call (tests count calls)."""
+    return lambda x: native_q4a8.matmul(ops, x, tiles, split)
+
+
+def _q4a8_tiles(q4_blocks: dict) -> dict:
+    tiles = {}
+    for name, blocks in q4_blocks.items():
+        try:
+            tiles[name] = native_q4a8.pack(blocks.q, blocks.scale, blocks.zero)
+        except ValueError:  # a shape or scales it cannot take: that matmul stays on oneDNN
+            continue
     return tiles
