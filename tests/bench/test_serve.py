@@ -26,8 +26,10 @@ def test_chat64_metrics_follow_the_chunk_timings(tmp_path, capsys):
     assert s["requests_sent"] == 4 and s["requests_ok"] == 4
     assert s["output_tokens"] == 16 and s["prompt_tokens"] == 28 and s["tokens_from_usage"]
     assert 0.3 <= s["ttft_s"]["p50"] <= 0.3 + SLACK_S
-    assert s["itl_s"]["count"] == 12 and s["itl_s"]["mean"] == pytest.approx(0.1, abs=0.02)
-    assert s["tpot_s"]["p50"] == pytest.approx(0.1, abs=0.02)
+    # the server sleeps 0.1 s between chunks; a busy machine only lengthens a gap (and the
+    # next one may then shrink by as much), so the bound is wider above than below
+    assert s["itl_s"]["count"] == 12 and 0.09 <= s["itl_s"]["mean"] <= 0.1 + SLACK_S / 2
+    assert 0.09 <= s["tpot_s"]["p50"] <= 0.1 + SLACK_S / 2
     assert 0.6 <= s["e2e_s"]["p50"] <= 0.6 + SLACK_S
     assert s["output_tokens_per_s"] == pytest.approx(16 / s["duration_s"])
     assert s["goodput_fraction"] == 1.0  # 0.3 s TTFT, 100 ms TPOT: within 2 s / 150 ms
