@@ -55,7 +55,8 @@ def test_percentiles_and_goodput_over_requests_of_different_speeds(tmp_path):
                        str(prompts), "--slo-ttft", "0.25", "--model", "m")
     s = result["runs"][0]["summary"]
     assert 0.25 <= s["ttft_s"]["p50"] <= 0.25 + SLACK_S  # between 0.2 and 0.3
-    assert 0.4 <= s["ttft_s"]["p99"] <= 0.4 + SLACK_S
+    # p99 of four interpolates 97% of the way from the third to the fourth (0.397 s if exact)
+    assert 0.39 <= s["ttft_s"]["p99"] <= 0.4 + SLACK_S
     assert s["goodput_requests"] == 2 and s["goodput_fraction"] == 0.5  # TTFT 0.1 and 0.2
     assert all(body["model"] == "m" for body in server.behaviour.bodies)
 
