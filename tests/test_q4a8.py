@@ -3,6 +3,8 @@ reference on fresh random inputs, for both codings of the activations; each codi
 against the exact float32 product; rows that do not depend on the batch; refusals."""
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +94,21 @@ def test_bad_shapes_are_refused():
         native_q4a8.matmul(native_q4a8.q4a8_ops(), torch.zeros(2, 96).bfloat16(), tiles)
     with pytest.raises(RuntimeError, match="bf16"):
         native_q4a8.matmul(native_q4a8.q4a8_ops(), torch.zeros(2, 64), tiles)
+
+
+@pytest.mark.parametrize("argv,coding", [([], "split"), (["--int8-activations"], "int8"),
+                                         (["--q4a8-max-tokens", "0"], None)])
+def test_the_worker_flags_choose_the_coding(argv, coding):
+    """A worker's own flags, parsed as `kvrelay worker` parses them, reach its model runner."""
+    from kernels import native_amx
+    from services.worker import main as worker_main
+    from services.worker.model_setup import load_worker_model
+
+    if native_amx.amx_ops() is not None:
+        pytest.skip("AMX runs these steps on this CPU")
+    parser = argparse.ArgumentParser()
+    worker_main.add_arguments(parser)
+    args = parser.parse_args(["--dtype", "bfloat16", "--num-kv-blocks", "16", *argv])
+    runner = load_worker_model(args, None).runner
+    assert runner.q4a8 == coding
+    assert runner.int4_kernel == ("q4a8" if coding == "int8" else "native")

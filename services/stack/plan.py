@@ -140,7 +140,7 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
                 "--num-threads", str(num_threads),
                 *_optional(args, "--model", "--dtype", "--kv-cache-memory", "--num-kv-blocks",
                            "--int4-max-tokens", "--amx-max-tokens", "--q4a8-max-tokens"),
-                *(["--int8-activations"] if getattr(args, "int8_activations", False) else [])]
+                *(["--int8-activations"] if args.int8_activations else [])]
             # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
             # fresh machine the GGUF is converted once rather than by every process at once.
             services.append(spec(name, "worker", argv, role=role,

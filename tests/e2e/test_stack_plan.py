@@ -67,6 +67,18 @@ def test_engine_flags_reach_only_the_services_that_own_them():
     assert "--model" not in specs["decode-0"].argv
 
 
+def test_vnni_kernel_flags_reach_the_workers_only():
+    specs = {s.name: s for s in plan_stack(parse("--q4a8-max-tokens", "16", "--int8-activations"))}
+    for name in ("prefill-0", "decode-0"):
+        assert flag(specs[name], "--q4a8-max-tokens") == "16"
+        assert "--int8-activations" in specs[name].argv
+    for name in ("scheduler", "gateway", "tokenizer"):
+        assert "--int8-activations" not in specs[name].argv
+        assert "--q4a8-max-tokens" not in specs[name].argv
+    defaults = {s.name: s for s in plan_stack(parse())}["decode-0"].argv
+    assert "--int8-activations" not in defaults and "--q4a8-max-tokens" not in defaults
+
+
 def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
     # KVRELAY_PORT means the REST port to `up` but the gRPC port to the tokenizer.
     args = parse(env={"KVRELAY_PORT": "9000", "KVRELAY_LEASE_MS": "500"},
