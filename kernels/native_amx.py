@@ -114,7 +114,6 @@ def pack_q4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Tiles:
     lanes = _tile_lanes(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)))
     nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(n // 16, k // 32, 256)
     d, m = q4_scales_as_float16(scale, zero)
-
     tiles = torch.cat([nibbles, tile_scales(d), tile_scales(m)], dim=-1).contiguous()
     return Q4Tiles(tiles, n)
 

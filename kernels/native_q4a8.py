@@ -94,8 +94,8 @@ def reference(x: torch.Tensor, q: np.ndarray, scale: np.ndarray, zero: np.ndarra
     n = q.shape[0]
     x = x.float()
     blocks = x.view(rows, k // 32, 32)
-    step = blocks.abs().amax(-1, keepdim=True) / 127
     amax = blocks.abs().amax(-1, keepdim=True)
+    step = amax / 127
     # torch.full / amax, not 127 / amax: torch computes the latter as 127 * (1 / amax), which
     # rounds twice, and a code at a .5 boundary then rounds the other way than the kernel's
     scaled = blocks * torch.where(step > 0, torch.full_like(amax, 127.0) / amax, 0)

@@ -47,8 +47,10 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
     q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None."""
     gemv = native_gemv.gemv_ops() if int4_max_tokens else None
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
-    q4a8 = None if amx is not None else _attach_q4a8(model, q4_blocks, q4a8_max_tokens,
-                                                     int8_activations)
+    # like AMX, the kernel takes the steps above int4_max_tokens (every step with int8)
+    wanted = int8_activations or q4a8_max_tokens > int4_max_tokens
+    q4a8 = _attach_q4a8(model, q4_blocks, q4a8_max_tokens, int8_activations) \
+        if amx is None and wanted else None
     every_step = q4a8 == "int8"  # then no other kernel multiplies the layers
     tiles = _q4_tiles(q4_blocks) if (gemv or amx) and not every_step else {}
     head_fits = model.packed_head is not None and native_amx.shape_supported(
@@ -83,7 +85,7 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
 def _attach_q4a8(model, q4_blocks: dict, max_tokens: int, int8_activations: bool) -> str | None:
     """The layers' steps of up to max_tokens (every step with int8_activations) on the VNNI
     kernel; its coding of the activations ("split" or "int8"), or None where it does not run."""
-    ops = native_q4a8.q4a8_ops() if q4_blocks and (max_tokens or int8_activations) else None
+    ops = native_q4a8.q4a8_ops() if q4_blocks else None
     tiles = {} if ops is None else _q4a8_tiles(q4_blocks)
     if not tiles:
         return None
