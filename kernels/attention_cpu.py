@@ -1,8 +1,9 @@
-"""Fast paged attention for CPU: decode rows in the native kernel, one SDPA call per prefill row.
+"""Fast paged attention for CPU: decode rows and prefill sequences in native kernels.
 
-Decode rows read K/V in place through the block table (kernels/csrc/paged_decode.cpp); where
-that kernel cannot be built, or does not take the dtypes, they go the torch way instead
-(cpu_decode_torch.py). All indices and masks come from the step's CpuAttentionPlan.
+Both read K/V in place through the block table (kernels/csrc/paged_decode.cpp, paged_prefill.cpp).
+Where a kernel cannot be built, or does not take the dtypes or shapes, decode rows go the torch
+way (cpu_decode_torch.py) and prefill sequences one SDPA call each. All indices and masks come
+from the step's CpuAttentionPlan.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def paged_attention_cpu(
         out = torch.empty_like(query)
     if plan.decode.num_rows:
         _decode_attention(query, k_cache, v_cache, plan, scale, out)
-    if plan.prefills:
+    if plan.prefills and not _native_prefill(query, k_cache, v_cache, plan, scale, out):
         key_slots, value_slots = _slot_major(k_cache), _slot_major(v_cache)
         for seq in plan.prefills:
             _prefill_attention(query, key_slots, value_slots, seq, scale, out)
@@ -53,6 +54,26 @@ def _decode_attention(
         return
     rows = plan.decode
     native(out, query, k_cache, v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, scale)
+
+
+def _native_prefill(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    plan: CpuAttentionPlan,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+) -> bool:
+    """Every prefill sequence of the step in one native call; False where the kernel does not
+    run (then the SDPA path does)."""
+    native = native_cpu.paged_prefill_op() if _native_takes(query, k_cache, v_cache, out) else None
+    if native is None or query.dtype != k_cache.dtype or not native_cpu.paged_prefill_supported(
+            query.shape[2], query.shape[1] // k_cache.shape[2]):
+        return False
+    rows = plan.prefill_rows
+    native(out, query, k_cache, v_cache, rows.token_starts, rows.query_lens, rows.seq_lens,
+           rows.block_tables, scale)
+    return True
 
 
 def _native_takes(query, k_cache, v_cache, out) -> bool:

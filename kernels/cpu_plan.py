@@ -2,7 +2,8 @@
 
 Decode rows (one query token) go to the native kernel as index tensors it reads directly; only
 if that kernel is unavailable does the torch path derive its padded gather groups from them (on
-first use, see cpu_decode_torch.py). Prefill rows (few, long) run one by one through SDPA.
+first use, see cpu_decode_torch.py). Prefill sequences go to the native prefill kernel the same
+way (PrefillRows), or one by one through SDPA (PrefillSeq) where it does not run.
 A sequence with a few query tokens (a speculative step's token and drafts) becomes that many
 decode rows, row j seeing the keys up to its own position: causal, and each token's attention
 computed exactly as a plain decode step would compute it.
@@ -30,6 +31,16 @@ class DecodeRows:
 
 
 @dataclass(slots=True)
+class PrefillRows:
+    """The prefill sequences as the native kernel reads them: sequence s has query_lens[s]
+    queries at rows token_starts[s].. of the flat batch, the last of its seq_lens[s] keys."""
+    token_starts: torch.Tensor  # [seqs] int64
+    query_lens: torch.Tensor  # [seqs] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    block_tables: torch.Tensor  # [seqs, max_blocks_per_seq] int32, contiguous
+
+
+@dataclass(slots=True)
 class PrefillSeq:
     token_start: int
     query_len: int
@@ -52,6 +63,7 @@ class CpuAttentionPlan:
     decode: DecodeRows
     prefills: list[PrefillSeq]
     block_size: int
+    prefill_rows: PrefillRows | None = None  # None: no prefill sequence in the step
     # The torch decode path's padded groups: built by the first layer that needs them, if any.
     padded_decode_groups: list[DecodeGroup] | None = None
 
@@ -71,7 +83,27 @@ def plan_cpu_attention(
         for seq in prefill_seqs
     ]
     decode = _decode_rows(query_lens, cu_seqlens_q, seq_lens, block_tables)
-    return CpuAttentionPlan(decode=decode, prefills=prefills, block_size=block_size)
+    return CpuAttentionPlan(decode=decode, prefills=prefills, block_size=block_size,
+                            prefill_rows=_prefill_rows(prefill_seqs, cu_seqlens_q, query_lens,
+                                                       seq_lens, block_tables))
+
+
+def _prefill_rows(
+    seqs: list[int],
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    query_lens: torch.Tensor,  # [num_seqs] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+) -> PrefillRows | None:
+    if not seqs:
+        return None
+    index = torch.tensor(seqs, dtype=torch.long)
+    return PrefillRows(
+        token_starts=cu_seqlens_q[index].long(),
+        query_lens=query_lens[index].to(torch.int32).contiguous(),
+        seq_lens=seq_lens[index].to(torch.int32).contiguous(),
+        block_tables=block_tables[index].to(torch.int32).contiguous(),
+    )
 
 
 def _decode_rows(

@@ -1,4 +1,5 @@
-"""The native CPU decode kernel (kernels/csrc/paged_decode*.cpp): built on first use, or None.
+"""The native CPU attention kernels (kernels/csrc/paged_decode*.cpp, paged_prefill.cpp): built
+on first use, or None.
 
 torch.utils.cpp_extension compiles it once into torch's extension directory
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes find it built and only
@@ -19,7 +20,8 @@ from typing import Callable
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_decode_binding.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_decode_binding.cpp")]
 # -march=native: the build is for this machine's vector units, so the extension's name carries
 # the CPU's feature flags and a cache directory shared by different machines never mixes them.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -28,6 +30,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     CFLAGS.append("-mprefer-vector-width=512")
 # Set to 0 to keep the torch decode path (to compare the two, or to rule the kernel out).
 ENV_SWITCH = "KVRELAY_NATIVE_CPU_ATTENTION"
+# Set to 0 to keep prefill rows on torch's SDPA while decode rows stay native.
+PREFILL_SWITCH = "KVRELAY_NATIVE_CPU_PREFILL"
 
 
 _module = None  # the built extension, once paged_decode_op has loaded it
@@ -59,6 +63,18 @@ def store_kv_op() -> Callable | None:
     if paged_decode_op() is None or _module is None:
         return None
     return _module.store_kv
+
+
+def paged_prefill_op() -> Callable | None:
+    """The extension's causal prefill attention, or None where it or the decode kernel (the same
+    build holds both) is off or unavailable."""
+    if os.environ.get(PREFILL_SWITCH, "1") == "0" or paged_decode_op() is None or _module is None:
+        return None
+    return _module.paged_prefill_attention
+
+
+def paged_prefill_supported(head_dim: int, group_size: int) -> bool:
+    return _module is not None and _module.paged_prefill_supported(head_dim, group_size)
 
 
 def _build():

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "paged_decode.h"
+#include "paged_prefill.h"
 
 namespace {
 
@@ -79,6 +80,52 @@ void paged_decode_attention(
   TORCH_CHECK(ok, "paged_decode_attention: a block table entry lies outside the cache");
 }
 
+// Prefill rows: each sequence's query_lens[s] queries sit at rows token_starts[s].. of the flat
+// batch and are the last of its seq_lens[s] keys; query j sees keys 0 .. context + j.
+void paged_prefill_attention(
+    const at::Tensor& out,           // [num_tokens, num_q_heads, head_dim]
+    const at::Tensor& query,         // [num_tokens, num_q_heads, head_dim]
+    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& token_starts,  // [seqs] int64
+    const at::Tensor& query_lens,    // [seqs] int32
+    const at::Tensor& seq_lens,      // [seqs] int32
+    const at::Tensor& block_tables,  // [seqs, max_blocks] int32
+    double scale) {
+  check_shapes(out, query, k_cache, v_cache, token_starts, seq_lens, block_tables);
+  TORCH_CHECK(query_lens.scalar_type() == at::kInt && query_lens.is_contiguous() &&
+                  query_lens.numel() == token_starts.numel(),
+              "query_lens must be contiguous int32 [seqs]");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "the prefill kernel takes a cache of the query's dtype");
+  const int64_t group_size = query.size(1) / k_cache.size(2);
+  TORCH_CHECK(kvrelay::paged_prefill_supported(k_cache.size(3), group_size),
+              "paged_prefill_attention takes head_dim 64 or 128 and 1, 2, 3, 4, 6 or 8 q heads per kv head");
+  const int64_t* starts = token_starts.data_ptr<int64_t>();
+  const int32_t* queries = query_lens.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t max_keys = block_tables.size(1) * k_cache.size(1);
+  for (int64_t s = 0; s < token_starts.numel(); ++s) {
+    TORCH_CHECK(queries[s] >= 1 && starts[s] >= 0 && starts[s] + queries[s] <= query.size(0),
+                "prefill rows ", starts[s], " + ", queries[s], " out of range");
+    TORCH_CHECK(lens[s] >= queries[s] && lens[s] <= max_keys, "seq_len ", lens[s],
+                " is below its query count or beyond the block table");
+  }
+  const int64_t seqs = token_starts.numel();
+  if (seqs == 0) return;
+  kvrelay::PagedPrefillArgs args{
+      query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+      group_size, starts, queries, lens, block_tables.data_ptr<int32_t>(), block_tables.stride(0), seqs,
+      static_cast<float>(scale), dtype_of(query, "query"), dtype_of(k_cache, "the KV cache")};
+  const int num_threads = at::get_num_threads();
+  bool ok;
+  {
+    pybind11::gil_scoped_release no_gil;
+    ok = kvrelay::paged_prefill_attention(args, num_threads);
+  }
+  TORCH_CHECK(ok, "paged_prefill_attention: a block table entry lies outside the cache");
+}
+
 // Writes key[t] and value[t] into the caches at slot_mapping[t] (block * block_size + offset),
 // skipping tokens whose slot is negative. key/value must have the caches' dtype and each token's
 // [num_kv_heads, head_dim] contiguous (a head slice of a fused qkv output qualifies).
@@ -121,5 +168,9 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention (one query token per row) straight from the paged KV cache");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal prefill attention straight from the paged KV cache");
+  m.def("paged_prefill_supported", &kvrelay::paged_prefill_supported,
+        "Whether the prefill kernel takes this head_dim and GQA group size");
   m.def("store_kv", &store_kv, "Write new K/V rows into the paged cache at their slots (negative: skip)");
 }

@@ -1,0 +1,237 @@
+// Causal prefill attention read straight from the paged KV cache through the block table, with
+// an online softmax in fp32 (flash attention's order of work), one OpenMP work item per
+// (sequence, block of kQueryBlock query tokens, kv head).
+//
+// Why not torch's SDPA: on 2 cores it ran a 200-token causal prompt at ~50 GFLOP/s, and the
+// per-sequence gathers of K and V around it cost as much again (BENCHMARKS.md, session 21).
+// Here a tile of 16 keys is widened once per item, its K rows transposed to [head_dim][16], so
+// one query row's 16 scores are head_dim FMAs of a broadcast query value with a row of that
+// tile; the item's q heads (a GQA group) share every load. No padding, no mask tensor: each
+// query sees the keys up to its own position.
+#include "paged_prefill.h"
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+#include "fp32_lanes.h"
+
+namespace kvrelay {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;  // scores in base 2: the softmax needs only exp2
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr int kQueryBlock = 32;  // query tokens per work item
+constexpr int kPartials = 4;  // independent FMA chains per score vector
+
+struct Item {
+  int64_t seq, first_query, kv_head;
+  int64_t last_key;  // keys 0..last_key serve the item's last query: its work, for ordering
+};
+
+// One tile of up to kLanes keys for one kv head, widened to fp32: K transposed, V as rows.
+// Lanes past `count` hold zeros (their weights are exactly 0, and 0 * 0 stays 0).
+template <int D>
+struct KeyTile {
+  alignas(64) float keys[D][kLanes];
+  alignas(64) float values[kLanes][D];
+  int count = 0;
+};
+
+// Keys first_key .. first_key + count - 1 of sequence `seq`. False on a block id outside the cache.
+template <int D, typename KT>
+bool load_tile(const PagedPrefillArgs& a, int64_t seq, int64_t kv_head, int64_t first_key, int count,
+               KeyTile<D>& tile) {
+  const int32_t* table = a.block_tables + seq * a.block_table_stride;
+  const KT* k_cache = static_cast<const KT*>(a.k_cache);
+  const KT* v_cache = static_cast<const KT*>(a.v_cache);
+  for (int j = 0; j < count; ++j) {
+    const int64_t key = first_key + j;
+    const int64_t block = table[key / a.block_size];
+    if (block < 0 || block >= a.num_blocks) return false;
+    const int64_t offset = ((block * a.block_size + key % a.block_size) * a.num_kv_heads + kv_head) * D;
+    const KT* k_row = k_cache + offset;
+    const KT* v_row = v_cache + offset;
+    for (int d = 0; d < D; ++d) tile.keys[d][j] = widen(k_row[d]);
+    for (int d = 0; d < D; ++d) tile.values[j][d] = widen(v_row[d]);
+  }
+  for (int j = count; j < kLanes; ++j) {
+    for (int d = 0; d < D; ++d) tile.keys[d][j] = 0.0f;
+    for (int d = 0; d < D; ++d) tile.values[j][d] = 0.0f;
+  }
+  tile.count = count;
+  return true;
+}
+
+// The running state of one query token's G heads: queries (scaled, base 2), unnormalized
+// outputs, running max and weight sum.
+template <int G, int D>
+struct QueryState {
+  alignas(64) float query[G][D];
+  alignas(64) float acc[G][D];
+  float max[G], sum[G];
+};
+
+// Scores of one query token's G heads against a tile, valid in lanes < limit (-inf beyond).
+template <int G, int D>
+inline void score(const QueryState<G, D>& q, const KeyTile<D>& tile, int limit, Lanes (&scores)[G]) {
+  Lanes partial[G][kPartials] = {};
+  for (int d = 0; d < D; d += kPartials)
+    for (int p = 0; p < kPartials; ++p) {
+      const Lanes keys = load_lanes(tile.keys[d + p]);
+      for (int g = 0; g < G; ++g) partial[g][p] += q.query[g][d + p] * keys;
+    }
+  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Lanes minus_inf = Lanes{} + kMinusInf;
+  for (int g = 0; g < G; ++g) {
+    const Lanes sum = (partial[g][0] + partial[g][1]) + (partial[g][2] + partial[g][3]);
+    scores[g] = lane_index < float(limit) ? sum : minus_inf;
+  }
+}
+
+// Online softmax and the weighted sum of the tile's values for one query token's G heads.
+template <int G, int D>
+inline void accumulate(QueryState<G, D>& q, const KeyTile<D>& tile, int limit, const Lanes (&scores)[G]) {
+  constexpr int NC = D / kLanes;
+  alignas(64) float weights[G][kLanes];
+  float rescale[G];
+  for (int g = 0; g < G; ++g) {
+    const float new_max = std::max(q.max[g], max_of(scores[g]));
+    rescale[g] = exp2_nonpositive(q.max[g] - new_max);
+    const Lanes w = exp2_lanes(scores[g] - new_max);
+    q.max[g] = new_max;
+    q.sum[g] = q.sum[g] * rescale[g] + sum_of(w);
+    store_lanes(w, weights[g]);
+  }
+  Lanes acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = load_lanes(q.acc[g] + c * kLanes) * rescale[g];
+  for (int j = 0; j < limit; ++j)
+    for (int c = 0; c < NC; ++c) {
+      const Lanes values = load_lanes(tile.values[j] + c * kLanes);
+      for (int g = 0; g < G; ++g) acc[g][c] += weights[g][j] * values;
+    }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) store_lanes(acc[g][c], q.acc[g] + c * kLanes);
+}
+
+template <int G, int D, typename T>
+void start_queries(const PagedPrefillArgs& a, const Item& item, int num_queries, QueryState<G, D>* states) {
+  const T* query = static_cast<const T*>(a.query);
+  const float query_scale = a.scale * kLog2e;
+  const int64_t first_token = a.token_starts[item.seq] + item.first_query;
+  for (int i = 0; i < num_queries; ++i) {
+    QueryState<G, D>& s = states[i];
+    for (int g = 0; g < G; ++g) {
+      const T* src = query + (first_token + i) * a.query_token_stride + (item.kv_head * G + g) * a.query_head_stride;
+      for (int d = 0; d < D; ++d) s.query[g][d] = widen(src[d]) * query_scale;
+      for (int d = 0; d < D; ++d) s.acc[g][d] = 0.0f;
+      s.max[g] = kMinusInf;
+      s.sum[g] = 0.0f;
+    }
+  }
+}
+
+template <int G, int D, typename T>
+void finish_queries(const PagedPrefillArgs& a, const Item& item, int num_queries, const QueryState<G, D>* states) {
+  T* out = static_cast<T*>(a.out);
+  const int64_t first_token = a.token_starts[item.seq] + item.first_query;
+  for (int i = 0; i < num_queries; ++i)
+    for (int g = 0; g < G; ++g) {
+      // every query sees at least its own key, so sum >= 1
+      const float inv_sum = 1.0f / states[i].sum[g];
+      T* dst = out + (first_token + i) * a.out_token_stride + (item.kv_head * G + g) * a.out_head_stride;
+      for (int d = 0; d < D; ++d) narrow(states[i].acc[g][d] * inv_sum, dst + d);
+    }
+}
+
+// One work item: up to kQueryBlock query tokens of one sequence, the G q heads of one kv head.
+template <int G, int D, typename T>
+bool attend_item(const PagedPrefillArgs& a, const Item& item, KeyTile<D>& tile, QueryState<G, D>* states) {
+  const int64_t context = a.seq_lens[item.seq] - a.query_lens[item.seq];
+  const int num_queries = int(std::min<int64_t>(kQueryBlock, a.query_lens[item.seq] - item.first_query));
+  const int64_t first_position = context + item.first_query;  // key index of the first query's own key
+  start_queries<G, D, T>(a, item, num_queries, states);
+  for (int64_t first_key = 0; first_key <= item.last_key; first_key += kLanes) {
+    const int count = int(std::min<int64_t>(kLanes, item.last_key + 1 - first_key));
+    if (!load_tile<D, T>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
+    for (int i = 0; i < num_queries; ++i) {
+      const int64_t visible = first_position + i + 1 - first_key;  // keys of this tile query i sees
+      if (visible <= 0) continue;  // the whole tile lies after this query
+      const int limit = int(std::min<int64_t>(count, visible));
+      Lanes scores[G];
+      score(states[i], tile, limit, scores);
+      accumulate(states[i], tile, limit, scores);
+    }
+  }
+  finish_queries<G, D, T>(a, item, num_queries, states);
+  return true;
+}
+
+std::vector<Item> work_items(const PagedPrefillArgs& a) {
+  std::vector<Item> items;
+  for (int64_t seq = 0; seq < a.seqs; ++seq) {
+    const int64_t context = a.seq_lens[seq] - a.query_lens[seq];
+    for (int64_t first = 0; first < a.query_lens[seq]; first += kQueryBlock) {
+      const int64_t last_query = std::min<int64_t>(first + kQueryBlock, a.query_lens[seq]) - 1;
+      for (int64_t head = 0; head < a.num_kv_heads; ++head) items.push_back({seq, first, head, context + last_query});
+    }
+  }
+  // The longest first: the causal triangle makes late blocks of a long prompt the heaviest, and
+  // a thread that draws one last would leave the other idle.
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.last_key > y.last_key; });
+  return items;
+}
+
+template <int G, int D, typename T>
+bool attend_all(const PagedPrefillArgs& a, int num_threads) {
+  const std::vector<Item> items = work_items(a);
+  const int64_t count = int64_t(items.size());
+  std::atomic<bool> ok{true};
+  num_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+#pragma omp parallel num_threads(num_threads)
+  {
+    KeyTile<D> tile;
+    std::vector<QueryState<G, D>> states(kQueryBlock);
+    // Dynamic: items differ in length, and a descheduled thread leaves its share to the others.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i)
+      if (!attend_item<G, D, T>(a, items[i], tile, states.data())) ok.store(false, std::memory_order_relaxed);
+  }
+  return ok.load();
+}
+
+template <typename T, int D>
+bool for_group(const PagedPrefillArgs& a, int num_threads) {
+  switch (a.group_size) {
+    case 1: return attend_all<1, D, T>(a, num_threads);
+    case 2: return attend_all<2, D, T>(a, num_threads);
+    case 3: return attend_all<3, D, T>(a, num_threads);
+    case 4: return attend_all<4, D, T>(a, num_threads);
+    case 6: return attend_all<6, D, T>(a, num_threads);
+    case 8: return attend_all<8, D, T>(a, num_threads);
+    default: return false;
+  }
+}
+
+template <typename T>
+bool for_head_dim(const PagedPrefillArgs& a, int num_threads) {
+  if (a.head_dim == 64) return for_group<T, 64>(a, num_threads);
+  return for_group<T, 128>(a, num_threads);
+}
+
+}  // namespace
+
+bool paged_prefill_supported(int64_t head_dim, int64_t group_size) {
+  const bool group_ok = group_size == 1 || group_size == 2 || group_size == 3 || group_size == 4 ||
+                        group_size == 6 || group_size == 8;
+  return (head_dim == 64 || head_dim == 128) && group_ok;
+}
+
+bool paged_prefill_attention(const PagedPrefillArgs& args, int num_threads) {
+  if (args.query_dtype == Dtype::kFloat32) return for_head_dim<float>(args, num_threads);
+  return for_head_dim<uint16_t>(args, num_threads);
+}
+
+}  // namespace kvrelay
