@@ -2,20 +2,30 @@
 // an online softmax in fp32 (flash attention's order of work), one OpenMP work item per
 // (sequence, block of kQueryBlock query tokens, kv head).
 //
-// Why not torch's SDPA: on 2 cores it ran a 200-token causal prompt at ~50 GFLOP/s, and the
-// per-sequence gathers of K and V around it cost as much again (BENCHMARKS.md, session 21).
-// Here a tile of 16 keys is widened once per item, its K rows transposed to [head_dim][16], so
-// one query row's 16 scores are head_dim FMAs of a broadcast query value with a row of that
-// tile; the item's q heads (a GQA group) share every load. No padding, no mask tensor: each
-// query sees the keys up to its own position.
+// Why not torch's SDPA: on 2 cores it ran a 200-token causal prompt at ~45 GFLOP/s and a
+// 2,048-token one at ~110, and the per-sequence gathers of K and V around it cost as much again
+// (BENCHMARKS.md, session 21). Here a tile of keys is read once per item for all its queries and
+// the item's q heads (a GQA group); no padding, no mask tensor: each query sees the keys up to
+// its own position.
+//
+// Two forms. bf16 on a CPU with AVX512-BF16: scores from the raw bf16 pairs on vdpbf16ps (32
+// multiply-adds an instruction), the weights rounded to bf16 for the values' sum, 64 keys a tile
+// (~260 GFLOP/s on 2 cores here; its error against float32 attention is SDPA's). Otherwise
+// (fp32, or no AVX512-BF16): fp32 FMAs, 16 keys a tile, K transposed so one query row's scores
+// are head_dim FMAs of a broadcast query value (~110 GFLOP/s).
 #include "paged_prefill.h"
 
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fp32_lanes.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace kvrelay {
 namespace {
@@ -202,15 +212,198 @@ bool attend_all(const PagedPrefillArgs& a, int num_threads) {
   return ok.load();
 }
 
+#if defined(__AVX512BF16__)
+// ---- bf16 queries and cache on AVX512-BF16: each vdpbf16ps does 32 multiply-adds, twice an
+// fp32 FMA's. Scores come from the raw bf16 pairs (dims 2i and 2i+1 of a key, one 32-bit word);
+// the weights are rounded to bf16 for the values' sum, in pairs of keys, and the normalizer sums
+// the same rounded weights, so the output is their exact weighted mean.
+
+// A tile of kPairTileKeys keys: K as [D/2][kPairTileKeys] words (word i of key j: its dims 2i
+// and 2i+1); V as [kPairTileKeys/2][D] words (word d of pair m: dim d of keys 2m and 2m+1).
+// Keys past `count` are zero rows. Two vectors of scores a tile halve the softmax's fixed work
+// per key (its horizontal max and sum, the rescale) against one.
+constexpr int kScoreVectors = 4;
+constexpr int kPairTileKeys = kScoreVectors * kLanes;
+
+template <int D>
+struct PairTile {
+  alignas(64) uint32_t keys[D / 2][kPairTileKeys];
+  alignas(64) uint32_t values[kPairTileKeys / 2][D];
+};
+
+template <int D>
+bool load_pair_tile(const PagedPrefillArgs& a, int64_t seq, int64_t kv_head, int64_t first_key, int count,
+                    PairTile<D>& tile) {
+  static const uint16_t kZeroRow[D] = {};
+  const int32_t* table = a.block_tables + seq * a.block_table_stride;
+  const uint16_t* k_rows[kPairTileKeys];
+  const uint16_t* v_rows[kPairTileKeys];
+  for (int j = 0; j < kPairTileKeys; ++j) {
+    k_rows[j] = v_rows[j] = kZeroRow;
+    if (j >= count) continue;
+    const int64_t key = first_key + j;
+    const int64_t block = table[key / a.block_size];
+    if (block < 0 || block >= a.num_blocks) return false;
+    const int64_t offset = ((block * a.block_size + key % a.block_size) * a.num_kv_heads + kv_head) * D;
+    k_rows[j] = static_cast<const uint16_t*>(a.k_cache) + offset;
+    v_rows[j] = static_cast<const uint16_t*>(a.v_cache) + offset;
+  }
+  for (int j = 0; j < kPairTileKeys; ++j) {
+    uint32_t words[D / 2];
+    std::memcpy(words, k_rows[j], sizeof(words));
+    for (int i = 0; i < D / 2; ++i) tile.keys[i][j] = words[i];
+  }
+  for (int m = 0; m < kPairTileKeys / 2; ++m) {
+    const uint16_t* even = v_rows[2 * m];
+    const uint16_t* odd = v_rows[2 * m + 1];
+    for (int d = 0; d < D; ++d) tile.values[m][d] = uint32_t(even[d]) | (uint32_t(odd[d]) << 16);
+  }
+  return true;
+}
+
+template <int G, int D>
+struct PairQueryState {
+  alignas(64) uint32_t query[G][D / 2];  // the query's own bf16 pairs (scaled in the scores)
+  alignas(64) float acc[G][D];
+  float max[G], sum[G];
+};
+
+inline __m512bh as_pairs(__m512i words) { return (__m512bh)words; }
+
+// Scores of one query token's G heads against a tile, valid for keys < limit (-inf beyond).
+template <int G, int D>
+inline void score_pairs(const PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale,
+                        Lanes (&scores)[G][kScoreVectors]) {
+  constexpr int kChains = 1;  // independent accumulators per score vector
+  __m512 partial[G][kScoreVectors][kChains];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < kScoreVectors; ++v)
+      for (int p = 0; p < kChains; ++p) partial[g][v][p] = _mm512_setzero_ps();
+  for (int i = 0; i < D / 2; i += kChains)
+    for (int p = 0; p < kChains; ++p)
+      for (int v = 0; v < kScoreVectors; ++v) {
+        const __m512bh keys = as_pairs(_mm512_load_si512(tile.keys[i + p] + v * kLanes));
+        for (int g = 0; g < G; ++g)
+          partial[g][v][p] =
+              _mm512_dpbf16_ps(partial[g][v][p], as_pairs(_mm512_set1_epi32(int(q.query[g][i + p]))), keys);
+      }
+  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Lanes minus_inf = Lanes{} + kMinusInf;
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < kScoreVectors; ++v) {
+      __m512 sum_of_chains = partial[g][v][0];
+      for (int p = 1; p < kChains; ++p) sum_of_chains = _mm512_add_ps(sum_of_chains, partial[g][v][p]);
+      const Lanes sum = (Lanes)sum_of_chains;
+      scores[g][v] = lane_index < float(limit - v * kLanes) ? sum * scale : minus_inf;
+    }
+}
+
+template <int G, int D>
+inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit,
+                             const Lanes (&scores)[G][kScoreVectors]) {
+  constexpr int NC = D / kLanes;
+  alignas(64) uint32_t weights[G][kPairTileKeys / 2];  // bf16 weights, a pair of keys per word
+  float rescale[G];
+  for (int g = 0; g < G; ++g) {
+    Lanes tile_max = scores[g][0];
+    for (int v = 1; v < kScoreVectors; ++v) tile_max = max_each(tile_max, scores[g][v]);
+    const float new_max = std::max(q.max[g], max_of(tile_max));
+    rescale[g] = exp2_nonpositive(q.max[g] - new_max);
+    Lanes rounded_sum = Lanes{};
+    for (int v = 0; v < kScoreVectors; ++v) {
+      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp2_lanes(scores[g][v] - new_max));
+      rounded_sum += (Lanes)_mm512_cvtpbh_ps(rounded);
+      std::memcpy(weights[g] + v * kLanes / 2, &rounded, sizeof(rounded));
+    }
+    q.max[g] = new_max;
+    q.sum[g] = q.sum[g] * rescale[g] + sum_of(rounded_sum);
+  }
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(_mm512_load_ps(q.acc[g] + c * kLanes), _mm512_set1_ps(rescale[g]));
+  for (int m = 0; m < (limit + 1) / 2; ++m)
+    for (int c = 0; c < NC; ++c) {
+      const __m512bh values = as_pairs(_mm512_load_si512(tile.values[m] + c * kLanes));
+      for (int g = 0; g < G; ++g)
+        acc[g][c] = _mm512_dpbf16_ps(acc[g][c], as_pairs(_mm512_set1_epi32(int(weights[g][m]))), values);
+    }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(q.acc[g] + c * kLanes, acc[g][c]);
+}
+
+template <int G, int D>
+bool attend_item_pairs(const PagedPrefillArgs& a, const Item& item, PairTile<D>& tile, PairQueryState<G, D>* states) {
+  const int64_t context = a.seq_lens[item.seq] - a.query_lens[item.seq];
+  const int num_queries = int(std::min<int64_t>(kQueryBlock, a.query_lens[item.seq] - item.first_query));
+  const int64_t first_position = context + item.first_query;
+  const int64_t first_token = a.token_starts[item.seq] + item.first_query;
+  const uint16_t* query = static_cast<const uint16_t*>(a.query);
+  for (int i = 0; i < num_queries; ++i)
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* src = query + (first_token + i) * a.query_token_stride + (item.kv_head * G + g) * a.query_head_stride;
+      std::memcpy(states[i].query[g], src, D * sizeof(uint16_t));
+      std::fill(states[i].acc[g], states[i].acc[g] + D, 0.0f);
+      states[i].max[g] = kMinusInf;
+      states[i].sum[g] = 0.0f;
+    }
+  const float scale = a.scale * kLog2e;
+  for (int64_t first_key = 0; first_key <= item.last_key; first_key += kPairTileKeys) {
+    const int count = int(std::min<int64_t>(kPairTileKeys, item.last_key + 1 - first_key));
+    if (!load_pair_tile<D>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
+    for (int i = 0; i < num_queries; ++i) {
+      const int64_t visible = first_position + i + 1 - first_key;
+      if (visible <= 0) continue;
+      const int limit = int(std::min<int64_t>(count, visible));
+      Lanes scores[G][kScoreVectors];
+      score_pairs(states[i], tile, limit, scale, scores);
+      accumulate_pairs(states[i], tile, limit, scores);
+    }
+  }
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  for (int i = 0; i < num_queries; ++i)
+    for (int g = 0; g < G; ++g) {
+      const float inv_sum = 1.0f / states[i].sum[g];
+      uint16_t* dst = out + (first_token + i) * a.out_token_stride + (item.kv_head * G + g) * a.out_head_stride;
+      for (int d = 0; d < D; ++d) narrow(states[i].acc[g][d] * inv_sum, dst + d);
+    }
+  return true;
+}
+
+template <int G, int D>
+bool attend_all_pairs(const PagedPrefillArgs& a, int num_threads) {
+  const std::vector<Item> items = work_items(a);
+  const int64_t count = int64_t(items.size());
+  std::atomic<bool> ok{true};
+  num_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
+#pragma omp parallel num_threads(num_threads)
+  {
+    PairTile<D> tile;
+    std::vector<PairQueryState<G, D>> states(kQueryBlock);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i)
+      if (!attend_item_pairs<G, D>(a, items[i], tile, states.data())) ok.store(false, std::memory_order_relaxed);
+  }
+  return ok.load();
+}
+#endif  // __AVX512BF16__
+
+template <int G, int D, typename T>
+bool attend_all_best(const PagedPrefillArgs& a, int num_threads) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) return attend_all_pairs<G, D>(a, num_threads);
+#endif
+  return attend_all<G, D, T>(a, num_threads);
+}
+
 template <typename T, int D>
 bool for_group(const PagedPrefillArgs& a, int num_threads) {
   switch (a.group_size) {
-    case 1: return attend_all<1, D, T>(a, num_threads);
-    case 2: return attend_all<2, D, T>(a, num_threads);
-    case 3: return attend_all<3, D, T>(a, num_threads);
-    case 4: return attend_all<4, D, T>(a, num_threads);
-    case 6: return attend_all<6, D, T>(a, num_threads);
-    case 8: return attend_all<8, D, T>(a, num_threads);
+    case 1: return attend_all_best<1, D, T>(a, num_threads);
+    case 2: return attend_all_best<2, D, T>(a, num_threads);
+    case 3: return attend_all_best<3, D, T>(a, num_threads);
+    case 4: return attend_all_best<4, D, T>(a, num_threads);
+    case 6: return attend_all_best<6, D, T>(a, num_threads);
+    case 8: return attend_all_best<8, D, T>(a, num_threads);
     default: return false;
   }
 }

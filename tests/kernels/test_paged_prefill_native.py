@@ -1,8 +1,9 @@
 """The native CPU prefill kernel (kernels/csrc/paged_prefill.cpp) against the reference, on fresh
 random batches: dtypes, GQA ratios, head dims, block sizes, contexts shorter and longer than the
 queries, query blocks and key tiles cut short, NaN in every cache slot a sequence does not own,
-and an output poisoned with NaN that must be fully written; its refusals; and the SDPA path it
-replaces, which still runs where it does not."""
+and an output poisoned with NaN that must be fully written (bf16 runs the AVX512-BF16 form where
+the CPU has it, fp32 the FMA one); its refusals; and the SDPA path it replaces, which still runs
+where it does not."""
 import pytest
 import torch
 
