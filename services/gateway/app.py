@@ -25,6 +25,7 @@ from services.gateway.openai_limits import check_body_limits, check_unparsed_tex
 from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
 from services.gateway.openai_serving import ClientDisconnected, served_model
+from services.gateway.openai_tools import chat_messages
 from services.gateway.redaction import log_unexpected
 
 log = get_logger(__name__)
@@ -147,8 +148,8 @@ async def _tokenize(core, body: TokenizeRequest, request_id: str) -> list[int]:
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return await core.upstream.encode(body.prompt, add_special, request_id)
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-    return await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
+    return await core.upstream.render_chat(chat_messages(body.messages),
+                                           body.add_generation_prompt, request_id)
 
 
 def _request_id(request: Request, prefix: str) -> str:

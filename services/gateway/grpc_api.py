@@ -17,6 +17,7 @@ from services.gateway.openai_serving import served_model
 from services.gateway.request_group import RequestGroup
 from services.gateway.request_state import SampleDelta
 from services.gateway.text_fields import proto_texts, undecodable_string_field
+from services.tokenizer.tool_render import parse_tool_calls
 
 log = get_logger(__name__)
 
@@ -219,4 +220,18 @@ def _choice(delta: SampleDelta) -> generation_pb2.ChoiceDelta:
 
 
 def _messages(chat) -> list[dict]:
-    return [{"role": message.role, "content": message.content} for message in chat.messages]
+    """The chat as the tokenizer takes it; tool_calls_json is checked there (a bad one is
+    INVALID_ARGUMENT)."""
+    return [{"role": message.role, "content": message.content,
+             "tool_calls": _calls(message.tool_calls_json),
+             "tool_call_id": message.tool_call_id, "name": message.name}
+            for message in chat.messages]
+
+
+def _calls(tool_calls_json: str) -> list | None:
+    if not tool_calls_json:
+        return None
+    try:
+        return parse_tool_calls(tool_calls_json)
+    except ValueError as exc:
+        raise invalid(str(exc), "chat.messages") from None

@@ -14,8 +14,8 @@ from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStream
                                              collect_choices, served_model, sse, sse_error,
                                              unless_disconnected, usage)
 from services.gateway.openai_structured import blame_constraint
-from services.gateway.openai_tools import (ToolCallStream, parse_reply, render_messages,
-                                           tool_choice_mode, tool_grammar)
+from services.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
+                                           tool_choice_mode, tool_grammar, tools_in_play)
 from services.gateway.request_group import RequestGroup
 
 
@@ -23,13 +23,14 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
                                  request_id: str):
     model = served_model(core, body.model)
     tools_mode = tool_choice_mode(body.tools, body.tool_choice)
-    grammar = tool_grammar(body.tools, tools_mode, body.parallel_tool_calls) \
+    prompt, call_format = await core.upstream.render_chat_with_tools(
+        chat_messages(body.messages), body.add_generation_prompt, request_id,
+        tools_in_play(body.tools, tools_mode))
+    core.limits.check_prompt_tokens([prompt], "messages")
+    grammar = tool_grammar(body.tools, tools_mode, body.parallel_tool_calls, call_format) \
         if tools_mode is not None else None
     params = chat_params(body, grammar)
     params = await with_bad_words(core, params, body.bad_words, request_id)
-    messages = render_messages(body.messages, body.tools, tools_mode)
-    prompt = await core.upstream.render_chat(messages, body.add_generation_prompt, request_id)
-    core.limits.check_prompt_tokens([prompt], "messages")
     try:
         group = await core.generate(request_id, [prompt], params, body.priority)
     except GatewayError as error:

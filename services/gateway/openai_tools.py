@@ -1,13 +1,12 @@
-"""Tool calling: the tools' definitions and earlier calls rendered into the prompt, the grammar
-that holds the model's calls to the tools' parameter schemas, and the calls read back out of
-the text (whole, or as OpenAI's streamed tool-call deltas).
-
-kvrelay's default format, used for every model (the default model's chat template has no tool
-support): the tools are listed as JSON, one per line, between <tools> and </tools> in a system
-message; the model calls one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and
-a tool's result comes back as a "tool" message. With tool_choice "required" or a named function
-the output is nothing but calls; with "auto" it is either text (which may not start with "<")
-or calls, and once a call starts its JSON is held to the schemas.
+"""Tool calling, the gateway's side: the conversation's calls and results checked and passed to
+the tokenizer, which renders them and the tools with the model's own template where it has
+Hermes-style tool support, else in kvrelay's default format (services/tokenizer/tool_render.py);
+the grammar that holds the model's calls to the tools' parameter schemas, in the format the
+prompt taught; and the calls read back out of the text (whole, or as OpenAI's streamed
+tool-call deltas). Either way the model calls a tool as <tool_call>{"name": ..., "arguments":
+{...}}</tool_call> (hermes: the JSON on a line of its own). With tool_choice "required" or a
+named function the output is nothing but calls; with "auto" it is either text (which may not
+start with "<") or calls, and once a call starts its JSON is held to the schemas.
 """
 from __future__ import annotations
 
@@ -18,19 +17,10 @@ from dataclasses import dataclass, field
 
 from services.engine.structured.spec import StructuredOutputs
 from services.gateway.errors import invalid
+from services.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}  # as for response_format (llguidance_backend.py)
-
-_INSTRUCTIONS = """# Tools
-You can call functions to help answer. Their definitions, one JSON object per line:
-<tools>
-{definitions}
-</tools>
-To call one, reply with {open}{{"name": "<function name>", "arguments": {{<its arguments>}}}}{close} \
-(several such blocks to call several). A function's result comes back in a message from "tool"."""
-
 
 def tool_choice_mode(tools: list | None, tool_choice) -> str | None:
     """None (no tools in play), "auto", "required", or the name of the one function."""
@@ -51,45 +41,56 @@ def tool_choice_mode(tools: list | None, tool_choice) -> str | None:
     return name
 
 
-def render_messages(messages, tools, mode: str | None) -> list[dict]:
-    """The conversation as the chat template takes it: tools listed in a system message (when
-    they are in play), earlier calls as <tool_call> blocks, tool results as "tool" messages."""
-    rendered = []
+def chat_messages(messages) -> list[dict]:
+    """The conversation as the tokenizer renders it (tool_render.py): each message's text, and
+    an assistant's tool calls with their arguments parsed (a 400 where they are not a JSON
+    object), a tool result's tool_call_id, a name where given."""
+    converted = []
     for message in messages:
-        content = message.text()
+        entry = {"role": message.role, "content": message.text()}
         if message.tool_calls:
-            content += "".join(_call_text(call.function.name, call.function.arguments)
-                               for call in message.tool_calls)
-        rendered.append({"role": message.role, "content": content})
-    if mode is not None:
-        definitions = "\n".join(json.dumps(tool.model_dump(by_alias=True, exclude_none=True))
-                                for tool in tools)
-        instructions = _INSTRUCTIONS.format(definitions=definitions, open=CALL_OPEN,
-                                            close=CALL_CLOSE)
-        if rendered and rendered[0]["role"] in ("system", "developer"):
-            rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" +
-                           instructions}
-        else:
-            rendered.insert(0, {"role": "system", "content": instructions})
-    return rendered
+            entry["tool_calls"] = [{"name": call.function.name,
+                                    "arguments": _arguments(call.function.name,
+                                                            call.function.arguments)}
+                                   for call in message.tool_calls]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+        converted.append(entry)
+    return converted
 
 
-def _call_text(name: str, arguments: str) -> str:
+def tools_in_play(tools, mode: str | None) -> list[dict] | None:
+    """The tool definitions the prompt lists: none with tool_choice "none"."""
+    if mode is None:
+        return None
+    return [tool.model_dump(by_alias=True, exclude_none=True) for tool in tools]
+
+
+def _arguments(name: str, arguments: str) -> dict:
     try:
         parsed = json.loads(arguments)
     except ValueError:
-        raise invalid(f"tool call arguments of {name!r} are not JSON", "messages") from None
-    return CALL_OPEN + json.dumps({"name": name, "arguments": parsed}) + CALL_CLOSE
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise invalid(f"tool call arguments of {name!r} are not a JSON object", "messages")
+    return parsed
 
 
-def tool_grammar(tools, mode: str, parallel: bool) -> StructuredOutputs:
-    """A Lark grammar (llguidance's, with %json for the call objects) for the mode."""
+def tool_grammar(tools, mode: str, parallel: bool, fmt: str = KVRELAY) -> StructuredOutputs:
+    """A Lark grammar (llguidance's, with %json for the call objects) for the mode, in the
+    format the prompt taught (tool_render.py): hermes puts each call's JSON on a line of its own
+    and calls on lines of their own."""
     chosen = [tool for tool in tools if mode in ("auto", "required") or
               tool.function.name == mode]
     call_schema = {"anyOf": [_call_schema(tool) for tool in chosen], "x-guidance": _COMPACT}
-    repeat = "+" if parallel and mode in ("auto", "required") else ""
-    rules = [f"calls: call{repeat}",
-             f'call: "{CALL_OPEN}" call_json "{CALL_CLOSE}"',
+    several = parallel and mode in ("auto", "required")
+    line = "\\n" if fmt == HERMES else ""
+    calls = (f'calls: call ("{line}" call)*' if line else "calls: call+") if several \
+        else "calls: call"
+    rules = [calls,
+             f'call: "{CALL_OPEN}{line}" call_json "{line}{CALL_CLOSE}"',
              f"call_json: %json {json.dumps(call_schema)}"]
     if mode == "auto":  # text that cannot open a call, or calls
         start = ["start: TEXT | calls", "TEXT: /(?s:.+)/ & ~/<(?s:.*)/"]

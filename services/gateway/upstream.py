@@ -3,6 +3,7 @@ request id sent along as metadata) and the scheduler groups (scheduler_group.py)
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import grpc
@@ -13,12 +14,21 @@ from services.common.grpc_server import channel
 from services.common.log import request_metadata
 from services.gateway.errors import from_rpc_error
 from services.gateway.scheduler_group import CALL_TIMEOUT_S, SchedulerGroup
+from services.tokenizer.tool_render import KVRELAY
 
 WATCH_RETRY_S = 0.5
 # Requests in flight wait (--tokenizer-wait-timeout) for a lost tokenizer: gRPC's own reconnect
 # backoff (1 s, growing to 2 min) could notice a restarted one long after it serves. Bounded.
 TOKENIZER_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
                                ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def _chat_message(message: dict) -> common_pb2.ChatMessage:
+    calls = message.get("tool_calls")
+    return common_pb2.ChatMessage(
+        role=message["role"], content=message["content"],
+        tool_calls_json=json.dumps(calls) if calls else "",
+        tool_call_id=message.get("tool_call_id") or "", name=message.get("name") or "")
 
 
 class Upstream:
@@ -41,18 +51,32 @@ class Upstream:
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                           request_id: str) -> list[int]:
+        token_ids, _ = await self.render_chat_with_tools(messages, add_generation_prompt,
+                                                         request_id)
+        return token_ids
+
+    async def render_chat_with_tools(self, messages: list[dict], add_generation_prompt: bool,
+                                     request_id: str, tools: list[dict] | None = None,
+                                     ) -> tuple[list[int], str]:
+        """messages: role and content, and where present tool_calls ([{"name", "arguments"
+        (an object)}]), tool_call_id and name; tools: the definitions in play. Returns the
+        prompt and how the model calls tools ("hermes" or "kvrelay", tool_render.py)."""
         chat = tokenizer_pb2.ChatRender(
-            messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"])
-                      for m in messages], add_generation_prompt=add_generation_prompt)
-        return await self._encode(tokenizer_pb2.EncodeRequest(chat=chat), request_id)
+            messages=[_chat_message(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools_json=json.dumps(tools) if tools else "")
+        reply = await self._encode_reply(tokenizer_pb2.EncodeRequest(chat=chat), request_id)
+        return list(reply.token_ids), reply.tool_call_format or KVRELAY
 
     async def _encode(self, request, request_id: str) -> list[int]:
+        return list((await self._encode_reply(request, request_id)).token_ids)
+
+    async def _encode_reply(self, request, request_id: str):
         try:
-            reply = await self.tokenizer.Encode(request, metadata=request_metadata(request_id),
-                                                timeout=CALL_TIMEOUT_S)
+            return await self.tokenizer.Encode(request, metadata=request_metadata(request_id),
+                                               timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "tokenizer") from None
-        return list(reply.token_ids)
 
     async def decode(self, token_ids: list[int], request_id: str,
                      skip_special_tokens: bool = True) -> str:

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--base-port", type=int, default=50051,
              help="first of the internal gRPC ports, then the metrics ports")
     add_flag(parser, "--model", default=None, help="model for tokenizer and workers")
+    add_flag(parser, "--chat-template", default=None,
+             help="a Jinja chat template file for the tokenizers, instead of the model's own "
+                  "(`kvrelay tokenizer --help`)")
     add_flag(parser, "--served-model-name", default=None, help="model id the API shows")
     add_flag(parser, "--dtype", choices=("auto", "float32", "bfloat16"), default=None)
     add_flag(parser, "--kv-cache-memory", type=int, default=None, help="bytes per worker")

@@ -12,6 +12,7 @@ import os
 import sys
 from argparse import Namespace
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TOPOLOGIES = ("pd", "colocated")
 
@@ -125,8 +126,8 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
     one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     tokenizers = [_numbered("tokenizer", i, args.tokenizers) for i in range(args.tokenizers)]
     schedulers = [_numbered("scheduler", g, args.groups) for g in range(args.groups)]
-    services = [spec(name, "tokenizer", internal(name) + _optional(args, "--model"),
-                     env=dict(one_thread)) for name in tokenizers]
+    services = [spec(name, "tokenizer", internal(name) + _optional(args, "--model")
+                     + _chat_template(args), env=dict(one_thread)) for name in tokenizers]
     services += [spec(name, "scheduler", internal(name) + _scheduler_flags(args),
                       env=dict(one_thread)) for name in schedulers]
     num_threads = threads_per_worker(args, len(roles) * args.groups)
@@ -197,6 +198,12 @@ def _scheduler_flags(args: Namespace) -> list[str]:
     if args.no_async_scheduling:
         flags.append("--no-async-scheduling")
     return flags
+
+
+def _chat_template(args: Namespace) -> list[str]:
+    """The tokenizers' --chat-template, as an absolute path: they may start in another folder."""
+    path = getattr(args, "chat_template", None)
+    return [] if path is None else ["--chat-template", str(Path(path).resolve())]
 
 
 def _optional(args: Namespace, *flags: str) -> list[str]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from services.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.flags import add_flag
@@ -23,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="Prometheus port (0: off)")
     add_flag(parser, "--model", default=None,
              help="model directory, .gguf file or cached HF repo id (default: SmolLM2-135M)")
+    add_flag(parser, "--chat-template", default=None,
+             help="a Jinja chat template file to use instead of the model's own (one with "
+                  "Hermes-style tool support makes tool calls use it: services/tokenizer/"
+                  "tool_render.py)")
     add_tls_flags(parser)
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
 
@@ -32,11 +37,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_tokenizer(model: str | None):
+def load_tokenizer(model: str | None, chat_template: str | None = None):
+    """The model's tokenizer; chat_template: a Jinja file that replaces its chat template."""
     from transformers import AutoTokenizer
 
     from services.engine.model_loader import resolve_model_dir
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    return tokenizer
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -52,9 +61,10 @@ async def serve(args: argparse.Namespace) -> None:
                                          health=lambda: server.serving)
     log.info("tokenizer loading", port=server.port, model=args.model or "default")
     # Loading may convert a GGUF (many seconds): off the loop, so health answers meanwhile.
-    servicer.load(await asyncio.to_thread(load_tokenizer, args.model))
+    servicer.load(await asyncio.to_thread(load_tokenizer, args.model, args.chat_template))
     await server.set_serving(True)
-    log.info("tokenizer serving", port=server.port, vocab_size=servicer.vocab_size)
+    log.info("tokenizer serving", port=server.port, vocab_size=servicer.vocab_size,
+             tool_call_format=servicer.tool_call_format)
     await server.serve_until_stopped()
     if metrics_server is not None:
         metrics_server.close()

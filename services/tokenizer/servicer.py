@@ -7,6 +7,8 @@ from services.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.log import bind_request_id, get_logger, request_id_from
 from services.common.metrics import counter, gauge
 from services.tokenizer.text import DetokenizeSession, check_token_ids, render_chat, token_pieces
+from services.tokenizer.tool_render import (KVRELAY, parse_tool_calls, parse_tools,
+                                            template_inputs, tool_call_format)
 
 log = get_logger(__name__)
 
@@ -17,6 +19,18 @@ OPEN_STREAMS = gauge("tokenizer_detokenize_streams", "Open Detokenize streams")
 OPEN_STATES = gauge("tokenizer_detokenize_states", "Detokenizer states held across all streams")
 
 
+def _message(message) -> dict:
+    """A ChatMessage as tool_render.py takes it. Raises ValueError for calls that are not JSON."""
+    converted = {"role": message.role, "content": message.content}
+    if message.tool_calls_json:
+        converted["tool_calls"] = parse_tool_calls(message.tool_calls_json)
+    if message.tool_call_id:
+        converted["tool_call_id"] = message.tool_call_id
+    if message.name:
+        converted["name"] = message.name
+    return converted
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Serves once `load` has set the tokenizer; before that every call is UNAVAILABLE (the
     server starts first so health checks see NOT_SERVING while a GGUF converts)."""
@@ -24,9 +38,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self) -> None:
         self.tokenizer = None
         self.vocab_size = 0
+        self.tool_call_format = KVRELAY
 
     def load(self, tokenizer) -> None:
         self.vocab_size = len(tokenizer)
+        self.tool_call_format = tool_call_format(getattr(tokenizer, "chat_template", None))
         self.tokenizer = tokenizer
 
     async def _check_loaded(self, context) -> None:
@@ -42,7 +58,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         TOKENS.labels("encode").inc(len(token_ids))
-        return tokenizer_pb2.EncodeResponse(token_ids=token_ids)
+        return tokenizer_pb2.EncodeResponse(
+            token_ids=token_ids,
+            tool_call_format=self.tool_call_format if request.HasField("chat") else "")
 
     def _encode(self, request) -> list[int]:
         kind = request.WhichOneof("input")
@@ -50,8 +68,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             return self.tokenizer.encode(request.prompt,
                                          add_special_tokens=request.add_special_tokens)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return render_chat(self.tokenizer, messages, request.chat.add_generation_prompt)
+            chat = request.chat
+            messages, tools = template_inputs([_message(m) for m in chat.messages],
+                                              parse_tools(chat.tools_json), self.tool_call_format)
+            return render_chat(self.tokenizer, messages, chat.add_generation_prompt, tools)
         raise ValueError("EncodeRequest needs a prompt or a chat")
 
     async def Decode(self, request, context):

@@ -6,8 +6,10 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.conversation import check_conversation
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template.
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template (with `tools`: the
+    tool definitions, for a template that renders them itself, tool_render.py).
 
     Raises ValueError for a malformed conversation or one the template rejects."""
     check_conversation(messages)
@@ -16,7 +18,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) ->
             raise ValueError(f"a message needs a non-empty 'role', got {message!r}")
     try:
         rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as exc:  # jinja's TemplateError and raise_exception() in templates
         raise ValueError(f"the chat template rejected the messages: {exc}") from exc
     # transformers returns a BatchEncoding or a plain list depending on its version.

@@ -3,6 +3,8 @@ with OpenAI error bodies, auth answers 401, health says 503 / NOT_SERVING, a val
 a quick 503 rather than a hang, and the tokenizer endpoints work."""
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import pytest
@@ -196,3 +198,45 @@ def test_grpc_api_errors_and_tokenize(gateway, tokenizer):
         assert list(reply.token_ids) == tokenizer.encode("Hi there")
         models = stub.ListModels(generation_pb2.ListModelsRequest(), metadata=metadata)
         assert [model.id for model in models.models] == [MODEL]
+
+
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'}]
+
+
+def test_tool_calls_in_the_conversation_are_rendered_not_dropped(gateway, tokenizer):
+    """REST /tokenize and the gRPC Tokenize both render an earlier call (kvrelay's format on the
+    default model's template, services/tokenizer/tool_render.py); a call whose arguments are not
+    a JSON object is refused on both."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    expected = tokenizer.apply_chat_template(
+        [TOOL_TURNS[0], {"role": "assistant", "content": call},
+         {"role": "tool", "content": TOOL_TURNS[2]["content"]}], add_generation_prompt=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert post(gateway, "/tokenize", {"messages": TOOL_TURNS}).json()["tokens"] == expected
+    bad = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [
+        {**TOOL_TURNS[1]["tool_calls"][0], "function": {"name": "f", "arguments": "[1]"}}]}]
+    assert assert_openai_error(post(gateway, "/tokenize", {"messages": bad}))["param"] == \
+        "messages"
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
+    messages = [common_pb2.ChatMessage(role="user", content="Weather in Oslo?"),
+                common_pb2.ChatMessage(role="assistant", content="", tool_calls_json=json.dumps(
+                    [{"name": "get_weather", "arguments": {"city": "Oslo"}}])),
+                common_pb2.ChatMessage(role="tool", content='{"temp_c": 3}',
+                                       tool_call_id="call_1")]
+    with grpc.insecure_channel(gateway.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        reply = stub.Tokenize(generation_pb2.TokenizeRequest(
+            chat=generation_pb2.ChatMessages(messages=messages, add_generation_prompt=True)),
+            metadata=metadata, timeout=10)
+        assert list(reply.token_ids) == expected
+        messages[1].tool_calls_json = '[{"name": "get_weather"}]'
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Tokenize(generation_pb2.TokenizeRequest(
+                chat=generation_pb2.ChatMessages(messages=messages)), metadata=metadata,
+                timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tool_calls_json" in info.value.details()

@@ -12,8 +12,9 @@ from services.engine.structured.llguidance_backend import LlguidanceBackend
 from services.engine.model_loader import resolve_model_dir
 from services.gateway.errors import GatewayError
 from services.gateway.openai_protocol import ChatCompletionRequest
-from services.gateway.openai_tools import (ToolCallStream, parse_reply, render_messages,
-                                           tool_choice_mode, tool_grammar)
+from services.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
+                                           tool_choice_mode, tool_grammar, tools_in_play)
+from services.tokenizer.tool_render import HERMES, KVRELAY, template_inputs
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -109,6 +110,7 @@ def test_streamed_calls_equal_the_whole_reply_however_chunked(chunk_size):
 
 
 def test_rendering_lists_tools_and_replays_calls_and_results():
+    """The gateway's conversation, rendered in kvrelay's default format (tool_render.py)."""
     body = ChatCompletionRequest.model_validate({"tools": [WEATHER], "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo?"},
@@ -116,11 +118,38 @@ def test_rendering_lists_tools_and_replays_calls_and_results():
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'}]})
-    messages = render_messages(body.messages, body.tools, "auto")
+    conversation = chat_messages(body.messages)
+    assert conversation[2]["tool_calls"] == [{"name": "get_weather",
+                                              "arguments": {"city": "Oslo"}}]
+    assert conversation[3]["tool_call_id"] == "call_1"
+    messages, tools = template_inputs(conversation, tools_in_play(body.tools, "auto"), KVRELAY)
+    assert tools is None  # listed in the system message instead
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
     assert '"name": "get_weather"' in messages[0]["content"] and "<tools>" in messages[0]["content"]
     assert messages[2]["content"] == \
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     assert messages[3] == {"role": "tool", "content": '{"temp_c": 3}'}
-    plain = render_messages(body.messages, body.tools, None)  # tool_choice none: no listing
+    assert tools_in_play(body.tools, None) is None  # tool_choice none: no listing
+    plain, _ = template_inputs(conversation, None, KVRELAY)
     assert "<tools>" not in plain[0]["content"]
+
+
+@pytest.mark.parametrize("arguments", ['{"city": ', '["Oslo"]', '"Oslo"'])
+def test_call_arguments_that_are_not_a_json_object_are_a_400(arguments):
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": arguments}}]}]})
+    with pytest.raises(GatewayError, match="not a JSON object"):
+        chat_messages(body.messages)
+
+
+def test_the_hermes_grammar_puts_calls_and_their_json_on_lines_of_their_own(backend):
+    tools = request().tools
+    one = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    required = tool_grammar(tools, "required", True, HERMES)
+    assert accepts(backend, required, one) and accepts(backend, required, two)
+    assert not accepts(backend, required, one.replace("\n", ""))  # kvrelay's own form
+    assert not accepts(backend, tool_grammar(tools, "required", False, HERMES), two)
+    assert accepts(backend, tool_grammar(tools, "auto", True, HERMES), "It is sunny.")
+    assert parse_reply(two).tool_calls[1]["function"]["name"] == "add"

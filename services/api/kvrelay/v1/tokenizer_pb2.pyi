@@ -18,18 +18,22 @@ class EncodeRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatRender, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class ChatRender(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt")
+    __slots__ = ("messages", "add_generation_prompt", "tools_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     add_generation_prompt: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "tool_call_format")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tool_call_format: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tool_call_format: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("token_ids", "skip_special_tokens")
