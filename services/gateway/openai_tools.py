@@ -22,6 +22,7 @@ from services.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN, HERMES, KVRELA
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}  # as for response_format (llguidance_backend.py)
 
+
 def tool_choice_mode(tools: list | None, tool_choice) -> str | None:
     """None (no tools in play), "auto", "required", or the name of the one function."""
     if not tools:
@@ -86,7 +87,7 @@ def tool_grammar(tools, mode: str, parallel: bool, fmt: str = KVRELAY) -> Struct
               tool.function.name == mode]
     call_schema = {"anyOf": [_call_schema(tool) for tool in chosen], "x-guidance": _COMPACT}
     several = parallel and mode in ("auto", "required")
-    line = "\\n" if fmt == HERMES else ""
+    line = "\\n" if fmt == HERMES else ""  # a newline, as Lark reads a string literal
     calls = (f'calls: call ("{line}" call)*' if line else "calls: call+") if several \
         else "calls: call"
     rules = [calls,
