@@ -194,22 +194,29 @@ std::vector<Item> work_items(const PagedPrefillArgs& a) {
   return items;
 }
 
-template <int G, int D, typename T>
-bool attend_all(const PagedPrefillArgs& a, int num_threads) {
+// Every work item of the step on the team. Tile and State are one form's scratch (a thread's
+// own), attend its work on one item; false when an item met a block id outside the cache.
+template <typename Tile, typename State, typename Attend>
+bool run_items(const PagedPrefillArgs& a, int num_threads, Attend attend) {
   const std::vector<Item> items = work_items(a);
   const int64_t count = int64_t(items.size());
   std::atomic<bool> ok{true};
   num_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
 #pragma omp parallel num_threads(num_threads)
   {
-    KeyTile<D> tile;
-    std::vector<QueryState<G, D>> states(kQueryBlock);
+    Tile tile;
+    std::vector<State> states(kQueryBlock);
     // Dynamic: items differ in length, and a descheduled thread leaves its share to the others.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i)
-      if (!attend_item<G, D, T>(a, items[i], tile, states.data())) ok.store(false, std::memory_order_relaxed);
+      if (!attend(a, items[i], tile, states.data())) ok.store(false, std::memory_order_relaxed);
   }
   return ok.load();
+}
+
+template <int G, int D, typename T>
+bool attend_all(const PagedPrefillArgs& a, int num_threads) {
+  return run_items<KeyTile<D>, QueryState<G, D>>(a, num_threads, attend_item<G, D, T>);
 }
 
 #if defined(__AVX512BF16__)
@@ -371,19 +378,7 @@ bool attend_item_pairs(const PagedPrefillArgs& a, const Item& item, PairTile<D>&
 
 template <int G, int D>
 bool attend_all_pairs(const PagedPrefillArgs& a, int num_threads) {
-  const std::vector<Item> items = work_items(a);
-  const int64_t count = int64_t(items.size());
-  std::atomic<bool> ok{true};
-  num_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, count)));
-#pragma omp parallel num_threads(num_threads)
-  {
-    PairTile<D> tile;
-    std::vector<PairQueryState<G, D>> states(kQueryBlock);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i)
-      if (!attend_item_pairs<G, D>(a, items[i], tile, states.data())) ok.store(false, std::memory_order_relaxed);
-  }
-  return ok.load();
+  return run_items<PairTile<D>, PairQueryState<G, D>>(a, num_threads, attend_item_pairs<G, D>);
 }
 #endif  // __AVX512BF16__
 
