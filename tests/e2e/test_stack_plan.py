@@ -79,6 +79,17 @@ def test_vnni_kernel_flags_reach_the_workers_only():
     assert "--int8-activations" not in defaults and "--q4a8-max-tokens" not in defaults
 
 
+def test_the_chat_template_reaches_every_tokenizer_as_an_absolute_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # a relative path, as a user types it
+    specs = plan_stack(parse("--chat-template", "tools.jinja", "--tokenizers", "2"))
+    tokenizers = [s for s in specs if s.kind == "tokenizer"]
+    assert len(tokenizers) == 2
+    for spec in tokenizers:
+        assert flag(spec, "--chat-template") == str(tmp_path / "tools.jinja")
+    assert all("--chat-template" not in s.argv for s in specs if s.kind != "tokenizer")
+    assert all("--chat-template" not in s.argv for s in plan_stack(parse()))
+
+
 def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
     # KVRELAY_PORT means the REST port to `up` but the gRPC port to the tokenizer.
     args = parse(env={"KVRELAY_PORT": "9000", "KVRELAY_LEASE_MS": "500"},
