@@ -33,7 +33,8 @@ def paged_attention_cpu(
         out = torch.empty_like(query)
     if plan.decode.num_rows:
         _decode_attention(query, k_cache, v_cache, plan, scale, out)
-    if plan.prefills and not _native_prefill(query, k_cache, v_cache, plan, scale, out):
+    if plan.prefill_rows is not None and not _native_prefill(query, k_cache, v_cache, plan,
+                                                              scale, out):
         key_slots, value_slots = _slot_major(k_cache), _slot_major(v_cache)
         for seq in plan.prefills:
             _prefill_attention(query, key_slots, value_slots, seq, scale, out)

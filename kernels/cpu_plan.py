@@ -61,11 +61,19 @@ class DecodeGroup:
 @dataclass(slots=True)
 class CpuAttentionPlan:
     decode: DecodeRows
-    prefills: list[PrefillSeq]
     block_size: int
     prefill_rows: PrefillRows | None = None  # None: no prefill sequence in the step
     # The torch decode path's padded groups: built by the first layer that needs them, if any.
     padded_decode_groups: list[DecodeGroup] | None = None
+    # SDPA's per-sequence plans (slot ids, masks): built only where the native prefill kernel
+    # does not run, by the first layer that needs them.
+    sdpa_prefills: list[PrefillSeq] | None = None
+
+    @property
+    def prefills(self) -> list[PrefillSeq]:
+        if self.sdpa_prefills is None:
+            self.sdpa_prefills = _plan_prefills(self.prefill_rows, self.block_size)
+        return self.sdpa_prefills
 
 
 def plan_cpu_attention(
@@ -78,12 +86,8 @@ def plan_cpu_attention(
     if bool((seq_lens < query_lens).any()):
         raise ValueError("seq_lens must include the new query tokens (seq_len >= query_len)")
     prefill_seqs = (query_lens > MAX_DECODE_ROWS_PER_SEQ).nonzero().squeeze(1).tolist()
-    prefills = [
-        _plan_prefill(int(cu_seqlens_q[seq]), int(query_lens[seq]), int(seq_lens[seq]), block_tables[seq], block_size)
-        for seq in prefill_seqs
-    ]
     decode = _decode_rows(query_lens, cu_seqlens_q, seq_lens, block_tables)
-    return CpuAttentionPlan(decode=decode, prefills=prefills, block_size=block_size,
+    return CpuAttentionPlan(decode=decode, block_size=block_size,
                             prefill_rows=_prefill_rows(prefill_seqs, cu_seqlens_q, query_lens,
                                                        seq_lens, block_tables))
 
@@ -149,6 +153,14 @@ def slot_ids(
 ) -> torch.Tensor:  # [rows, length] int64
     blocks = block_table_rows.long().gather(1, positions // block_size)
     return blocks * block_size + positions % block_size
+
+
+def _plan_prefills(rows: PrefillRows | None, block_size: int) -> list[PrefillSeq]:
+    if rows is None:
+        return []
+    return [_plan_prefill(int(start), int(query_len), int(seq_len), table, block_size)
+            for start, query_len, seq_len, table in zip(rows.token_starts, rows.query_lens,
+                                                        rows.seq_lens, rows.block_tables)]
 
 
 def _plan_prefill(

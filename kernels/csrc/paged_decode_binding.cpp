@@ -41,6 +41,15 @@ void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tens
               "block_tables must be int32 [rows, max_blocks] with contiguous rows");
 }
 
+// The fields both kernels read, from tensors check_shapes has passed.
+kvrelay::PagedAttentionArgs attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, double scale) {
+  return {query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+          k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
+          query.size(1) / k_cache.size(2), static_cast<float>(scale), dtype_of(query, "query"),
+          dtype_of(k_cache, "the KV cache")};
+}
+
 // Indices the kernel trusts: a bad one would read outside query, out or the block table.
 void check_rows(const at::Tensor& token_ids, const at::Tensor& seq_lens, int64_t num_tokens, int64_t max_keys) {
   const int64_t* tokens = token_ids.data_ptr<int64_t>();
@@ -64,12 +73,9 @@ void paged_decode_attention(
   check_rows(token_ids, seq_lens, query.size(0), block_tables.size(1) * k_cache.size(1));
   const int64_t rows = token_ids.numel();
   if (rows == 0) return;
-  kvrelay::PagedDecodeArgs args{
-      query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
-      query.size(1) / k_cache.size(2), token_ids.data_ptr<int64_t>(), seq_lens.data_ptr<int32_t>(),
-      block_tables.data_ptr<int32_t>(), block_tables.stride(0), rows, static_cast<float>(scale),
-      dtype_of(query, "query"), dtype_of(k_cache, "the KV cache")};
+  kvrelay::PagedDecodeArgs args{attention_args(out, query, k_cache, v_cache, scale),
+                                token_ids.data_ptr<int64_t>(), seq_lens.data_ptr<int32_t>(),
+                                block_tables.data_ptr<int32_t>(), block_tables.stride(0), rows};
   // torch's intra-op thread count governs, as it does for torch's own CPU ops.
   const int num_threads = int(std::min<int64_t>(at::get_num_threads(), rows * k_cache.size(2)));
   bool ok;
@@ -112,11 +118,8 @@ void paged_prefill_attention(
   }
   const int64_t seqs = token_starts.numel();
   if (seqs == 0) return;
-  kvrelay::PagedPrefillArgs args{
-      query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
-      group_size, starts, queries, lens, block_tables.data_ptr<int32_t>(), block_tables.stride(0), seqs,
-      static_cast<float>(scale), dtype_of(query, "query"), dtype_of(k_cache, "the KV cache")};
+  kvrelay::PagedPrefillArgs args{attention_args(out, query, k_cache, v_cache, scale), starts, queries, lens,
+                                 block_tables.data_ptr<int32_t>(), block_tables.stride(0), seqs};
   const int num_threads = at::get_num_threads();
   bool ok;
   {

@@ -9,14 +9,7 @@
 
 namespace kvrelay {
 
-struct PagedPrefillArgs {
-  const void* query;  // [num_tokens, num_q_heads, head_dim], head_dim contiguous
-  int64_t query_token_stride, query_head_stride;
-  void* out;  // [num_tokens, num_q_heads, head_dim], head_dim contiguous, the query's dtype
-  int64_t out_token_stride, out_head_stride;
-  const void* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  const void* v_cache;  // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  int64_t num_blocks, block_size, num_kv_heads, head_dim, group_size;
+struct PagedPrefillArgs : PagedAttentionArgs {
   // Per sequence: its queries are rows token_starts[s] .. + query_lens[s] of the flat batch and
   // the last query_lens[s] of its seq_lens[s] keys (the keys before them are its context).
   const int64_t* token_starts;  // [seqs]
@@ -24,8 +17,6 @@ struct PagedPrefillArgs {
   const int32_t* seq_lens;  // [seqs], >= query_lens and within the block table
   const int32_t* block_tables;  // [seqs, block_table_stride]
   int64_t block_table_stride, seqs;
-  float scale;
-  Dtype query_dtype, cache_dtype;
 };
 
 // True where this kernel takes the shape (head_dim 64 or 128, a GQA group of 1-8 q heads).

@@ -220,8 +220,8 @@ def _choice(delta: SampleDelta) -> generation_pb2.ChoiceDelta:
 
 
 def _messages(chat) -> list[dict]:
-    """The chat as the tokenizer takes it; tool_calls_json is checked there (a bad one is
-    INVALID_ARGUMENT)."""
+    """The chat as upstream.render_chat takes it; a tool_calls_json that is not a list of
+    {"name", "arguments" (an object)} is INVALID_ARGUMENT naming chat.messages."""
     return [{"role": message.role, "content": message.content,
              "tool_calls": _calls(message.tool_calls_json),
              "tool_call_id": message.tool_call_id, "name": message.name}
