@@ -13,7 +13,8 @@ import torch
 
 from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_elementwise.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_elementwise.cpp", "cpu_elementwise_binding.cpp")]
 ENV_SWITCH = "KVRELAY_NATIVE_CPU_ELEMENTWISE"  # 0: keep the torch ops
 
 
@@ -27,7 +28,7 @@ def elementwise_ops():
 
         _put_pip_ninja_on_path()
         return cpp_extension.load(name=f"kvrelay_elementwise_{_machine_tag()}",
-                                  sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                  sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler or ninja: the torch ops stay
         warnings.warn(f"native CPU elementwise ops unavailable ({type(error).__name__}: "

@@ -22,7 +22,8 @@ import torch
 from kernels.native_amx import Q4Tiles
 from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_gemv.cpp", "cpu_gemv_q8.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_gemv.cpp", "cpu_gemv_q8.cpp",
+                                                             "cpu_gemv_binding.cpp")]
 ENV_SWITCH = "KVRELAY_NATIVE_GEMV"  # 0: keep torch's int4 kernel for the smallest steps
 _GEMV_CFLAGS = CFLAGS + ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
 

@@ -27,7 +27,6 @@
 // operand holds a different K pair per 128-bit lane (`pair_groups`), and the 4 lanes are summed
 // once per panel at the end.
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <immintrin.h>
 #include <omp.h>
@@ -37,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_gemv.h"
 #include "gemv_io.h"
 
 namespace {
@@ -177,6 +177,10 @@ void q4_panel_rows(uint16_t* out, int64_t N, const Activations& acts, int64_t m0
   }
 }
 
+}  // namespace
+
+namespace kvrelay {
+
 // out [M, N] = x [M, K] @ W^T with W as 4-bit tiles (see the top of the file).
 void gemv_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
   const Shapes p = check_io(out, x);
@@ -197,6 +201,10 @@ void gemv_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
     else q4_panel_rows<1>(o, p.N, acts, m0, panel_q, k_blocks);
   });
 }
+
+}  // namespace kvrelay
+
+namespace {
 
 // Rows m0 .. m0 + R of one 16-column panel of the bf16 weight: tile row r is one K pair for the
 // 16 columns, multiplied by that pair broadcast. Four accumulators per row so that the dot
@@ -226,6 +234,10 @@ void bf16_panel_rows(uint16_t* out, int64_t N, const uint32_t* const* x_pairs,
   }
 }
 
+}  // namespace
+
+namespace kvrelay {
+
 // out [M, N] = x [M, K] @ W^T with W packed as bf16 tiles.
 void gemv_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
   const Shapes p = check_io(out, x);
@@ -245,15 +257,4 @@ void gemv_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
   });
 }
 
-}  // namespace
-
-namespace kvrelay {
-void gemv_q8(at::Tensor out, const at::Tensor& x, const at::Tensor& q8_tiles);  // cpu_gemv_q8.cpp
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_q4", &gemv_q4, "out = x @ W^T for a few rows, W as 4-bit tiles (AVX512-BF16)");
-  m.def("gemv_q8", &kvrelay::gemv_q8,
-        "out = x @ W^T for a few rows, W as 8-bit tiles (AVX-512 float32 FMAs)");
-  m.def("gemv_bf16", &gemv_bf16, "out = x @ W^T for a few rows, W as bf16 tiles (AVX512-BF16)");
-}
+}  // namespace kvrelay

@@ -1,12 +1,13 @@
-// Python entry point of the paged decode kernel: validates the tensors (a wrong shape, dtype or
-// index would otherwise read out of bounds) and hands raw pointers to paged_decode.cpp.
+// Tensor entry points of the paged attention kernels: validate the tensors (a wrong shape, dtype
+// or index would otherwise read out of bounds) and hand raw pointers to paged_decode.cpp and
+// paged_prefill.cpp. The Python module is paged_attention_module.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstring>
 
+#include "paged_attention_ops.h"
 #include "paged_decode.h"
 #include "paged_prefill.h"
 
@@ -60,7 +61,11 @@ void check_rows(const at::Tensor& token_ids, const at::Tensor& seq_lens, int64_t
   }
 }
 
-void paged_decode_attention(
+}  // namespace
+
+namespace kvrelay {
+
+void paged_decode_attention_op(
     const at::Tensor& out,           // [num_tokens, num_q_heads, head_dim]
     const at::Tensor& query,         // [num_tokens, num_q_heads, head_dim]
     const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -78,17 +83,13 @@ void paged_decode_attention(
                                 block_tables.data_ptr<int32_t>(), block_tables.stride(0), rows};
   // torch's intra-op thread count governs, as it does for torch's own CPU ops.
   const int num_threads = int(std::min<int64_t>(at::get_num_threads(), rows * k_cache.size(2)));
-  bool ok;
-  {
-    pybind11::gil_scoped_release no_gil;  // other Python threads may run meanwhile
-    ok = kvrelay::paged_decode_attention(args, num_threads);
-  }
+  const bool ok = kvrelay::paged_decode_attention(args, num_threads);
   TORCH_CHECK(ok, "paged_decode_attention: a block table entry lies outside the cache");
 }
 
 // Prefill rows: each sequence's query_lens[s] queries sit at rows token_starts[s].. of the flat
 // batch and are the last of its seq_lens[s] keys; query j sees keys 0 .. context + j.
-void paged_prefill_attention(
+void paged_prefill_attention_op(
     const at::Tensor& out,           // [num_tokens, num_q_heads, head_dim]
     const at::Tensor& query,         // [num_tokens, num_q_heads, head_dim]
     const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -121,18 +122,14 @@ void paged_prefill_attention(
   kvrelay::PagedPrefillArgs args{attention_args(out, query, k_cache, v_cache, scale), starts, queries, lens,
                                  block_tables.data_ptr<int32_t>(), block_tables.stride(0), seqs};
   const int num_threads = at::get_num_threads();
-  bool ok;
-  {
-    pybind11::gil_scoped_release no_gil;
-    ok = kvrelay::paged_prefill_attention(args, num_threads);
-  }
+  const bool ok = kvrelay::paged_prefill_attention(args, num_threads);
   TORCH_CHECK(ok, "paged_prefill_attention: a block table entry lies outside the cache");
 }
 
 // Writes key[t] and value[t] into the caches at slot_mapping[t] (block * block_size + offset),
 // skipping tokens whose slot is negative. key/value must have the caches' dtype and each token's
 // [num_kv_heads, head_dim] contiguous (a head slice of a fused qkv output qualifies).
-void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void store_kv_op(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping) {
   for (const at::Tensor* t : {&key, &value, &k_cache, &v_cache, &slot_mapping})
     TORCH_CHECK(t->device().is_cpu(), "store_kv takes CPU tensors");
@@ -166,14 +163,4 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention (one query token per row) straight from the paged KV cache");
-  m.def("paged_prefill_attention", &paged_prefill_attention,
-        "Causal prefill attention straight from the paged KV cache");
-  m.def("paged_prefill_supported", &kvrelay::paged_prefill_supported,
-        "Whether the prefill kernel takes this head_dim and GQA group size");
-  m.def("store_kv", &store_kv, "Write new K/V rows into the paged cache at their slots (negative: skip)");
-}
+}  // namespace kvrelay

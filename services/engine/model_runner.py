@@ -54,6 +54,7 @@ class ModelRunner:
         self.uses_amx = False  # AMX tiles run the steps just above those
         self.q8_head = False  # the head's small steps read the checkpoint's 8-bit blocks
         self.q4a8: str | None = None  # how the VNNI kernel codes activations, where it runs
+        self.decode_stack = False  # the smallest decode steps' layers in one native call
         self.model = self._load_model(hf_config, model_dir)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
@@ -112,6 +113,7 @@ class ModelRunner:
         self.uses_amx = kernels.amx
         self.q8_head = kernels.q8_head
         self.q4a8 = kernels.q4a8
+        self.decode_stack = kernels.decode_stack
 
     def _q4_blocks(self, hf_config, model_dir: Path | None, model) -> dict | None:
         """The GGUF source's 4-bit matmul blocks (checked against the loaded weights), where

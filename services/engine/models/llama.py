@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, store_kv
 from kernels import native_elementwise as fused
+from services.engine.models.decode_stack import DecodeStack
 from services.engine.models.packed_linear import PackedLinear, pack_linears_
 from services.engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -125,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: PackedLinear | None = None
+        # every layer of a small decode step in one native call (decode_stack.py), if attached
+        self.decode_stack: DecodeStack | None = None
 
     def use_native_cpu_ops_(self, ops) -> None:
         """Route norms, rope and the MLP's activation to the fused CPU kernels (one pass each)."""
@@ -178,8 +181,15 @@ class LlamaForCausalLM(nn.Module):
         """The layers with fused add + norm; returns the final norm of the sampled rows only
         (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
         residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            delta = layer.forward_fused(rope, delta, residual, kv_cache, slot_mapping, attn_meta)
-            if on_layer_done is not None:
+        stack = self.decode_stack
+        if stack is not None and stack.takes(hidden.shape[0], attn_meta):
+            delta = stack.run(residual, rope, kv_caches, slot_mapping, attn_meta)
+            for index in range(len(self.layers) if on_layer_done is not None else 0):
                 on_layer_done(index)
+        else:
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                delta = layer.forward_fused(rope, delta, residual, kv_cache, slot_mapping,
+                                            attn_meta)
+                if on_layer_done is not None:
+                    on_layer_done(index)
         return self.norm.add_and_norm(delta[logits_indices], residual[logits_indices])

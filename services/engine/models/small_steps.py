@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kernels import native_amx, native_gemv, native_q4a8
+from kernels import native_amx, native_gemv, native_q4a8, native_stack
 from services.engine.models import gguf_int4
+from services.engine.models.decode_stack import DecodeStack
 from services.engine.models.gguf_q8_head import Q8Blocks
 
 # 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
@@ -38,6 +39,7 @@ class SmallStepKernels:
     amx: bool
     q8_head: bool = False  # the head's small steps on its 8-bit blocks
     q4a8: str | None = None
+    decode_stack: bool = False  # the smallest decode steps' layers in one native call
 
 
 def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
@@ -69,6 +71,7 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
             {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()},
             _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else int4_kernel
+        model.decode_stack = _decode_stack(model, tiles, int4_max_tokens)
     elif q4_blocks and int4_max_tokens and not every_step and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
             int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
@@ -79,7 +82,17 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
             amx_max_tokens,
             {name: _bound(native_amx, "matmul_q4", amx, t) for name, t in tiles.items()},
             None if head is None else _bound(native_amx, "matmul_bf16", amx, head))
-    return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None, q4a8)
+    return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None, q4a8,
+                            model.decode_stack is not None)
+
+
+def _decode_stack(model, tiles: dict, max_rows: int) -> DecodeStack | None:
+    """The layers of decode steps of up to max_rows rows in one native call, where the model and
+    this machine allow it (decode_stack.py)."""
+    ops = native_stack.stack_ops() if tiles else None
+    if ops is None or not DecodeStack.fits(model, tiles):
+        return None
+    return DecodeStack(ops, model, tiles, max_rows)
 
 
 def _attach_q4a8(model, q4_blocks: dict, max_tokens: int, int8_activations: bool) -> str | None:

@@ -1,0 +1,23 @@
+// The decoder layer's fused elementwise ops on CPU (cpu_elementwise.cpp), shared by the Python
+// module (cpu_elementwise_binding.cpp) and the fused decode stack (decode_stack.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace kvrelay {
+
+// out = RMSNorm(x) * weight; x, out [rows, hidden] contiguous, float32 or bf16.
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+// residual += x (bf16, in place), then out = RMSNorm(residual) * weight.
+void add_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& residual,
+                  const at::Tensor& weight, double eps);
+// out = x * cos + rotate_half(x) * sin; x [tokens, heads, head_dim], rows may be strided.
+void rope(const at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] = gate | up, bf16.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up);
+// -inf in logits[rows[r]] wherever bitmask[r]'s bit is 0.
+void apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows);
+// out [B] int64 = the first index of each row's maximum (NaN first).
+void argmax_rows(const at::Tensor& out, const at::Tensor& logits);
+
+}  // namespace kvrelay

@@ -1,0 +1,13 @@
+// Python module of the fused elementwise ops (cpu_elementwise.cpp).
+#include <torch/csrc/utils/pybind.h>
+
+#include "cpu_elementwise.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &kvrelay::rms_norm, "RMSNorm over the last dim, torch's rounding");
+  m.def("add_rms_norm", &kvrelay::add_rms_norm, "residual += x (bf16), then RMSNorm of it");
+  m.def("rope", &kvrelay::rope, "x * cos + rotate_half(x) * sin");
+  m.def("silu_and_mul", &kvrelay::silu_and_mul, "silu(gate) * up over gate_up = gate | up, bf16");
+  m.def("argmax_rows", &kvrelay::argmax_rows, "first index of each row's maximum (NaN first), float32");
+  m.def("apply_token_bitmask", &kvrelay::apply_token_bitmask, "-inf where a row's bitmask bit is 0");
+}

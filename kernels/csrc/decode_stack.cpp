@@ -1,0 +1,167 @@
+// Every decoder layer of a decode step of a few rows in one call from Python.
+//
+// At one to a few rows a layer's ten ops each take microseconds (the 4-bit matmuls read ~2 MB,
+// the norms and rope touch a few KB), and from Python each costs as much again in dispatch:
+// the interpreter, torch's op call, the output's allocation. Over 30 layers that was ~1.5 ms of
+// a ~7 ms step (BENCHMARKS.md). Here the layers call the very kernels the Python path calls
+// (cpu_gemv.cpp, cpu_elementwise.cpp, paged_decode_binding.cpp) in the same order on the same
+// buffers' contents, so the result is the Python path's bit for bit (tests check it); only the
+// dispatch and allocations go. Every buffer of the step is carved from one allocation and
+// reused by each layer.
+//
+// The model's part is bound once (DecodeStack: each layer's norm weights and 4-bit tiles);
+// each step passes what changes: the residual stream, rope's tables, the caches and the rows.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu_elementwise.h"
+#include "cpu_gemv.h"
+#include "paged_attention_ops.h"
+
+namespace {
+
+constexpr int kNormsPerLayer = 2;  // input_layernorm, post_attention_layernorm
+constexpr int kMatmulsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
+
+struct LayerWeights {
+  at::Tensor input_norm, post_norm;  // [hidden] bf16
+  at::Tensor qkv, o, gate_up, down;  // 4-bit tiles (kernels/native_amx.py pack_q4), uint8
+};
+
+struct Shape {
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  int64_t q_size() const { return num_heads * head_dim; }
+  int64_t kv_size() const { return num_kv_heads * head_dim; }
+};
+
+// One step's activations, each [rows, width] bf16, carved from one allocation.
+struct Buffers {
+  at::Tensor qkv, qk, attn, o, normed, gate_up, act, delta;
+
+  Buffers(int64_t rows, const Shape& s, const at::TensorOptions& options) {
+    const int64_t widths[] = {s.q_size() + 2 * s.kv_size(), s.q_size() + s.kv_size(), s.q_size(), s.hidden,
+                              s.hidden, 2 * s.intermediate, s.intermediate, s.hidden};
+    int64_t total = 0;
+    for (int64_t width : widths) total += rows * width;
+    const at::Tensor all = at::empty({total}, options);
+    at::Tensor* slots[] = {&qkv, &qk, &attn, &o, &normed, &gate_up, &act, &delta};
+    int64_t offset = 0;
+    for (int i = 0; i < 8; ++i) {
+      *slots[i] = all.narrow(0, offset, rows * widths[i]).view({rows, widths[i]});
+      offset += rows * widths[i];
+    }
+  }
+};
+
+// The step's rows as the decode attention kernel reads them (kernels/cpu_plan.py DecodeRows).
+struct StepRows {
+  at::Tensor cos, sin;  // [rows, 1, head_dim] bf16
+  at::Tensor slot_mapping;  // [rows] int64
+  at::Tensor token_ids;  // [rows] int64
+  at::Tensor seq_lens;  // [rows] int32
+  at::Tensor block_tables;  // [rows, max_blocks] int32
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& tiles, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale)
+      : eps_(eps), scale_(scale) {
+    TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0, "norms: two per layer");
+    const size_t layers = norms.size() / kNormsPerLayer;
+    TORCH_CHECK(tiles.size() == layers * kMatmulsPerLayer, "tiles: four per layer");
+    shape_ = {norms[0].numel(), num_heads, num_kv_heads, head_dim, intermediate};
+    TORCH_CHECK(shape_.q_size() > 0 && shape_.kv_size() > 0 && num_heads % num_kv_heads == 0,
+                "heads must be a multiple of kv heads");
+    for (size_t l = 0; l < layers; ++l) {
+      const at::Tensor* t = &tiles[l * kMatmulsPerLayer];
+      layers_.push_back({norms[l * kNormsPerLayer], norms[l * kNormsPerLayer + 1], t[0], t[1], t[2], t[3]});
+    }
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // residual [rows, hidden] bf16: the embeddings in, each layer's skip connections added in
+  // place except the last MLP output, which is returned ([rows, hidden]; the caller adds it
+  // before the final norm). k_caches, v_caches: one [num_blocks, block_size, kv_heads,
+  // head_dim] each per layer.
+  at::Tensor run(const at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
+                 const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                 const at::Tensor& slot_mapping, const at::Tensor& token_ids, const at::Tensor& seq_lens,
+                 const at::Tensor& block_tables) const {
+    TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kBFloat16 &&
+                    residual.size(1) == shape_.hidden, "residual must be contiguous [rows, hidden] bf16");
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one K and one V cache per layer");
+    const int64_t rows = residual.size(0);
+    Buffers buffers(rows, shape_, residual.options());
+    const StepRows step{cos, sin, slot_mapping, token_ids, seq_lens, block_tables};
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const at::Tensor normed = l == 0 ? first_norm(residual, buffers) : skip_and_norm(residual, buffers, l);
+      attention(layers_[l], normed, k_caches[l], v_caches[l], step, buffers);
+      kvrelay::add_rms_norm(buffers.normed, buffers.o, residual, layers_[l].post_norm, eps_);
+      mlp(layers_[l], buffers);
+    }
+    return buffers.delta;
+  }
+
+ private:
+  at::Tensor first_norm(const at::Tensor& residual, Buffers& b) const {
+    kvrelay::rms_norm(b.normed, residual, layers_[0].input_norm, eps_);
+    return b.normed;
+  }
+
+  // residual += the previous layer's MLP output, then this layer's input norm.
+  at::Tensor skip_and_norm(const at::Tensor& residual, Buffers& b, size_t layer) const {
+    kvrelay::add_rms_norm(b.normed, b.delta, residual, layers_[layer].input_norm, eps_);
+    return b.normed;
+  }
+
+  // b.o = o_proj(attention(rope(q), rope(k), v)), the new K and V stored in the caches first.
+  void attention(const LayerWeights& w, const at::Tensor& normed, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const StepRows& step, Buffers& b) const {
+    const int64_t rows = normed.size(0), d = shape_.head_dim;
+    const int64_t qk_heads = shape_.num_heads + shape_.num_kv_heads;
+    kvrelay::gemv_q4(b.qkv, normed, w.qkv);
+    const at::Tensor qk_in = b.qkv.narrow(1, 0, qk_heads * d).view({rows, qk_heads, d});
+    const at::Tensor qk = b.qk.view({rows, qk_heads, d});
+    kvrelay::rope(qk, qk_in, step.cos, step.sin);
+    const at::Tensor q = qk.narrow(1, 0, shape_.num_heads);
+    const at::Tensor k = qk.narrow(1, shape_.num_heads, shape_.num_kv_heads);
+    const at::Tensor v = b.qkv.narrow(1, qk_heads * d, shape_.kv_size()).view({rows, shape_.num_kv_heads, d});
+    kvrelay::store_kv_op(k, v, k_cache, v_cache, step.slot_mapping);
+    const at::Tensor attn = b.attn.view({rows, shape_.num_heads, d});
+    kvrelay::paged_decode_attention_op(attn, q, k_cache, v_cache, step.token_ids, step.seq_lens,
+                                       step.block_tables, scale_);
+    kvrelay::gemv_q4(b.o, b.attn, w.o);
+  }
+
+  // b.delta = down(silu(gate) * up) of b.normed.
+  void mlp(const LayerWeights& w, Buffers& b) const {
+    kvrelay::gemv_q4(b.gate_up, b.normed, w.gate_up);
+    kvrelay::silu_and_mul(b.act, b.gate_up);
+    kvrelay::gemv_q4(b.delta, b.act, w.down);
+  }
+
+  std::vector<LayerWeights> layers_;
+  Shape shape_{};
+  double eps_, scale_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t, int64_t,
+                          int64_t, int64_t, double, double>(),
+           pybind11::arg("norms"), pybind11::arg("tiles"), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("intermediate"),
+           pybind11::arg("eps"), pybind11::arg("scale"))
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      // without the GIL: the worker's other Python threads go on while the layers run
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "The layers of a decode step; returns the last MLP output");
+}

@@ -1,0 +1,44 @@
+"""Every decoder layer of a small decode step in one native call (kernels/csrc/decode_stack.cpp),
+or None.
+
+The extension compiles the very kernels the Python path calls one by one (the few-row 4-bit
+matmuls, the fused elementwise ops, paged decode attention) with a loop over the layers, so a
+step of a few rows pays one Python call instead of ~300. Same build, cache and fallback rules
+as the other native kernels (kernels/native_cpu.py); built where the 4-bit kernel builds
+(AVX512-BF16).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+from kernels.native_cpu import _machine_tag, _put_pip_ninja_on_path
+from kernels.native_gemv import _GEMV_CFLAGS, cpu_has_avx512_bf16
+
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("decode_stack.cpp", "cpu_gemv.cpp", "cpu_elementwise.cpp",
+                        "paged_decode.cpp", "paged_prefill.cpp", "paged_decode_binding.cpp")]
+ENV_SWITCH = "KVRELAY_NATIVE_DECODE_STACK"  # 0: the layers one op at a time from Python
+
+
+@functools.cache
+def stack_ops():
+    """The built extension (its DecodeStack class), or None where off, unsupported or
+    unbuildable."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has_avx512_bf16():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_pip_ninja_on_path()
+        return cpp_extension.load(name=f"kvrelay_decode_stack_{_machine_tag()}",
+                                  sources=[str(source) for source in SOURCES],
+                                  extra_cflags=_GEMV_CFLAGS, extra_ldflags=["-fopenmp"],
+                                  verbose=False)
+    except Exception as error:  # no compiler: the layers run from Python
+        warnings.warn(f"native decode stack unavailable ({type(error).__name__}: "
+                      f"{str(error)[-2000:]}); running the layers from Python", RuntimeWarning,
+                      stacklevel=2)
+        return None

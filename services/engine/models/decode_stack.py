@@ -1,0 +1,61 @@
+"""The decoder layers of a small decode step in one native call (kernels/native_stack.py).
+
+Attached where every ingredient of the Python path's native small steps is there: bf16 on
+CPU, the fused elementwise ops, the native decode attention, and each layer's four matmuls on
+the 4-bit kernel. It takes a step when every row is a decode row (a speculative step's drafts
+are decode rows too) and there are at most `max_rows` of them, the steps whose matmuls the
+4-bit kernel multiplies in the Python path; anything else runs layer by layer as before. The
+result is the Python path's bit for bit: the same kernels in the same order.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import native_cpu
+from kernels.metadata import AttentionMetadata
+from services.engine.models.gguf_int4 import FUSED
+
+MATMULS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj: the kernel's order
+
+
+class DecodeStack:
+    def __init__(self, ops, model, tiles: dict, max_rows: int) -> None:
+        """tiles: parameter name ("layers.3.mlp.down_proj") -> native_amx.Q4Tiles."""
+        config = model.config
+        attention = model.layers[0].self_attn
+        norms, layer_tiles = [], []
+        for index, layer in enumerate(model.layers):
+            norms += [layer.input_layernorm.weight.detach(),
+                      layer.post_attention_layernorm.weight.detach()]
+            layer_tiles += [tiles[f"layers.{index}.{name}"].tiles for name in MATMULS]
+        self.native = ops.DecodeStack(norms, layer_tiles, attention.num_heads,
+                                      attention.num_kv_heads, attention.head_dim,
+                                      config.intermediate_size, config.rms_norm_eps,
+                                      attention.scale)
+        self.max_rows = max_rows
+
+    @staticmethod
+    def fits(model, tiles: dict) -> bool:
+        """Whether the model is one the stack runs: every layer matmul on 4-bit tiles, no
+        biases, the native norms and decode attention in use."""
+        names = [f"layers.{index}.{name}" for index in range(len(model.layers))
+                 for name in MATMULS]
+        return (all(name in tiles for name in names)
+                and all(layer.self_attn.qkv_proj.bias is None for layer in model.layers)
+                and model.norm.native is not None
+                and native_cpu.paged_decode_op() is not None)
+
+    def takes(self, num_tokens: int, attn_meta: AttentionMetadata) -> bool:
+        plan = attn_meta.cpu_plan
+        return (num_tokens <= self.max_rows and plan is not None and plan.prefill_rows is None
+                and plan.decode.num_rows == num_tokens)
+
+    def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+            attn_meta: AttentionMetadata) -> torch.Tensor:
+        """residual [T, hidden] bf16, updated in place; rope: cos, sin [T, 1, head_dim].
+        Returns the last layer's MLP output [T, hidden] (not yet added to residual)."""
+        rows = attn_meta.cpu_plan.decode
+        return self.native.run(residual, *rope, [k for k, _ in kv_caches],
+                               [v for _, v in kv_caches], slot_mapping, rows.token_ids,
+                               rows.seq_lens, rows.block_tables)

@@ -1,0 +1,126 @@
+"""The native decode stack (every layer of a small decode step in one call,
+services/engine/models/decode_stack.py) computes what the layer-by-layer path computes, bit for
+bit: the logits and the K/V it stores, for plain decode rows and a speculative step's drafts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import native_stack
+from services.engine import LLM
+
+PROMPTS = [[1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 3,
+           [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173] * 7,
+           [1, 504, 3458, 282] * 11]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    runner = LLM(dtype="bfloat16", num_kv_blocks=64).engine.runner
+    if not runner.decode_stack:
+        pytest.skip("no native decode stack here (needs AVX512-BF16 and a compiler)")
+    blocks = {}
+    for index, prompt in enumerate(PROMPTS):  # prefill each prompt, 20 blocks per sequence
+        blocks[index] = list(range(20 * index, 20 * index + 20))
+        _run(runner, [_item(prompt, 0, len(prompt), blocks[index], [])])
+    runner.test_blocks = blocks
+    return runner
+
+
+def _item(tokens: list[int], start: int, num_new: int, block_ids: list[int],
+          drafts: list[int]) -> SimpleNamespace:
+    request = SimpleNamespace(num_computed_tokens=start, all_token_ids=tokens)
+    return SimpleNamespace(request=request, num_new_tokens=num_new, block_ids=block_ids,
+                           draft_token_ids=drafts, samples=True)
+
+
+def _run(runner, items) -> torch.Tensor:
+    return runner.execute(runner.prepare(items))
+
+
+def _decode_items(runner, shape: list[int]) -> list[SimpleNamespace]:
+    """One item per sequence: shape[i] query tokens (1 + drafts) for prompt i."""
+    items = []
+    for index, num_new in enumerate(shape):
+        prompt = PROMPTS[index] + [2085]
+        drafts = [957, 253, 1928][:num_new - 1]
+        items.append(_item(prompt, len(PROMPTS[index]), num_new, runner.test_blocks[index],
+                           drafts))
+    return items
+
+
+def _both_ways(runner, items):
+    """(logits, KV cache) with the stack and then layer by layer, from the same cache."""
+    model, before = runner.model, runner.kv_cache.clone()
+    calls = []
+    stack = model.decode_stack
+    original = stack.run
+    stack.run = lambda *args: calls.append(1) or original(*args)
+    try:
+        native = _run(runner, items), runner.kv_cache.clone()
+    finally:
+        stack.run = original
+    runner.kv_cache.copy_(before)
+    model.decode_stack = None
+    try:
+        layered = _run(runner, items), runner.kv_cache.clone()
+    finally:
+        model.decode_stack = stack
+    return native, layered, len(calls)
+
+
+@pytest.mark.parametrize("shape", [[1], [1, 1, 1], [3], [2, 1, 1], [1, 2]],
+                         ids=["one-row", "three-seqs", "token-and-two-drafts", "mixed", "two"])
+def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
+    (native, native_kv), (layered, layered_kv), calls = _both_ways(runner, _decode_items(runner,
+                                                                                        shape))
+    assert calls == 1  # the stack ran the step
+    assert native.shape == (sum(shape), runner.model.config.vocab_size)
+    assert torch.equal(native, layered)
+    assert torch.equal(native_kv, layered_kv)
+    assert not torch.equal(native_kv, torch.zeros_like(native_kv))
+
+
+def test_a_short_prefill_chunk_is_decode_rows_too(runner):
+    # cpu_plan plans a sequence of a few query tokens as decode rows, each seeing its own prefix
+    prompt = PROMPTS[0] + [2085, 957]
+    chunk = [_item(prompt, len(PROMPTS[0]) - 1, 3, runner.test_blocks[0], [])]
+    (native, native_kv), (layered, layered_kv), calls = _both_ways(runner, chunk)
+    assert calls == 1
+    assert torch.equal(native, layered) and torch.equal(native_kv, layered_kv)
+
+
+def test_steps_beyond_its_rows_run_layer_by_layer(runner):
+    too_many = _decode_items(runner, [3, 2])  # 5 rows > the 4-bit kernel's 4
+    assert sum(item.num_new_tokens for item in too_many) > runner.model.decode_stack.max_rows
+    _, _, calls = _both_ways(runner, too_many)
+    assert calls == 0
+
+
+def test_bad_tensors_get_a_clear_error(runner):
+    stack = runner.model.decode_stack.native
+    hidden = runner.model.config.hidden_size
+    caches = [k for k, _ in runner.kv_caches]
+    ids = torch.zeros(1, dtype=torch.int64)
+    lens = torch.ones(1, dtype=torch.int32)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    rope = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="residual must be contiguous"):
+        stack.run(torch.zeros(1, hidden), rope, rope, caches, caches, ids, ids, lens, tables)
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches[:1],
+                  caches[:1], ids, ids, lens, tables)
+    with pytest.raises(RuntimeError, match="out of range"):  # a row outside the batch
+        stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches, caches,
+                  ids, ids + 5, lens, tables)
+
+
+def test_the_switch_turns_the_stack_off(monkeypatch):
+    monkeypatch.setenv(native_stack.ENV_SWITCH, "0")
+    native_stack.stack_ops.cache_clear()
+    try:
+        assert native_stack.stack_ops() is None
+    finally:
+        native_stack.stack_ops.cache_clear()
