@@ -23,7 +23,8 @@ import torch
 from kernels.native_amx import Q4_TILE_BYTES, q4_scales_as_float16, tile_scales
 from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_gemm_q4a8.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_gemm_q4a8.cpp", "cpu_gemm_q4a8_binding.cpp")]
 # 0: keep the bf16 kernels (the native gemv for few rows, oneDNN above) where this one would run
 ENV_SWITCH = "KVRELAY_Q4A8"
 _CFLAGS = CFLAGS + ["-mavx512vnni", "-mavx512bw", "-mavx512vl", "-mf16c"]
@@ -42,7 +43,8 @@ def q4a8_ops():
         from torch.utils import cpp_extension
 
         _put_pip_ninja_on_path()
-        return cpp_extension.load(name=f"kvrelay_q4a8_{_machine_tag()}", sources=[str(SOURCE)],
+        return cpp_extension.load(name=f"kvrelay_q4a8_{_machine_tag()}",
+                                  sources=[str(source) for source in SOURCES],
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                                   verbose=False)
     except Exception as error:  # no compiler: the bf16 kernels stay

@@ -14,12 +14,17 @@ import os
 import warnings
 from pathlib import Path
 
+from kernels import native_q4a8
 from kernels.native_cpu import _machine_tag, _put_pip_ninja_on_path
 from kernels.native_gemv import _GEMV_CFLAGS, cpu_has_avx512_bf16
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("decode_stack.cpp", "cpu_gemv.cpp", "cpu_elementwise.cpp",
-                        "paged_decode.cpp", "paged_prefill.cpp", "paged_decode_binding.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("decode_stack.cpp", "cpu_gemv.cpp", "cpu_elementwise.cpp",
+                                    "paged_decode.cpp", "paged_prefill.cpp",
+                                    "paged_decode_binding.cpp")]
+# where the CPU has AVX512-VNNI, the steps above the gemv kernel's rows (kernels/native_q4a8.py)
+VNNI_SOURCES = [CSRC / "cpu_gemm_q4a8.cpp"]
+VNNI_CFLAGS = ["-mavx512vnni", "-mf16c", "-DKVRELAY_STACK_VNNI"]
 ENV_SWITCH = "KVRELAY_NATIVE_DECODE_STACK"  # 0: the layers one op at a time from Python
 
 
@@ -33,10 +38,12 @@ def stack_ops():
         from torch.utils import cpp_extension
 
         _put_pip_ninja_on_path()
+        vnni = native_q4a8.cpu_has_avx512_vnni()
+        sources = SOURCES + (VNNI_SOURCES if vnni else [])
         return cpp_extension.load(name=f"kvrelay_decode_stack_{_machine_tag()}",
-                                  sources=[str(source) for source in SOURCES],
-                                  extra_cflags=_GEMV_CFLAGS, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
+                                  sources=[str(source) for source in sources],
+                                  extra_cflags=_GEMV_CFLAGS + (VNNI_CFLAGS if vnni else []),
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler: the layers run from Python
         warnings.warn(f"native decode stack unavailable ({type(error).__name__}: "
                       f"{str(error)[-2000:]}); running the layers from Python", RuntimeWarning,

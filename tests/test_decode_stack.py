@@ -71,16 +71,24 @@ def _both_ways(runner, items):
     return native, layered, len(calls)
 
 
-@pytest.mark.parametrize("shape", [[1], [1, 1, 1], [3], [2, 1, 1], [1, 2]],
-                         ids=["one-row", "three-seqs", "token-and-two-drafts", "mixed", "two"])
+@pytest.mark.parametrize("shape", [[1], [1, 1, 1], [3], [2, 1, 1], [1, 2], [3, 2], [4, 4]],
+                         ids=["one-row", "three-seqs", "token-and-two-drafts", "mixed", "two",
+                              "five-rows", "eight-rows"])
 def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
+    # up to 4 rows on the gemv kernel; 5-8 on the VNNI kernel where this CPU has it
     (native, native_kv), (layered, layered_kv), calls = _both_ways(runner, _decode_items(runner,
                                                                                         shape))
-    assert calls == 1  # the stack ran the step
+    assert calls == (1 if sum(shape) <= runner.model.decode_stack.max_rows else 0)
     assert native.shape == (sum(shape), runner.model.config.vocab_size)
     assert torch.equal(native, layered)
     assert torch.equal(native_kv, layered_kv)
     assert not torch.equal(native_kv, torch.zeros_like(native_kv))
+
+
+def test_steps_of_five_to_eight_rows_run_on_the_vnni_kernel_where_it_is(runner):
+    stack = runner.model.decode_stack
+    assert stack.max_rows == (8 if runner.q4a8 == "split" else 4)
+    assert stack.native.takes_rows(8) == (runner.q4a8 == "split")
 
 
 def test_a_short_prefill_chunk_is_decode_rows_too(runner):
@@ -93,7 +101,7 @@ def test_a_short_prefill_chunk_is_decode_rows_too(runner):
 
 
 def test_steps_beyond_its_rows_run_layer_by_layer(runner):
-    too_many = _decode_items(runner, [3, 2])  # 5 rows > the 4-bit kernel's 4
+    too_many = _decode_items(runner, [4, 4, 2])  # 10 rows: oneDNN's, in the Python path
     assert sum(item.num_new_tokens for item in too_many) > runner.model.decode_stack.max_rows
     _, _, calls = _both_ways(runner, too_many)
     assert calls == 0

@@ -20,7 +20,6 @@
 // vpdpbusd reads) and its high nibbles the next; then the 16 columns' d and m as float16
 // (kernels/native_q4a8.py packs them).
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <immintrin.h>
 #include <omp.h>
@@ -30,6 +29,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_gemm_q4a8.h"
 #include "gemv_io.h"
 
 namespace {
@@ -165,9 +165,13 @@ void dispatch_rows(int64_t rows, uint16_t* out, int64_t N, int64_t K, const Quan
   else panel_rows<R, false>(out, N, K, acts, m0, panel, k_blocks);
 }
 
+}  // namespace
+
+namespace kvrelay {
+
 // out [M, N] = x [M, K] @ W^T with W as the tiles above.
 void gemm_q4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& tiles, bool split) {
-  const Shapes p = kvrelay::check_io(out, x);
+  const Shapes p = check_io(out, x);
   const int64_t k_blocks = p.K / 32, panels = p.N / 16;
   TORCH_CHECK(tiles.numel() == panels * k_blocks * kTileBytes &&
               tiles.scalar_type() == at::kByte && tiles.is_contiguous(),
@@ -198,11 +202,4 @@ void gemm_q4a8(at::Tensor out, const at::Tensor& x, const at::Tensor& tiles, boo
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_q4a8", &gemm_q4a8,
-        "out = x @ W^T, W as 4-bit tiles, x coded as int8 per 32 values, split: twice "
-        "(AVX512-VNNI)", pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("tiles"),
-        pybind11::arg("split"));
-}
+}  // namespace kvrelay

@@ -11,6 +11,9 @@
 //
 // The model's part is bound once (DecodeStack: each layer's norm weights and 4-bit tiles);
 // each step passes what changes: the residual stream, rope's tables, the caches and the rows.
+// The matmuls of steps of up to gemv_max_rows rows run on the bf16 dot-product kernel
+// (cpu_gemv.cpp); larger ones, where the build has it (KVRELAY_STACK_VNNI) and its tiles were
+// given, on the VNNI kernel with activations coded twice (cpu_gemm_q4a8.cpp), as in Python.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -20,15 +23,24 @@
 #include "cpu_elementwise.h"
 #include "cpu_gemv.h"
 #include "paged_attention_ops.h"
+#ifdef KVRELAY_STACK_VNNI
+#include "cpu_gemm_q4a8.h"
+#endif
 
 namespace {
 
 constexpr int kNormsPerLayer = 2;  // input_layernorm, post_attention_layernorm
 constexpr int kMatmulsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
+// One matmul's weight in each kernel's layout.
+struct Matmul {
+  at::Tensor q4;  // 4-bit tiles for cpu_gemv.cpp (kernels/native_amx.py pack_q4), uint8
+  at::Tensor vnni;  // the same blocks for cpu_gemm_q4a8.cpp (native_q4a8.py pack), or undefined
+};
+
 struct LayerWeights {
   at::Tensor input_norm, post_norm;  // [hidden] bf16
-  at::Tensor qkv, o, gate_up, down;  // 4-bit tiles (kernels/native_amx.py pack_q4), uint8
+  Matmul qkv, o, gate_up, down;
 };
 
 struct Shape {
@@ -67,22 +79,34 @@ struct StepRows {
 
 class DecodeStack {
  public:
-  DecodeStack(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& tiles, int64_t num_heads,
+  // vnni_tiles: empty, or four per layer like tiles (the steps above gemv_max_rows rows).
+  DecodeStack(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& tiles,
+              const std::vector<at::Tensor>& vnni_tiles, int64_t gemv_max_rows, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale)
-      : eps_(eps), scale_(scale) {
+      : gemv_max_rows_(gemv_max_rows), eps_(eps), scale_(scale) {
     TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0, "norms: two per layer");
     const size_t layers = norms.size() / kNormsPerLayer;
     TORCH_CHECK(tiles.size() == layers * kMatmulsPerLayer, "tiles: four per layer");
+    TORCH_CHECK(vnni_tiles.empty() || vnni_tiles.size() == tiles.size(), "vnni_tiles: none or four per layer");
+#ifndef KVRELAY_STACK_VNNI
+    TORCH_CHECK(vnni_tiles.empty(), "this build has no VNNI kernel");
+#endif
     shape_ = {norms[0].numel(), num_heads, num_kv_heads, head_dim, intermediate};
     TORCH_CHECK(shape_.q_size() > 0 && shape_.kv_size() > 0 && num_heads % num_kv_heads == 0,
                 "heads must be a multiple of kv heads");
     for (size_t l = 0; l < layers; ++l) {
-      const at::Tensor* t = &tiles[l * kMatmulsPerLayer];
-      layers_.push_back({norms[l * kNormsPerLayer], norms[l * kNormsPerLayer + 1], t[0], t[1], t[2], t[3]});
+      Matmul m[kMatmulsPerLayer];
+      for (int i = 0; i < kMatmulsPerLayer; ++i) {
+        const size_t at = l * kMatmulsPerLayer + i;
+        m[i] = {tiles[at], vnni_tiles.empty() ? at::Tensor() : vnni_tiles[at]};
+      }
+      layers_.push_back({norms[l * kNormsPerLayer], norms[l * kNormsPerLayer + 1], m[0], m[1], m[2], m[3]});
     }
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
+  // whether its kernels take a step of this many rows: the gemv kernel's few, any with VNNI tiles
+  bool takes_rows(int64_t rows) const { return rows <= gemv_max_rows_ || layers_[0].qkv.vnni.defined(); }
 
   // residual [rows, hidden] bf16: the embeddings in, each layer's skip connections added in
   // place except the last MLP output, which is returned ([rows, hidden]; the caller adds it
@@ -97,6 +121,7 @@ class DecodeStack {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
     const int64_t rows = residual.size(0);
+    TORCH_CHECK(rows >= 1 && takes_rows(rows), "a step of ", rows, " rows is beyond this stack's kernels");
     Buffers buffers(rows, shape_, residual.options());
     const StepRows step{cos, sin, slot_mapping, token_ids, seq_lens, block_tables};
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -120,12 +145,23 @@ class DecodeStack {
     return b.normed;
   }
 
+  // out [rows, N] = x [rows, K] @ W^T on the kernel the Python path picks for this many rows.
+  void matmul(const at::Tensor& out, const at::Tensor& x, const Matmul& w) const {
+    if (x.size(0) <= gemv_max_rows_) {
+      kvrelay::gemv_q4(out, x, w.q4);
+      return;
+    }
+#ifdef KVRELAY_STACK_VNNI
+    kvrelay::gemm_q4a8(out, x, w.vnni, /*split=*/true);
+#endif
+  }
+
   // b.o = o_proj(attention(rope(q), rope(k), v)), the new K and V stored in the caches first.
   void attention(const LayerWeights& w, const at::Tensor& normed, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const StepRows& step, Buffers& b) const {
     const int64_t rows = normed.size(0), d = shape_.head_dim;
     const int64_t qk_heads = shape_.num_heads + shape_.num_kv_heads;
-    kvrelay::gemv_q4(b.qkv, normed, w.qkv);
+    matmul(b.qkv, normed, w.qkv);
     const at::Tensor qk_in = b.qkv.narrow(1, 0, qk_heads * d).view({rows, qk_heads, d});
     const at::Tensor qk = b.qk.view({rows, qk_heads, d});
     kvrelay::rope(qk, qk_in, step.cos, step.sin);
@@ -136,18 +172,19 @@ class DecodeStack {
     const at::Tensor attn = b.attn.view({rows, shape_.num_heads, d});
     kvrelay::paged_decode_attention_op(attn, q, k_cache, v_cache, step.token_ids, step.seq_lens,
                                        step.block_tables, scale_);
-    kvrelay::gemv_q4(b.o, b.attn, w.o);
+    matmul(b.o, b.attn, w.o);
   }
 
   // b.delta = down(silu(gate) * up) of b.normed.
   void mlp(const LayerWeights& w, Buffers& b) const {
-    kvrelay::gemv_q4(b.gate_up, b.normed, w.gate_up);
+    matmul(b.gate_up, b.normed, w.gate_up);
     kvrelay::silu_and_mul(b.act, b.gate_up);
-    kvrelay::gemv_q4(b.delta, b.act, w.down);
+    matmul(b.delta, b.act, w.down);
   }
 
   std::vector<LayerWeights> layers_;
   Shape shape_{};
+  int64_t gemv_max_rows_;
   double eps_, scale_;
 };
 
@@ -155,12 +192,22 @@ class DecodeStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t, int64_t,
-                          int64_t, int64_t, double, double>(),
-           pybind11::arg("norms"), pybind11::arg("tiles"), pybind11::arg("num_heads"),
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                          double>(),
+           pybind11::arg("norms"), pybind11::arg("tiles"), pybind11::arg("vnni_tiles"),
+           pybind11::arg("gemv_max_rows"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("intermediate"),
            pybind11::arg("eps"), pybind11::arg("scale"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("takes_rows", &DecodeStack::takes_rows)
+      .def_property_readonly_static("has_vnni", [](pybind11::object) {
+#ifdef KVRELAY_STACK_VNNI
+        return true;
+#else
+        return false;
+#endif
+      })
       // without the GIL: the worker's other Python threads go on while the layers run
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "The layers of a decode step; returns the last MLP output");

@@ -3,9 +3,10 @@
 Attached where every ingredient of the Python path's native small steps is there: bf16 on
 CPU, the fused elementwise ops, the native decode attention, and each layer's four matmuls on
 the 4-bit kernel. It takes a step when every row is a decode row (a speculative step's drafts
-are decode rows too) and there are at most `max_rows` of them, the steps whose matmuls the
-4-bit kernel multiplies in the Python path; anything else runs layer by layer as before. The
-result is the Python path's bit for bit: the same kernels in the same order.
+are decode rows too) and there are at most `max_rows` of them: up to `gemv_max_rows` its
+matmuls run on the native gemv kernel, above that (where given) on the VNNI kernel's tiles, as
+the Python path picks them; anything else runs layer by layer as before. The result is the
+Python path's bit for bit: the same kernels in the same order.
 """
 from __future__ import annotations
 
@@ -19,28 +20,29 @@ MATMULS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj: the kernel'
 
 
 class DecodeStack:
-    def __init__(self, ops, model, tiles: dict, max_rows: int) -> None:
-        """tiles: parameter name ("layers.3.mlp.down_proj") -> native_amx.Q4Tiles."""
+    def __init__(self, ops, model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict | None = None,
+                 vnni_max_rows: int = 0) -> None:
+        """tiles: parameter name ("layers.3.mlp.down_proj") -> native_amx.Q4Tiles, for steps of
+        up to gemv_max_rows rows; vnni_tiles: the same names -> native_q4a8.Q4A8Tiles, for the
+        steps above, up to vnni_max_rows (None: none)."""
         config = model.config
         attention = model.layers[0].self_attn
-        norms, layer_tiles = [], []
-        for index, layer in enumerate(model.layers):
+        norms = []
+        for layer in model.layers:
             norms += [layer.input_layernorm.weight.detach(),
                       layer.post_attention_layernorm.weight.detach()]
-            layer_tiles += [tiles[f"layers.{index}.{name}"].tiles for name in MATMULS]
-        self.native = ops.DecodeStack(norms, layer_tiles, attention.num_heads,
-                                      attention.num_kv_heads, attention.head_dim,
-                                      config.intermediate_size, config.rms_norm_eps,
-                                      attention.scale)
-        self.max_rows = max_rows
+        self.native = ops.DecodeStack(norms, _in_order(tiles, len(model.layers)),
+                                      _in_order(vnni_tiles or {}, len(model.layers)),
+                                      gemv_max_rows, attention.num_heads, attention.num_kv_heads,
+                                      attention.head_dim, config.intermediate_size,
+                                      config.rms_norm_eps, attention.scale)
+        self.max_rows = max(gemv_max_rows, vnni_max_rows if vnni_tiles else 0)
 
     @staticmethod
     def fits(model, tiles: dict) -> bool:
         """Whether the model is one the stack runs: every layer matmul on 4-bit tiles, no
         biases, the native norms and decode attention in use."""
-        names = [f"layers.{index}.{name}" for index in range(len(model.layers))
-                 for name in MATMULS]
-        return (all(name in tiles for name in names)
+        return (all(name in tiles for name in matmul_names(len(model.layers)))
                 and all(layer.self_attn.qkv_proj.bias is None for layer in model.layers)
                 and model.norm.native is not None
                 and native_cpu.paged_decode_op() is not None)
@@ -59,3 +61,12 @@ class DecodeStack:
         return self.native.run(residual, *rope, [k for k, _ in kv_caches],
                                [v for _, v in kv_caches], slot_mapping, rows.token_ids,
                                rows.seq_lens, rows.block_tables)
+
+
+def matmul_names(num_layers: int) -> list[str]:
+    """Every layer matmul's parameter name, in the order the kernel takes their weights."""
+    return [f"layers.{index}.{name}" for index in range(num_layers) for name in MATMULS]
+
+
+def _in_order(tiles: dict, num_layers: int) -> list[torch.Tensor]:
+    return [tiles[name].tiles for name in matmul_names(num_layers)] if tiles else []

@@ -51,8 +51,8 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
     # like AMX, the kernel takes the steps above int4_max_tokens (every step with int8)
     wanted = int8_activations or q4a8_max_tokens > int4_max_tokens
-    q4a8 = _attach_q4a8(model, q4_blocks, q4a8_max_tokens, int8_activations) \
-        if amx is None and wanted else None
+    q4a8, q4a8_tiles = _attach_q4a8(model, q4_blocks, q4a8_max_tokens, int8_activations) \
+        if amx is None and wanted else (None, {})
     every_step = q4a8 == "int8"  # then no other kernel multiplies the layers
     tiles = _q4_tiles(q4_blocks) if (gemv or amx) and not every_step else {}
     head_fits = model.packed_head is not None and native_amx.shape_supported(
@@ -71,7 +71,8 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
             {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()},
             _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else int4_kernel
-        model.decode_stack = _decode_stack(model, tiles, int4_max_tokens)
+        vnni = (q4a8_tiles, q4a8_max_tokens) if q4a8 == "split" else ({}, 0)
+        model.decode_stack = _decode_stack(model, tiles, int4_max_tokens, *vnni)
     elif q4_blocks and int4_max_tokens and not every_step and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
             int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
@@ -86,27 +87,33 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
                             model.decode_stack is not None)
 
 
-def _decode_stack(model, tiles: dict, max_rows: int) -> DecodeStack | None:
-    """The layers of decode steps of up to max_rows rows in one native call, where the model and
-    this machine allow it (decode_stack.py)."""
+def _decode_stack(model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict,
+                  vnni_max_rows: int) -> DecodeStack | None:
+    """The layers of small decode steps in one native call, where the model and this machine
+    allow it (decode_stack.py): the gemv kernel's steps, and the VNNI kernel's above them where
+    it runs every layer matmul and the build has it."""
     ops = native_stack.stack_ops() if tiles else None
     if ops is None or not DecodeStack.fits(model, tiles):
         return None
-    return DecodeStack(ops, model, tiles, max_rows)
+    if not ops.DecodeStack.has_vnni or not DecodeStack.fits(model, vnni_tiles):
+        vnni_tiles, vnni_max_rows = {}, 0
+    return DecodeStack(ops, model, tiles, gemv_max_rows, vnni_tiles, vnni_max_rows)
 
 
-def _attach_q4a8(model, q4_blocks: dict, max_tokens: int, int8_activations: bool) -> str | None:
+def _attach_q4a8(model, q4_blocks: dict, max_tokens: int,
+                 int8_activations: bool) -> tuple[str | None, dict]:
     """The layers' steps of up to max_tokens (every step with int8_activations) on the VNNI
-    kernel; its coding of the activations ("split" or "int8"), or None where it does not run."""
+    kernel; its coding of the activations ("split" or "int8", None where it does not run) and
+    its tiles by parameter name."""
     ops = native_q4a8.q4a8_ops() if q4_blocks else None
     tiles = {} if ops is None else _q4a8_tiles(q4_blocks)
     if not tiles:
-        return None
+        return None, {}
     split = not int8_activations
     model.add_small_step_kernels_(
         max_tokens if split else EVERY_STEP,
         {name: _q4a8_matmul(ops, t, split) for name, t in tiles.items()}, None)
-    return "split" if split else "int8"
+    return ("split" if split else "int8"), tiles
 
 
 def _gemv_head(gemv, q8_tiles, bf16_tiles):
