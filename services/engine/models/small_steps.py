@@ -10,10 +10,9 @@ tiles. Larger steps stay on oneDNN.
 
 Where AMX does not run and the CPU has AVX512-VNNI, the VNNI kernel (kernels/native_q4a8.py:
 integer dot products, twice the multiply-adds per instruction of bf16 ones) takes the layers'
-steps above `int4_max_tokens` up to `q4a8_max_tokens` instead, its activations coded twice per
-32 values (finer than bf16); with `int8_activations` it takes every layer step, prefill
-included, its activations coded once (llama.cpp's Q8: faster, coarser). The head keeps its
-kernels.
+steps of 2 up to `q4a8_max_tokens` tokens instead, its activations coded twice per 32 values
+(finer than bf16); with `int8_activations` it takes every layer step, prefill included, its
+activations coded once (llama.cpp's Q8: faster, coarser). The head keeps its kernels.
 """
 from __future__ import annotations
 
@@ -66,13 +65,14 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
         head = native_amx.pack_bf16(model.head_weight)
     int4_kernel = "q4a8" if every_step else None
     if gemv is not None:
+        layer_rows = _layer_gemv_rows(int4_max_tokens, tiles, q4a8, q4a8_tiles)
         model.add_small_step_kernels_(
-            int4_max_tokens,
-            {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()},
-            _gemv_head(gemv, q8_tiles, head))
+            layer_rows,
+            {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()}, None)
+        model.add_small_step_kernels_(int4_max_tokens, {}, _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else int4_kernel
         vnni = (q4a8_tiles, q4a8_max_tokens) if q4a8 == "split" else ({}, 0)
-        model.decode_stack = _decode_stack(model, tiles, int4_max_tokens, *vnni)
+        model.decode_stack = _decode_stack(model, tiles, layer_rows, *vnni)
     elif q4_blocks and int4_max_tokens and not every_step and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
             int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
@@ -85,6 +85,18 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
             None if head is None else _bound(native_amx, "matmul_bf16", amx, head))
     return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None, q4a8,
                             model.decode_stack is not None)
+
+
+def _layer_gemv_rows(int4_max_tokens: int, tiles: dict, q4a8: str | None,
+                     q4a8_tiles: dict) -> int:
+    """How many rows the layers' matmuls take on the gemv kernel. Where the VNNI kernel runs
+    every layer matmul with split coding, it takes them from two rows: it was as fast at one
+    row and faster from two (a decode step of 2 / 3 / 4 rows 4.1-4.4 -> 3.7, 5.3-5.4 -> 4.7,
+    7.5-7.6 -> 6.1-6.5 ms; HISTORY, session 22), and its activations are coded finer than
+    bf16. The head keeps int4_max_tokens."""
+    if q4a8 == "split" and tiles and set(tiles) <= set(q4a8_tiles):
+        return min(1, int4_max_tokens)
+    return int4_max_tokens
 
 
 def _decode_stack(model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict,
