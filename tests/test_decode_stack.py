@@ -124,9 +124,22 @@ def test_bad_tensors_get_a_clear_error(runner):
     with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
         stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches[:1],
                   caches[:1], ids, ids, lens, tables)
+    before = runner.kv_cache.clone()
     with pytest.raises(RuntimeError, match="out of range"):  # a row outside the batch
         stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches, caches,
                   ids, ids + 5, lens, tables)
+    with pytest.raises(RuntimeError, match="lies outside the cache"):
+        stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches, caches,
+                  ids + 10**9, ids, lens, tables)
+    assert torch.equal(runner.kv_cache, before)  # refused before anything was stored
+
+
+def test_layer_callbacks_run_once_each_in_order_after_the_stack(runner):
+    items = _decode_items(runner, [1, 1])
+    done = []
+    logits = runner.execute(runner.prepare(items), on_layer_done=done.append)
+    assert done == list(range(len(runner.model.layers)))
+    assert torch.equal(logits, _run(runner, items))
 
 
 def test_the_switch_turns_the_stack_off(monkeypatch):
@@ -134,5 +147,7 @@ def test_the_switch_turns_the_stack_off(monkeypatch):
     native_stack.stack_ops.cache_clear()
     try:
         assert native_stack.stack_ops() is None
+        runner = LLM(dtype="bfloat16", num_kv_blocks=16).engine.runner
+        assert not runner.decode_stack and runner.model.decode_stack is None
     finally:
         native_stack.stack_ops.cache_clear()

@@ -122,8 +122,9 @@ class DecodeStack {
                 "one K and one V cache per layer");
     const int64_t rows = residual.size(0);
     TORCH_CHECK(rows >= 1 && takes_rows(rows), "a step of ", rows, " rows is beyond this stack's kernels");
-    Buffers buffers(rows, shape_, residual.options());
     const StepRows step{cos, sin, slot_mapping, token_ids, seq_lens, block_tables};
+    check_step(step, rows, k_caches[0]);
+    Buffers buffers(rows, shape_, residual.options());
     for (size_t l = 0; l < layers_.size(); ++l) {
       const at::Tensor normed = l == 0 ? first_norm(residual, buffers) : skip_and_norm(residual, buffers, l);
       attention(layers_[l], normed, k_caches[l], v_caches[l], step, buffers);
@@ -134,6 +135,31 @@ class DecodeStack {
   }
 
  private:
+  // What every layer's kernels would check again, checked before the first K/V is stored, so
+  // that a bad step fails before it writes anything.
+  void check_step(const StepRows& step, int64_t rows, const at::Tensor& k_cache) const {
+    TORCH_CHECK(step.cos.numel() == rows * shape_.head_dim && step.sin.numel() == step.cos.numel(),
+                "cos, sin must be [rows, 1, head_dim]");
+    TORCH_CHECK(step.slot_mapping.scalar_type() == at::kLong && step.slot_mapping.is_contiguous() &&
+                    step.slot_mapping.numel() == rows, "slot_mapping must be contiguous int64 [rows]");
+    TORCH_CHECK(k_cache.dim() == 4, "caches must be [num_blocks, block_size, kv_heads, head_dim]");
+    const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+    const int64_t* slots = step.slot_mapping.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slots[r] < num_slots, "slot ", slots[r], " lies outside the cache");
+    TORCH_CHECK(step.token_ids.scalar_type() == at::kLong && step.token_ids.is_contiguous() &&
+                    step.seq_lens.scalar_type() == at::kInt && step.seq_lens.is_contiguous() &&
+                    step.seq_lens.numel() == step.token_ids.numel() && step.block_tables.dim() == 2 &&
+                    step.block_tables.scalar_type() == at::kInt && step.block_tables.size(0) == step.token_ids.numel(),
+                "token_ids int64 [n], seq_lens int32 [n], block_tables int32 [n, max_blocks]");
+    const int64_t* tokens = step.token_ids.data_ptr<int64_t>();
+    const int32_t* lens = step.seq_lens.data_ptr<int32_t>();
+    const int64_t max_keys = step.block_tables.size(1) * k_cache.size(1);
+    for (int64_t i = 0; i < step.token_ids.numel(); ++i) {
+      TORCH_CHECK(tokens[i] >= 0 && tokens[i] < rows, "decode token index ", tokens[i], " out of range");
+      TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_keys, "seq_len ", lens[i], " is < 1 or beyond the block table");
+    }
+  }
+
   at::Tensor first_norm(const at::Tensor& residual, Buffers& b) const {
     kvrelay::rms_norm(b.normed, residual, layers_[0].input_norm, eps_);
     return b.normed;
@@ -152,7 +178,10 @@ class DecodeStack {
       return;
     }
 #ifdef KVRELAY_STACK_VNNI
+    TORCH_CHECK(w.vnni.defined(), "no VNNI tiles for a step of ", x.size(0), " rows");
     kvrelay::gemm_q4a8(out, x, w.vnni, /*split=*/true);
+#else
+    TORCH_CHECK(false, "a step of ", x.size(0), " rows needs the VNNI kernel, not in this build");
 #endif
   }
 

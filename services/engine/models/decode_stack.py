@@ -47,10 +47,15 @@ class DecodeStack:
                 and model.norm.native is not None
                 and native_cpu.paged_decode_op() is not None)
 
-    def takes(self, num_tokens: int, attn_meta: AttentionMetadata) -> bool:
+    def takes(self, num_tokens: int, attn_meta: AttentionMetadata,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this step is the stack's: decode rows only, few enough, on the caches the
+        native store and attention read (the Python path falls back to torch's otherwise)."""
         plan = attn_meta.cpu_plan
+        k_cache = kv_caches[0][0]
         return (num_tokens <= self.max_rows and plan is not None and plan.prefill_rows is None
-                and plan.decode.num_rows == num_tokens)
+                and plan.decode.num_rows == num_tokens and k_cache.dtype == torch.bfloat16
+                and k_cache.is_contiguous())
 
     def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,

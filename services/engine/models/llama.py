@@ -182,8 +182,10 @@ class LlamaForCausalLM(nn.Module):
         (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
         residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
         stack = self.decode_stack
-        if stack is not None and stack.takes(hidden.shape[0], attn_meta):
+        if stack is not None and stack.takes(hidden.shape[0], attn_meta, kv_caches):
             delta = stack.run(residual, rope, kv_caches, slot_mapping, attn_meta)
+            # every layer's K/V is stored by now: a push that waits on them starts at once
+            # (the stack's steps are a few tokens, so little overlap is lost)
             for index in range(len(self.layers) if on_layer_done is not None else 0):
                 on_layer_done(index)
         else:
