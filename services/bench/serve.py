@@ -80,15 +80,25 @@ def rates_of(args) -> list[float | None]:
     return [args.rate]
 
 
+def sweep_seed(args, index: int) -> int:
+    """The prompts' seed for the sweep's index-th rate. A poisson sweep draws new prompts for
+    every rate after the first: with the same ones, every later rate found them in the
+    server's prefix cache and measured a lighter load than the first (both kvrelay and vLLM
+    ran their first rate with 2-5x the TPOT of the next). seed + 1 is the warm-up's."""
+    if args.workload != "poisson" or index == 0:
+        return args.seed
+    return args.seed + 1 + index
+
+
 def plan_runs(args) -> list[PlannedRun]:
     prefix = f"{args.label}: " if args.label else ""
     plans = []
-    for rate in rates_of(args):
+    for index, rate in enumerate(rates_of(args)):
         at = f" @ {rate:g} req/s" if rate is not None else ""
         phases = ({"both": [False, True], "with": [True], "without": [False]}
                   [args.long_short_phases] if args.workload == "long+short" else [True])
         for include_long in phases:
-            requests = workloads.build(args.workload, args.seed, rate, args.jsonl,
+            requests = workloads.build(args.workload, sweep_seed(args, index), rate, args.jsonl,
                                        args.max_tokens, include_long)
             phase = None
             if args.workload == "long+short":

@@ -105,6 +105,17 @@ def test_poisson_sweep_writes_throughput_and_goodput_plots(tmp_path):
     assert (tmp_path / "rate_sweep.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_each_rate_of_a_poisson_sweep_sends_its_own_prompts(tmp_path):
+    # the same prompts again would meet the server's prefix cache at every later rate
+    with FakeServer(FakeBehaviour(ttft=0.01, itl=0.005)) as server:
+        bench(server, tmp_path, "--workload", "poisson", "--rates", "40,40,40",
+              "--max-requests", "4", "--max-tokens", "2", "--warmup", "4")
+        bodies = [json.dumps(body["messages"]) for body in server.behaviour.bodies]
+    warmup, rates = bodies[:4], [bodies[4 + 4 * i:8 + 4 * i] for i in range(3)]
+    seen = [set(warmup), *map(set, rates)]
+    assert all(not a & b for i, a in enumerate(seen) for b in seen[i + 1:])
+
+
 def test_a_poisson_sweep_warms_up_first(tmp_path):
     with FakeServer(FakeBehaviour(ttft=0.01, itl=0.005)) as server:
         result = bench(server, tmp_path, "--workload", "poisson", "--rates", "40",
