@@ -48,7 +48,7 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
     q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None."""
     gemv = native_gemv.gemv_ops() if int4_max_tokens else None
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
-    # like AMX, the kernel takes the steps above int4_max_tokens (every step with int8)
+    # like AMX, the kernel takes the steps above the gemv kernel's (every step with int8)
     wanted = int8_activations or q4a8_max_tokens > int4_max_tokens
     q4a8, q4a8_tiles = _attach_q4a8(model, q4_blocks, q4a8_max_tokens, int8_activations) \
         if amx is None and wanted else (None, {})
