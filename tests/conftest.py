@@ -30,6 +30,22 @@ def hf_model(model_dir):
     return model.eval()
 
 
+def reference_logprobs(hf_model, prompt_ids: list[int],
+                       completion_ids: list[int]) -> torch.Tensor:
+    """HF float32's log-probabilities at each completion position given the prefix before it
+    (teacher forcing, so one early difference does not count for the rest): [generated, vocab]."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt_ids + completion_ids])).logits[0].float()
+    return logits[len(prompt_ids) - 1:-1].log_softmax(-1)
+
+
+def below_best(reference: torch.Tensor, token_ids: list[int]) -> list[float]:
+    """How many nats each chosen token lies below the reference's best at its position
+    (0 where it is the reference's argmax); reference [generated, vocab]."""
+    chosen = reference[torch.arange(len(token_ids)), torch.tensor(token_ids)]
+    return (reference.max(-1).values - chosen).tolist()
+
+
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate, stopping at EOS like the engine does."""
     with torch.inference_mode():

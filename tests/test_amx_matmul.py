@@ -12,6 +12,7 @@ from gguf.quants import GGMLQuantizationType, quantize
 from kernels import native_amx
 from services.engine import LLM, SamplingParams
 from services.engine.models import gguf_int4
+from tests.conftest import reference_logprobs
 from tests.prompts import chat_conversations
 
 pytestmark = pytest.mark.skipif(native_amx.amx_ops() is None, reason="no AMX-BF16 on this CPU")
@@ -103,9 +104,7 @@ def test_batched_greedy_tokens_on_amx_agree_with_the_float32_reference(amx_llm, 
     margins = []
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0].token_ids
-        with torch.inference_mode():
-            logits = hf_model(torch.tensor([prompt + completion])).logits[0].float()
-        reference = logits[len(prompt) - 1:-1].log_softmax(-1)  # [generated, vocab]
+        reference = reference_logprobs(hf_model, prompt, completion)  # [generated, vocab]
         for position, token_id in enumerate(completion):
             total += 1
             agree += int(reference[position].argmax().item() == token_id)

@@ -12,6 +12,7 @@ from gguf.quants import GGMLQuantizationType, dequantize, quantize
 from kernels import native_amx, native_gemv, native_q4a8
 from services.engine import LLM, SamplingParams
 from services.engine.models import gguf_int4
+from tests.conftest import reference_logprobs
 from tests.prompts import chat_conversations
 
 pytestmark = pytest.mark.skipif(not gguf_int4.int4_supported(), reason="no torch int4 CPU op")
@@ -108,9 +109,7 @@ def test_greedy_tokens_on_4_bit_weights_agree_with_the_float32_reference(int4_ll
                                                tokenize=True)
         prompts.append(list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt))
     for prompt, completion in zip(prompts, _generate(int4_llm, prompts, params)):
-        with torch.inference_mode():
-            logits = hf_model(torch.tensor([prompt + completion.token_ids])).logits[0].float()
-        reference = logits[len(prompt) - 1:-1].log_softmax(-1)  # [generated, vocab]
+        reference = reference_logprobs(hf_model, prompt, completion.token_ids)  # [generated, vocab]
         for position, token_id in enumerate(completion.token_ids):
             total += 1
             best = reference[position].max().item()

@@ -6,6 +6,7 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.sampler import Sampler, SamplingRow
+from tests.conftest import below_best, reference_logprobs
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "My favourite food is"]
 
@@ -162,15 +163,24 @@ def test_missing_or_foreign_model_is_a_clear_error(tmp_path):
         LLM(model=str(tmp_path))
 
 
-def test_bfloat16_engine_answers_like_float32(llm):
+def test_bfloat16_engine_answers_like_float32(llm, hf_model):
+    """Every token of the bf16 engine's greedy reply is HF float32's best given the same prefix,
+    or a near-tie with it: bf16 rounding differs per CPU (oneDNN on AMX or AVX-512) and may flip
+    a near-tie. This prompt's first token is one (float32: "The" 0.08 nats above "L'"; AMX
+    machines answer "L'Étoile, ...")."""
     bf16 = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    params = SamplingParams(temperature=0.0, max_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
     assert bf16.engine.dtype == torch.bfloat16
-    got = bf16.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    got = bf16.chat(chat, params, use_tqdm=False)[0]
     want = llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
-    assert "Paris" in got.text
-    assert got.token_ids[:4] == want.token_ids[:4]
+    assert "Paris" in want.text
+    reference = reference_logprobs(hf_model, got.prompt_token_ids, got.outputs[0].token_ids)
+    gaps = below_best(reference, got.outputs[0].token_ids)
+    assert max(gaps) < NEAR_TIE, f"a token {max(gaps):.3f} nats below float32's best"
+
+
+NEAR_TIE = 0.25  # nats; as tests/test_int4_weights.py
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
