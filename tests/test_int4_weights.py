@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from kernels import native_amx, native_gemv, native_q4a8
+from kernels import native_gemv, native_q4a8
 from services.engine import LLM, SamplingParams
 from services.engine.models import gguf_int4
 from tests.conftest import reference_logprobs
@@ -57,13 +57,12 @@ KERNELS = {"native": ({"q4a8_max_tokens": 0}, "native"),
 def int4_llm(request):
     """The engine with small steps on the 4-bit weights, on each kernel that can run them: the
     native AVX512-BF16 one (kernels/native_gemv.py, where the CPU has it), torch's, and where
-    AMX does not run the VNNI kernel (kernels/native_q4a8.py): "split" (the default, steps of
+    AVX512-VNNI the VNNI kernel (kernels/native_q4a8.py): "split" (the default, steps of
     2-8 rows; the test decodes its prompts together for it) or "int8" (every layer step)."""
     if request.param in ("native", "split") and native_gemv.gemv_ops() is None:
         pytest.skip("no AVX512-BF16 on this CPU")
-    if request.param in ("split", "int8") and (native_q4a8.q4a8_ops() is None
-                                               or native_amx.amx_ops() is not None):
-        pytest.skip("no AVX512-VNNI on this CPU, or AMX runs these steps")
+    if request.param in ("split", "int8") and native_q4a8.q4a8_ops() is None:
+        pytest.skip("no AVX512-VNNI on this CPU")
     arguments, kernel = KERNELS[request.param]
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "torch":

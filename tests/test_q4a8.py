@@ -100,12 +100,9 @@ def test_bad_shapes_are_refused():
                                          (["--q4a8-max-tokens", "0"], None)])
 def test_the_worker_flags_choose_the_coding(argv, coding):
     """A worker's own flags, parsed as `kvrelay worker` parses them, reach its model runner."""
-    from kernels import native_amx
     from services.worker import main as worker_main
     from services.worker.model_setup import load_worker_model
 
-    if native_amx.amx_ops() is not None:
-        pytest.skip("AMX runs these steps on this CPU")
     parser = argparse.ArgumentParser()
     worker_main.add_arguments(parser)
     args = parser.parse_args(["--dtype", "bfloat16", "--num-kv-blocks", "16", *argv])

@@ -19,10 +19,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="steps up to this many tokens run on AMX tiles "
                              "(default: the engine's; 0: never)")
     parser.add_argument("--q4a8-max-tokens", type=int, default=None,
-                        help="where AMX does not run, steps up to this many tokens use the "
+                        help="where the CPU has AVX512-VNNI, steps up to this many tokens use the "
                              "VNNI kernel (default: the engine's; 0: never)")
     parser.add_argument("--int8-activations", action="store_true", default=None,
-                        help="where AMX does not run, every layer step on the VNNI kernel "
+                        help="where the CPU has AVX512-VNNI, every layer step on the VNNI kernel "
                              "with int8 activations")
 
 

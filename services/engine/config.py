@@ -37,11 +37,12 @@ class EngineConfig:
     # AVX512-BF16 kernel where it builds (the head too), else torch's int4 kernel
     # (models/small_steps.py). 0: never.
     int4_max_tokens: int = 4
-    # Steps of int4_max_tokens + 1 up to this many tokens run on AMX tiles (kernels/
+    # Steps above those (and above q4a8_max_tokens where that kernel runs) up to this many
+    # tokens run on AMX tiles (kernels/
     # native_amx.py: the 4-bit weights widened in L1, the head in bf16) where the CPU has
     # AMX-BF16; oneDNN above, where it is faster. 0: never.
     amx_max_tokens: int = 32
-    # Where AMX does not run and the CPU has AVX512-VNNI, the layers' steps above
+    # Where the CPU has AVX512-VNNI, the layers' steps above
     # int4_max_tokens up to this many tokens multiply the 4-bit weights on integer dot products,
     # the activations coded as two int8 per value per 32 values (~15 bits: finer than bf16;
     # kernels/native_q4a8.py). 0: never (oneDNN).

@@ -66,11 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="workers' steps up to this many tokens run on AMX tiles (default: the "
                   "worker's, 32; 0: never)")
     add_flag(parser, "--q4a8-max-tokens", type=int, default=None,
-             help="workers' steps up to this many tokens on the VNNI kernel where AMX does not "
-                  "run (default: the worker's, 8; 0: never)")
+             help="workers' steps up to this many tokens on the VNNI kernel where the CPU has "
+                  "AVX512-VNNI (default: the worker's, 8; 0: never)")
     add_flag(parser, "--int8-activations", action="store_true", default=False,
              help="workers run every layer step on the VNNI kernel with int8 activations "
-                  "where AMX does not run (faster, less accurate)")
+                  "(faster, less accurate)")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=None)
     add_flag(parser, "--prefill-max-num-batched-tokens", type=int, default=None,
              help="a prefill worker's step budget (default: the scheduler's, "

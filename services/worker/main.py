@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
                   "AMX-BF16 (0: never)")
     add_flag(parser, "--q4a8-max-tokens", type=int, default=8,
-             help="where AMX does not run and the CPU has AVX512-VNNI, steps above "
+             help="where the CPU has AVX512-VNNI, steps above "
                   "--int4-max-tokens up to this many tokens multiply the 4-bit weights on "
                   "integer dot products, activations coded finer than bf16 (0: never)")
     add_flag(parser, "--int8-activations", action="store_true", default=False,
