@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import kv_capacity  # noqa: E402
 from benchmarks.memory import tree_memory  # noqa: E402
 from benchmarks import compare_report  # noqa: E402
 from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server, vllm_cpu  # noqa: E402
@@ -207,9 +208,18 @@ def run_server_system(name: str, args, by_workload: dict, run_errors: list) -> d
         run_errors.append((server.name, "-", f"{exc} {log_tail(log_dir / 'server.log', 3)}"))
     finally:
         memory = tree_memory(server.process.pid)  # still up: every process's peak so far
+        kv_tokens = _kv_capacity(server)
         stop(server.process, grace_s=60)
     return {"name": server.name, "info": server.info, "command": server.command,
-            "memory": memory}
+            "memory": memory, "kv_capacity_tokens": kv_tokens}
+
+
+def _kv_capacity(server) -> int | None:
+    try:
+        return kv_capacity.read(server.base_url, server.metrics_urls)
+    except Exception as exc:  # noqa: BLE001 - a number for the report, never a failed run
+        print(f"{server.name}: KV capacity not read ({exc})", file=sys.stderr)
+        return None
 
 
 def run_hf_static(args) -> tuple[dict, dict | None]:

@@ -33,8 +33,10 @@ def systems_table(systems: list[dict]) -> str:
 
 
 def memory_table(systems: list[dict]) -> str:
-    """Each system's processes by peak resident memory (VmHWM), after its workloads."""
-    lines = ["| system | peak RSS, all processes (MiB) | processes (peak MiB) |", "|---|---|---|"]
+    """Each system's processes by peak resident memory (VmHWM), after its workloads, and how
+    many tokens of KV it holds in all (benchmarks/kv_capacity.py; "-" where not read)."""
+    lines = ["| system | peak RSS, all processes (MiB) | KV capacity (tokens) "
+             "| processes (peak MiB) |", "|---|---|---|---|"]
     for system in systems:
         memory = system.get("memory")
         if not memory:
@@ -42,7 +44,9 @@ def memory_table(systems: list[dict]) -> str:
         processes = ", ".join(f"{item['name']} {item['peak_mib']:.0f}"
                               for item in sorted(memory, key=lambda item: -item["peak_mib"]))
         total = sum(item["peak_mib"] for item in memory)
-        lines.append(f"| {system['name']} | {total:.0f} | {processes} |")
+        kv_tokens = system.get("kv_capacity_tokens")
+        kv_text = "-" if kv_tokens is None else f"{kv_tokens:,}"
+        lines.append(f"| {system['name']} | {total:.0f} | {kv_text} | {processes} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

@@ -13,6 +13,10 @@ WAITING = metrics.gauge("num_requests_waiting", "Requests queued for a worker", 
 TRANSFERRING = metrics.gauge("num_requests_transferring", "Samples whose KV pages are in flight")
 KV_USAGE = metrics.gauge("kv_cache_usage_perc", "Fraction of a worker's KV blocks in use",
                          ("worker",))
+# What vLLM reports as cache_config_info's num_gpu_blocks x block_size: how many tokens of KV a
+# worker holds in all (0 once it has left), for capacity beside the peers (benchmarks/compare.py).
+KV_CAPACITY = metrics.gauge("kv_cache_capacity_tokens", "Tokens of KV a worker's cache holds",
+                            ("worker",))
 PREFIX_QUERIES = metrics.counter("prefix_cache_queries", "Prompt tokens looked up in a worker's "
                                  "prefix cache", ("worker",))
 PREFIX_HITS = metrics.counter("prefix_cache_hits", "Prompt tokens found in a worker's prefix "
@@ -111,6 +115,8 @@ def refresh_gauges(cluster: ClusterScheduler) -> None:
         RUNNING.labels(name).set(len(core.running) if live else 0)
         WAITING.labels(name).set(len(core.waiting) if live else 0)
         KV_USAGE.labels(name).set(core.kv.usage if live else 0.0)
+        KV_CAPACITY.labels(name).set(worker.info.num_blocks * worker.info.block_size
+                                     if live else 0)
     TRANSFERRING.set(cluster.transfers.num_open)
     _advance_total(RECOVERIES, "recoveries", cluster.num_recoveries)
 

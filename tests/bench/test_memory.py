@@ -37,11 +37,14 @@ def test_a_process_tree_is_read_with_each_process_peak():
 
 
 def test_memory_table_lists_processes_by_peak_and_skips_systems_without_readings():
-    systems = [{"name": "kvrelay pd", "memory": [
+    systems = [{"name": "kvrelay pd", "kv_capacity_tokens": 32768, "memory": [
                    {"pid": 1, "name": "up", "rss_mib": 90, "peak_mib": 100},
                    {"pid": 2, "name": "worker decode", "rss_mib": 700, "peak_mib": 800.4}]},
+               {"name": "unread", "memory": [
+                   {"pid": 3, "name": "server", "rss_mib": 5, "peak_mib": 6}]},
                {"name": "failed to start", "error": "boom"}]
     table = compare_report.memory_table(systems)
-    assert "| kvrelay pd | 900 | worker decode 800, up 100 |" in table
+    assert "| kvrelay pd | 900 | 32,768 | worker decode 800, up 100 |" in table
+    assert "| unread | 6 | - | server 6 |" in table
     assert "failed to start" not in table
     assert compare_report.memory_table([{"name": "x"}]) == ""

@@ -1,10 +1,12 @@
 """At idle every running, waiting, transferring and KV-usage gauge of the scheduler reads zero
-(issue: the KV usage of a prefill worker kept its last step's value once its pages had gone)."""
+(issue: the KV usage of a prefill worker kept its last step's value once its pages had gone);
+the KV capacity gauge reads each worker's blocks times their size."""
 from __future__ import annotations
 
 import time
 
-from tests.e2e.stack import metric_values
+from services.engine.config import EngineConfig
+from tests.e2e.stack import NUM_KV_BLOCKS, metric_values
 
 GAUGES = ("kvrelay:kv_cache_usage_perc", "kvrelay:num_requests_running",
           "kvrelay:num_requests_waiting", "kvrelay:num_requests_transferring")
@@ -24,3 +26,13 @@ def test_gauges_read_zero_once_requests_are_done(pd_stack, pd_client, model_id):
         assert time.monotonic() < deadline, values
         time.sleep(0.25)
     assert values["kvrelay:kv_cache_usage_perc"], "no KV usage series at all"
+
+
+def test_kv_capacity_is_each_workers_blocks_times_their_size(pd_stack):
+    url = pd_stack.service("scheduler")["metrics_url"]
+    deadline = time.monotonic() + 5  # set by the same refresh as the gauges above
+    while not (capacity := metric_values(url, "kvrelay:kv_cache_capacity_tokens")):
+        assert time.monotonic() < deadline, "no KV capacity series"
+        time.sleep(0.25)
+    assert len(capacity) == 2, capacity  # the prefill and the decode worker
+    assert set(capacity.values()) == {NUM_KV_BLOCKS * EngineConfig().block_size}, capacity

@@ -1,0 +1,55 @@
+"""How many tokens of KV a served system holds, read from the server itself after its workloads
+(beside its memory, benchmarks/memory.py): kvrelay's scheduler gauge
+`kvrelay:kv_cache_capacity_tokens` (one series per worker), vLLM's `vllm:cache_config_info`
+(num_gpu_blocks x block_size, its CPU blocks on the CPU build), llama-server's /props (slots x
+each slot's context). None where the server says nothing it can be read from."""
+from __future__ import annotations
+
+import re
+
+import httpx
+
+_KVRELAY = re.compile(r"^kvrelay:kv_cache_capacity_tokens\{[^}]*\} (\S+)$", re.MULTILINE)
+_VLLM_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\} \S+$", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def from_metrics(text: str) -> int | None:
+    """Tokens of KV a Prometheus text reports in all, or None where it reports none."""
+    kvrelay = [float(value) for value in _KVRELAY.findall(text)]
+    if kvrelay:
+        return int(sum(kvrelay))
+    total = None
+    for labels in _VLLM_INFO.findall(text):
+        fields = dict(_LABEL.findall(labels))
+        try:
+            tokens = int(fields["num_gpu_blocks"]) * int(fields["block_size"])
+        except (KeyError, ValueError):  # an engine that has not sized its cache says "None"
+            continue
+        total = (total or 0) + tokens
+    return total
+
+
+def from_llama_props(props: dict) -> int | None:
+    """llama-server's /props: every slot holds its own context of n_ctx tokens."""
+    try:
+        return int(props["total_slots"]) * int(props["default_generation_settings"]["n_ctx"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def read(base_url: str, metrics_urls: list[str], timeout_s: float = 10.0) -> int | None:
+    """The server's KV capacity in tokens: its metrics first, then llama-server's /props."""
+    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+        for url in metrics_urls:
+            try:
+                tokens = from_metrics(client.get(url).text)
+            except httpx.HTTPError:
+                continue
+            if tokens is not None:
+                return tokens
+        try:
+            response = client.get(f"{base_url}/props")
+            return from_llama_props(response.json()) if response.is_success else None
+        except (httpx.HTTPError, ValueError):
+            return None
