@@ -1,13 +1,14 @@
 """Matmuls over the checkpoint's 4-bit blocks on integer dot products (kernels/csrc/
 cpu_gemm_q4a8.cpp): the activations coded as int8 per 32 values, once or twice.
 
-For CPUs with AVX512-VNNI, where bf16 dot products do half the multiply-adds of the integer
-ones (on AMX machines too, for the few-row steps that AMX tiles, 16 rows high, would waste). Coded twice (`split`: int8 codes, then their rounding error in 128ths of a
-step, ~15 bits), the activations are finer than bf16's and steps of a few rows beat both bf16
-kernels; coded once (llama.cpp's Q8 activations) every step, prefill included, multiplies
-faster than oneDNN's bf16, at a cost in accuracy (models/small_steps.py routes). The weights
-are the checkpoint's own blocks in this kernel's tile order (`pack`). Same build, cache and
-fallback rules as the other native kernels (kernels/native_cpu.py).
+For CPUs with AVX512-VNNI, where bf16 dot products do half the multiply-adds of the integer ones
+(on AMX machines too, for the few-row steps that AMX tiles, 16 rows high, would waste). Coded
+twice (`split`: int8 codes, then their rounding error in 128ths of a step, ~15 bits), the
+activations are finer than bf16's and steps of a few rows beat both bf16 kernels; coded once
+(llama.cpp's Q8 activations) every step, prefill included, multiplies faster than oneDNN's bf16,
+at a cost in accuracy (models/small_steps.py routes). The weights are the checkpoint's own
+blocks in this kernel's tile order (`pack`). Same build, cache and fallback rules as the other
+native kernels (kernels/native_cpu.py).
 """
 from __future__ import annotations
 
