@@ -17,7 +17,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q --durations=25 tests
 
 # Real faults (24 SIGKILLs, SIGSTOP, 1,000 disconnects, a cut KV link) on real stacks under
 # load: ~20 minutes.
