@@ -238,6 +238,65 @@ struct PairTile {
   alignas(64) uint32_t values[kPairTileKeys / 2][D];
 };
 
+// 16 x 16 words, transposed in registers: out[i] holds word i of rows[0..15]. Unpacks pair
+// rows within 128-bit lanes (columns 4L + c of rows 4g..4g+3 gather in lane L), then the lanes
+// move across vectors: 64 shuffles where the scalar loop did 256 loads and 256 stores.
+inline void transpose_16x16(__m512i rows[16]) {
+  __m512i pairs[16], quads[16];
+  for (int k = 0; k < 8; ++k) {
+    pairs[2 * k] = _mm512_unpacklo_epi32(rows[2 * k], rows[2 * k + 1]);
+    pairs[2 * k + 1] = _mm512_unpackhi_epi32(rows[2 * k], rows[2 * k + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // quads[4g + c], lane L: column 4L + c of rows 4g .. 4g+3
+    quads[4 * g + 0] = _mm512_unpacklo_epi64(pairs[4 * g], pairs[4 * g + 2]);
+    quads[4 * g + 1] = _mm512_unpackhi_epi64(pairs[4 * g], pairs[4 * g + 2]);
+    quads[4 * g + 2] = _mm512_unpacklo_epi64(pairs[4 * g + 1], pairs[4 * g + 3]);
+    quads[4 * g + 3] = _mm512_unpackhi_epi64(pairs[4 * g + 1], pairs[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // out[4L + c], lane g = quads[4g + c], lane L
+    const __m512i low01 = _mm512_shuffle_i32x4(quads[c], quads[4 + c], 0x44);
+    const __m512i high01 = _mm512_shuffle_i32x4(quads[c], quads[4 + c], 0xEE);
+    const __m512i low23 = _mm512_shuffle_i32x4(quads[8 + c], quads[12 + c], 0x44);
+    const __m512i high23 = _mm512_shuffle_i32x4(quads[8 + c], quads[12 + c], 0xEE);
+    rows[c] = _mm512_shuffle_i32x4(low01, low23, 0x88);
+    rows[4 + c] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
+    rows[8 + c] = _mm512_shuffle_i32x4(high01, high23, 0x88);
+    rows[12 + c] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
+  }
+}
+
+// Keys into the [D/2][kPairTileKeys] word layout, 16 keys by 16 words at a time.
+template <int D>
+void pack_pair_keys(const uint16_t* const* k_rows, PairTile<D>& tile) {
+  for (int first_key = 0; first_key < kPairTileKeys; first_key += 16)
+    for (int first_word = 0; first_word < D / 2; first_word += 16) {
+      __m512i rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(k_rows[first_key + j] + 2 * first_word);
+      transpose_16x16(rows);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(&tile.keys[first_word + i][first_key], rows[i]);
+    }
+}
+
+// Values into [kPairTileKeys/2][D] words: dim d of the even key in the low half, the odd key's
+// in the high half; one two-source permute interleaves 16 dims of each.
+template <int D>
+void pack_pair_values(const uint16_t* const* v_rows, PairTile<D>& tile) {
+  alignas(64) static const uint16_t kInterleave[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i low = _mm512_load_si512(kInterleave[0]);
+  const __m512i high = _mm512_load_si512(kInterleave[1]);
+  for (int m = 0; m < kPairTileKeys / 2; ++m)
+    for (int d = 0; d < D; d += 32) {
+      const __m512i even = _mm512_loadu_si512(v_rows[2 * m] + d);
+      const __m512i odd = _mm512_loadu_si512(v_rows[2 * m + 1] + d);
+      _mm512_store_si512(&tile.values[m][d], _mm512_permutex2var_epi16(even, low, odd));
+      _mm512_store_si512(&tile.values[m][d + 16], _mm512_permutex2var_epi16(even, high, odd));
+    }
+}
+
 template <int D>
 bool load_pair_tile(const PagedPrefillArgs& a, int64_t seq, int64_t kv_head, int64_t first_key, int count,
                     PairTile<D>& tile) {
@@ -254,6 +313,11 @@ bool load_pair_tile(const PagedPrefillArgs& a, int64_t seq, int64_t kv_head, int
     const int64_t offset = ((block * a.block_size + key % a.block_size) * a.num_kv_heads + kv_head) * D;
     k_rows[j] = static_cast<const uint16_t*>(a.k_cache) + offset;
     v_rows[j] = static_cast<const uint16_t*>(a.v_cache) + offset;
+  }
+  if constexpr (D % 32 == 0) {
+    pack_pair_keys<D>(k_rows, tile);
+    pack_pair_values<D>(v_rows, tile);
+    return true;
   }
   for (int j = 0; j < kPairTileKeys; ++j) {
     uint32_t words[D / 2];
