@@ -342,34 +342,28 @@ struct PairQueryState {
 inline __m512bh as_pairs(__m512i words) { return (__m512bh)words; }
 
 // Scores of one query token's G heads against a tile, valid for keys < limit (-inf beyond).
-template <int G, int D>
+// Only the first V vectors (V * 16 keys >= limit) are computed: on the causal diagonal and at a
+// prompt's last tile the rest would be masked anyway.
+template <int G, int D, int V>
 inline void score_pairs(const PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale,
                         Lanes (&scores)[G][kScoreVectors]) {
-  constexpr int kChains = 1;  // independent accumulators per score vector
-  __m512 partial[G][kScoreVectors][kChains];
+  __m512 partial[G][V];
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < kScoreVectors; ++v)
-      for (int p = 0; p < kChains; ++p) partial[g][v][p] = _mm512_setzero_ps();
-  for (int i = 0; i < D / 2; i += kChains)
-    for (int p = 0; p < kChains; ++p)
-      for (int v = 0; v < kScoreVectors; ++v) {
-        const __m512bh keys = as_pairs(_mm512_load_si512(tile.keys[i + p] + v * kLanes));
-        for (int g = 0; g < G; ++g)
-          partial[g][v][p] =
-              _mm512_dpbf16_ps(partial[g][v][p], as_pairs(_mm512_set1_epi32(int(q.query[g][i + p]))), keys);
-      }
+    for (int v = 0; v < V; ++v) partial[g][v] = _mm512_setzero_ps();
+  for (int i = 0; i < D / 2; ++i)
+    for (int v = 0; v < V; ++v) {
+      const __m512bh keys = as_pairs(_mm512_load_si512(tile.keys[i] + v * kLanes));
+      for (int g = 0; g < G; ++g)
+        partial[g][v] = _mm512_dpbf16_ps(partial[g][v], as_pairs(_mm512_set1_epi32(int(q.query[g][i]))), keys);
+    }
   const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < kScoreVectors; ++v) {
-      __m512 sum_of_chains = partial[g][v][0];
-      for (int p = 1; p < kChains; ++p) sum_of_chains = _mm512_add_ps(sum_of_chains, partial[g][v][p]);
-      const Lanes sum = (Lanes)sum_of_chains;
-      scores[g][v] = lane_index < float(limit - v * kLanes) ? sum * scale : minus_inf;
-    }
+    for (int v = 0; v < V; ++v)
+      scores[g][v] = lane_index < float(limit - v * kLanes) ? (Lanes)partial[g][v] * scale : minus_inf;
 }
 
-template <int G, int D>
+template <int G, int D, int V>
 inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit,
                              const Lanes (&scores)[G][kScoreVectors]) {
   constexpr int NC = D / kLanes;
@@ -377,11 +371,11 @@ inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, i
   float rescale[G];
   for (int g = 0; g < G; ++g) {
     Lanes tile_max = scores[g][0];
-    for (int v = 1; v < kScoreVectors; ++v) tile_max = max_each(tile_max, scores[g][v]);
+    for (int v = 1; v < V; ++v) tile_max = max_each(tile_max, scores[g][v]);
     const float new_max = std::max(q.max[g], max_of(tile_max));
     rescale[g] = exp2_nonpositive(q.max[g] - new_max);
     Lanes rounded_sum = Lanes{};
-    for (int v = 0; v < kScoreVectors; ++v) {
+    for (int v = 0; v < V; ++v) {
       const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp2_lanes(scores[g][v] - new_max));
       rounded_sum += (Lanes)_mm512_cvtpbh_ps(rounded);
       std::memcpy(weights[g] + v * kLanes / 2, &rounded, sizeof(rounded));
@@ -400,6 +394,25 @@ inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, i
     }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) _mm512_store_ps(q.acc[g] + c * kLanes, acc[g][c]);
+}
+
+template <int G, int D, int V>
+inline void attend_tile_vectors(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale) {
+  Lanes scores[G][kScoreVectors];
+  score_pairs<G, D, V>(q, tile, limit, scale, scores);
+  accumulate_pairs<G, D, V>(q, tile, limit, scores);
+}
+
+// One query token against the first `limit` keys of a tile, in as many score vectors as cover them.
+template <int G, int D>
+inline void attend_tile(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale) {
+  static_assert(kScoreVectors == 4, "one case per live vector count");
+  switch ((limit + kLanes - 1) / kLanes) {
+    case 1: return attend_tile_vectors<G, D, 1>(q, tile, limit, scale);
+    case 2: return attend_tile_vectors<G, D, 2>(q, tile, limit, scale);
+    case 3: return attend_tile_vectors<G, D, 3>(q, tile, limit, scale);
+    default: return attend_tile_vectors<G, D, 4>(q, tile, limit, scale);
+  }
 }
 
 template <int G, int D>
@@ -425,9 +438,7 @@ bool attend_item_pairs(const PagedPrefillArgs& a, const Item& item, PairTile<D>&
       const int64_t visible = first_position + i + 1 - first_key;
       if (visible <= 0) continue;
       const int limit = int(std::min<int64_t>(count, visible));
-      Lanes scores[G][kScoreVectors];
-      score_pairs(states[i], tile, limit, scale, scores);
-      accumulate_pairs(states[i], tile, limit, scores);
+      attend_tile(states[i], tile, limit, scale);
     }
   }
   uint16_t* out = static_cast<uint16_t*>(a.out);
