@@ -22,49 +22,25 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "omp_share.h"
 
 namespace {
 
+using kvrelay::amx_permitted;
 using kvrelay::thread_share;
 
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask the kernel for AMX tile state
-constexpr int kXfeatureXtiledata = 18;
 constexpr int64_t kTileElems = 16 * 32;     // bf16 elements of one A or B tile
 constexpr int64_t kQ4TileBytes = 256 + 32 + 32;  // one 4-bit B tile: nibbles, d, m
 
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Every tile 16 rows of 64 bytes: C 0-3 (float32 16 x 16), B 4-5 and A 6-7 (bf16 16 x 32).
-void configure_tiles() {
-  TileConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.rows[tile] = 16;
-    config.colsb[tile] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+inline void configure_tiles() { kvrelay::configure_full_tiles(); }
 
 // x [M, K] -> [ceil(M/16), K/32, 16, 32], rows past M zero.
 void pack_rows(uint16_t* dst, const uint16_t* x, int64_t M, int64_t K) {

@@ -17,10 +17,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "fp32_lanes.h"
 
 #if defined(__AVX512BF16__)
@@ -196,7 +199,7 @@ std::vector<Item> work_items(const PagedPrefillArgs& a) {
 
 // Every work item of the step on the team. Tile and State are one form's scratch (a thread's
 // own), attend its work on one item; false when an item met a block id outside the cache.
-template <typename Tile, typename State, typename Attend>
+template <typename Tile, typename State, int kStatesPerThread = kQueryBlock, typename Attend>
 bool run_items(const PagedPrefillArgs& a, int num_threads, Attend attend) {
   const std::vector<Item> items = work_items(a);
   const int64_t count = int64_t(items.size());
@@ -205,7 +208,7 @@ bool run_items(const PagedPrefillArgs& a, int num_threads, Attend attend) {
 #pragma omp parallel num_threads(num_threads)
   {
     Tile tile;
-    std::vector<State> states(kQueryBlock);
+    std::vector<State> states(kStatesPerThread);
     // Dynamic: items differ in length, and a descheduled thread leaves its share to the others.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i)
@@ -451,6 +454,195 @@ bool attend_item_pairs(const PagedPrefillArgs& a, const Item& item, PairTile<D>&
   return true;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- AMX, head_dim 64: a tile's two products, S = Q K^T and O += P V, as tile matmuls (a
+// tdpbf16ps does 16 x 16 x 32 multiply-adds, 8x a row of vdpbf16ps), with the online softmax
+// between them on AVX-512 rows. The item's rows are its (query, head) pairs, row i * G + g; the
+// weights are rounded to bf16 and the normalizer sums the rounded weights, as in the pairs form.
+// Tiles: C 0-3 (S or O, 16 rows x 16 fp32), A 4 (Q or P, 16 rows x 32 bf16), B 5 (K or V pairs).
+constexpr int kAmxDim = 64;
+
+template <int G>
+struct AmxRows {
+  static constexpr int kRows = kQueryBlock * G;  // a multiple of 16
+  alignas(64) uint16_t query[kRows][kAmxDim];
+  alignas(64) float scores[kRows][kPairTileKeys];
+  alignas(64) uint16_t weights[kRows][kPairTileKeys];
+  alignas(64) float out[kRows][kAmxDim];
+  float max[kRows], sum[kRows];
+};
+
+constexpr int kKeyWordsStride = kPairTileKeys * 4;  // bytes per row of PairTile::keys
+constexpr int kValueWordsStride = kAmxDim * 4;  // bytes per row of PairTile::values
+
+// S rows 16 * m_tile .. + 16 against the tile's first key_tiles * 16 keys.
+#define KVRELAY_SCORE_KEYS(T)                                                          \
+  if (key_tiles > T) {                                                                 \
+    _tile_loadd(5, &tile.keys[chunk * 16][T * 16], kKeyWordsStride);                  \
+    _tile_dpbf16ps(T, 4, 5);                                                           \
+  }
+#define KVRELAY_STORE_SCORES(T) \
+  if (key_tiles > T) _tile_stored(T, &rows.scores[16 * m_tile][T * 16], kPairTileKeys * 4);
+
+template <int G>
+void score_tiles(AmxRows<G>& rows, const PairTile<kAmxDim>& tile, int m_tile, int key_tiles) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int chunk = 0; chunk < kAmxDim / 32; ++chunk) {
+    _tile_loadd(4, &rows.query[16 * m_tile][chunk * 32], kAmxDim * 2);
+    KVRELAY_SCORE_KEYS(0)
+    KVRELAY_SCORE_KEYS(1)
+    KVRELAY_SCORE_KEYS(2)
+    KVRELAY_SCORE_KEYS(3)
+  }
+  KVRELAY_STORE_SCORES(0)
+  KVRELAY_STORE_SCORES(1)
+  KVRELAY_STORE_SCORES(2)
+  KVRELAY_STORE_SCORES(3)
+}
+
+// O rows 16 * m_tile .. + 16 plus their weights times the first key_chunks * 32 keys' values.
+#define KVRELAY_WEIGH_VALUES(T)                                                   \
+  _tile_loadd(5, &tile.values[chunk * 16][T * 16], kValueWordsStride);           \
+  _tile_dpbf16ps(T, 4, 5);
+
+template <int G>
+void value_tiles(AmxRows<G>& rows, const PairTile<kAmxDim>& tile, int m_tile, int key_chunks) {
+  float* out = &rows.out[16 * m_tile][0];
+  _tile_loadd(0, out, kAmxDim * 4);
+  _tile_loadd(1, out + 16, kAmxDim * 4);
+  _tile_loadd(2, out + 32, kAmxDim * 4);
+  _tile_loadd(3, out + 48, kAmxDim * 4);
+  for (int chunk = 0; chunk < key_chunks; ++chunk) {
+    _tile_loadd(4, &rows.weights[16 * m_tile][chunk * 32], kPairTileKeys * 2);
+    KVRELAY_WEIGH_VALUES(0)
+    KVRELAY_WEIGH_VALUES(1)
+    KVRELAY_WEIGH_VALUES(2)
+    KVRELAY_WEIGH_VALUES(3)
+  }
+  _tile_stored(0, out, kAmxDim * 4);
+  _tile_stored(1, out + 16, kAmxDim * 4);
+  _tile_stored(2, out + 32, kAmxDim * 4);
+  _tile_stored(3, out + 48, kAmxDim * 4);
+}
+#undef KVRELAY_SCORE_KEYS
+#undef KVRELAY_STORE_SCORES
+#undef KVRELAY_WEIGH_VALUES
+
+// One row's online softmax step over a tile's scores: its first `limit` keys are visible
+// (none where limit <= 0: its weights are zeros and its state stays).
+template <int G>
+void softmax_row(AmxRows<G>& rows, int row, int limit, float scale) {
+  uint16_t* weights = rows.weights[row];
+  if (limit <= 0) {
+    std::memset(weights, 0, sizeof(rows.weights[row]));
+    return;
+  }
+  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Lanes minus_inf = Lanes{} + kMinusInf;
+  Lanes scores[kScoreVectors];
+  Lanes tile_max = minus_inf;
+  for (int v = 0; v < kScoreVectors; ++v) {
+    const Lanes raw = load_lanes(rows.scores[row] + v * kLanes) * scale;
+    scores[v] = lane_index < float(limit - v * kLanes) ? raw : minus_inf;
+    tile_max = max_each(tile_max, scores[v]);
+  }
+  const float new_max = std::max(rows.max[row], max_of(tile_max));
+  const float rescale = exp2_nonpositive(rows.max[row] - new_max);
+  Lanes rounded_sum = Lanes{};
+  for (int v = 0; v < kScoreVectors; ++v) {
+    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp2_lanes(scores[v] - new_max));
+    rounded_sum += (Lanes)_mm512_cvtpbh_ps(rounded);
+    std::memcpy(weights + v * kLanes, &rounded, sizeof(rounded));
+  }
+  rows.max[row] = new_max;
+  rows.sum[row] = rows.sum[row] * rescale + sum_of(rounded_sum);
+  if (rescale != 1.0f)
+    for (int c = 0; c < kAmxDim; c += kLanes) store_lanes(load_lanes(rows.out[row] + c) * rescale, rows.out[row] + c);
+}
+
+template <int G>
+void start_rows(const PagedPrefillArgs& a, const Item& item, int64_t first_token, int live_rows, AmxRows<G>& rows) {
+  const uint16_t* query = static_cast<const uint16_t*>(a.query);
+  for (int row = 0; row < AmxRows<G>::kRows; ++row) {
+    if (row < live_rows) {
+      const uint16_t* src = query + (first_token + row / G) * a.query_token_stride +
+                            (item.kv_head * G + row % G) * a.query_head_stride;
+      std::memcpy(rows.query[row], src, sizeof(rows.query[row]));
+    } else {
+      std::memset(rows.query[row], 0, sizeof(rows.query[row]));
+    }
+    std::fill(rows.out[row], rows.out[row] + kAmxDim, 0.0f);
+    rows.max[row] = kMinusInf;
+    rows.sum[row] = 0.0f;
+  }
+}
+
+template <int G>
+void finish_rows(const PagedPrefillArgs& a, const Item& item, int64_t first_token, int live_rows, const AmxRows<G>& rows) {
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  for (int row = 0; row < live_rows; ++row) {
+    const float inv_sum = 1.0f / rows.sum[row];
+    uint16_t* dst = out + (first_token + row / G) * a.out_token_stride + (item.kv_head * G + row % G) * a.out_head_stride;
+    for (int d = 0; d < kAmxDim; ++d) narrow(rows.out[row][d] * inv_sum, dst + d);
+  }
+}
+
+template <int G>
+bool attend_item_amx(const PagedPrefillArgs& a, const Item& item, PairTile<kAmxDim>& tile, AmxRows<G>* state) {
+  AmxRows<G>& rows = *state;
+  const int64_t context = a.seq_lens[item.seq] - a.query_lens[item.seq];
+  const int num_queries = int(std::min<int64_t>(kQueryBlock, a.query_lens[item.seq] - item.first_query));
+  const int64_t first_position = context + item.first_query;
+  const int64_t first_token = a.token_starts[item.seq] + item.first_query;
+  const int live_rows = num_queries * G;
+  const int live_m_tiles = (live_rows + 15) / 16;
+  start_rows<G>(a, item, first_token, live_rows, rows);
+  const float scale = a.scale * kLog2e;
+  configure_full_tiles();
+  bool ok = true;
+  for (int64_t first_key = 0; first_key <= item.last_key; first_key += kPairTileKeys) {
+    const int count = int(std::min<int64_t>(kPairTileKeys, item.last_key + 1 - first_key));
+    if (!load_pair_tile<kAmxDim>(a, item.seq, item.kv_head, first_key, count, tile)) {
+      ok = false;
+      break;
+    }
+    const int key_tiles = (count + 15) / 16;
+    // The last live query sees the most keys of this tile; pairs past them weigh 0.
+    const int64_t widest = std::min<int64_t>(count, first_position + num_queries - first_key);
+    const int key_chunks = int((widest + 31) / 32);
+    for (int m_tile = 0; m_tile < live_m_tiles; ++m_tile) {
+      // Rows whose queries see none of this tile's keys would get zero weights: skip them whole.
+      const int64_t last_row_query = std::min(16 * m_tile + 15, live_rows - 1) / G;
+      if (first_position + last_row_query + 1 - first_key <= 0) continue;
+      score_tiles<G>(rows, tile, m_tile, key_tiles);
+      for (int row = 16 * m_tile; row < std::min(16 * m_tile + 16, live_rows); ++row) {
+        const int64_t visible = first_position + row / G + 1 - first_key;
+        softmax_row<G>(rows, row, int(std::min<int64_t>(count, visible)), scale);
+      }
+      value_tiles<G>(rows, tile, m_tile, key_chunks);
+    }
+  }
+  _tile_release();
+  if (ok) finish_rows<G>(a, item, first_token, live_rows, rows);
+  return ok;
+}
+
+// KVRELAY_PREFILL_AMX=0 runs the AVX512-BF16 pairs form instead (the tests check both); read
+// per call, so a process can switch.
+inline bool amx_prefill_enabled() {
+  const char* value = std::getenv("KVRELAY_PREFILL_AMX");
+  return amx_permitted() && (value == nullptr || std::strcmp(value, "0") != 0);
+}
+
+template <int G>
+bool attend_all_amx(const PagedPrefillArgs& a, int num_threads) {
+  return run_items<PairTile<kAmxDim>, AmxRows<G>, 1>(a, num_threads, attend_item_amx<G>);
+}
+#endif  // __AMX_TILE__ && __AMX_BF16__
+
 template <int G, int D>
 bool attend_all_pairs(const PagedPrefillArgs& a, int num_threads) {
   return run_items<PairTile<D>, PairQueryState<G, D>>(a, num_threads, attend_item_pairs<G, D>);
@@ -459,6 +651,10 @@ bool attend_all_pairs(const PagedPrefillArgs& a, int num_threads) {
 
 template <int G, int D, typename T>
 bool attend_all_best(const PagedPrefillArgs& a, int num_threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, uint16_t> && D == kAmxDim)
+    if (amx_prefill_enabled()) return attend_all_amx<G>(a, num_threads);
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) return attend_all_pairs<G, D>(a, num_threads);
 #endif

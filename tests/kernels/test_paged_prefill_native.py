@@ -1,8 +1,9 @@
 """The native CPU prefill kernel (kernels/csrc/paged_prefill.cpp) against the reference, on fresh
 random batches: dtypes, GQA ratios, head dims, block sizes, contexts shorter and longer than the
 queries, query blocks and key tiles cut short, NaN in every cache slot a sequence does not own,
-and an output poisoned with NaN that must be fully written (bf16 runs the AVX512-BF16 form where
-the CPU has it, fp32 the FMA one); its refusals; and the SDPA path it replaces, which still runs
+and an output poisoned with NaN that must be fully written (bf16 at head_dim 64 runs the AMX
+form where the CPU has AMX tiles, and with KVRELAY_PREFILL_AMX=0 or at head_dim 128 the
+AVX512-BF16 one where the CPU has it; fp32 the FMA one); its refusals; and the SDPA path it replaces, which still runs
 where it does not."""
 import pytest
 import torch
@@ -59,6 +60,21 @@ def test_native_prefill_matches_reference(dtype, block_size, group_size, head_di
     batch = _batch(QUERY_LENS, CONTEXT_LENS, block_size, 2, group_size, head_dim, dtype,
                    pad=-1 if group_size % 2 else 0, strided_query=group_size == 3)
     assert _error(batch, _run_native(batch)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_the_bf16_forms_match_the_reference_and_each_other(block_size, group_size, monkeypatch):
+    """AMX tiles (the default where the CPU has them) and the AVX512-BF16 pairs form: both round
+    the weights to bf16, so they differ only in how the scores' products are summed."""
+    batch = _batch(QUERY_LENS, CONTEXT_LENS, block_size, 2, group_size, 64, torch.bfloat16,
+                   pad=-1 if group_size % 2 else 0, strided_query=group_size == 3)
+    outs = {}
+    for amx in ("1", "0"):
+        monkeypatch.setenv("KVRELAY_PREFILL_AMX", amx)
+        outs[amx] = _run_native(batch)
+        assert _error(batch, outs[amx]) <= TOLERANCE[torch.bfloat16]
+    assert (outs["1"].float() - outs["0"].float()).abs().max().item() <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("group_size", [2, 4, 6])
