@@ -19,11 +19,13 @@ import torch
 
 from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_amx_gemm.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_amx_gemm.cpp", "cpu_amx_gemm_binding.cpp")]
 ENV_SWITCH = "KVRELAY_NATIVE_AMX"  # 0: keep oneDNN and torch's int4 kernel
-# The widening of 4-bit weights must round exactly as the float32 dequantization did:
-# a multiply and an add, never fused into one FMA.
-_AMX_CFLAGS = CFLAGS + ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-ffp-contract=off"]
+# (The widening of 4-bit weights rounds a multiply and an add apart, as the float32
+# dequantization did, through explicit-rounding intrinsics that no flag fuses.)
+AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
+_AMX_CFLAGS = CFLAGS + AMX_CFLAGS
 
 
 def cpu_has_amx() -> bool:
@@ -41,7 +43,7 @@ def amx_ops():
 
         _put_pip_ninja_on_path()
         ops = cpp_extension.load(name=f"kvrelay_amx_gemm_{_machine_tag()}",
-                                 sources=[str(SOURCE)], extra_cflags=_AMX_CFLAGS,
+                                 sources=[str(source) for source in SOURCES], extra_cflags=_AMX_CFLAGS,
                                  extra_ldflags=["-fopenmp"], verbose=False)
         probe = torch.ones(1, 32, dtype=torch.bfloat16)
         out = torch.empty(1, 32, dtype=torch.bfloat16)

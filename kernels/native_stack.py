@@ -14,7 +14,7 @@ import os
 import warnings
 from pathlib import Path
 
-from kernels import native_q4a8
+from kernels import native_amx, native_q4a8
 from kernels.native_cpu import _machine_tag, _put_pip_ninja_on_path
 from kernels.native_gemv import _GEMV_CFLAGS, cpu_has_avx512_bf16
 
@@ -25,6 +25,9 @@ SOURCES = [CSRC / name for name in ("decode_stack.cpp", "cpu_gemv.cpp", "cpu_ele
 # where the CPU has AVX512-VNNI, the steps above the gemv kernel's rows (kernels/native_q4a8.py)
 VNNI_SOURCES = [CSRC / "cpu_gemm_q4a8.cpp"]
 VNNI_CFLAGS = ["-mavx512vnni", "-mf16c", "-DKVRELAY_STACK_VNNI"]
+# where the CPU has AMX tiles, the steps above those (kernels/native_amx.py)
+AMX_SOURCES = [CSRC / "cpu_amx_gemm.cpp"]
+AMX_CFLAGS = native_amx.AMX_CFLAGS + ["-DKVRELAY_STACK_AMX"]
 ENV_SWITCH = "KVRELAY_NATIVE_DECODE_STACK"  # 0: the layers one op at a time from Python
 
 
@@ -39,10 +42,12 @@ def stack_ops():
 
         _put_pip_ninja_on_path()
         vnni = native_q4a8.cpu_has_avx512_vnni()
-        sources = SOURCES + (VNNI_SOURCES if vnni else [])
+        amx = native_amx.cpu_has_amx() and native_amx.amx_ops() is not None  # the OS grants tiles
+        sources = SOURCES + (VNNI_SOURCES if vnni else []) + (AMX_SOURCES if amx else [])
+        cflags = _GEMV_CFLAGS + (VNNI_CFLAGS if vnni else []) + (AMX_CFLAGS if amx else [])
         return cpp_extension.load(name=f"kvrelay_decode_stack_{_machine_tag()}",
                                   sources=[str(source) for source in sources],
-                                  extra_cflags=_GEMV_CFLAGS + (VNNI_CFLAGS if vnni else []),
+                                  extra_cflags=cflags,
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler: the layers run from Python
         warnings.warn(f"native decode stack unavailable ({type(error).__name__}: "

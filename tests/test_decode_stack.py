@@ -11,19 +11,23 @@ import torch
 from kernels import native_stack
 from services.engine import LLM
 
-PROMPTS = [[1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 3,
-           [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173] * 7,
-           [1, 504, 3458, 282] * 11]
+_BASE = [[1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 3,
+         [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173] * 7,
+         [1, 504, 3458, 282] * 11]
+# ten sequences, so that a step of 1 + 3 drafts each reaches past AMX's 32 rows
+PROMPTS = _BASE + [prompt[:-index] for index in range(1, 8) for prompt in _BASE[index % 3:][:1]]
+BLOCKS_PER_SEQUENCE = 20
 
 
 @pytest.fixture(scope="module")
 def runner():
-    runner = LLM(dtype="bfloat16", num_kv_blocks=64).engine.runner
+    runner = LLM(dtype="bfloat16", num_kv_blocks=BLOCKS_PER_SEQUENCE * len(PROMPTS)).engine.runner
     if not runner.decode_stack:
         pytest.skip("no native decode stack here (needs AVX512-BF16 and a compiler)")
     blocks = {}
-    for index, prompt in enumerate(PROMPTS):  # prefill each prompt, 20 blocks per sequence
-        blocks[index] = list(range(20 * index, 20 * index + 20))
+    for index, prompt in enumerate(PROMPTS):  # prefill each prompt on blocks of its own
+        first = BLOCKS_PER_SEQUENCE * index
+        blocks[index] = list(range(first, first + BLOCKS_PER_SEQUENCE))
         _run(runner, [_item(prompt, 0, len(prompt), blocks[index], [])])
     runner.test_blocks = blocks
     return runner
@@ -71,11 +75,14 @@ def _both_ways(runner, items):
     return native, layered, len(calls)
 
 
-@pytest.mark.parametrize("shape", [[1], [1, 1, 1], [3], [2, 1, 1], [1, 2], [3, 2], [4, 4]],
+@pytest.mark.parametrize("shape", [[1], [1, 1, 1], [3], [2, 1, 1], [1, 2], [3, 2], [4, 4],
+                                   [4, 4, 1], [4, 1, 4, 3, 2, 4], [4] * 8],
                          ids=["one-row", "three-seqs", "token-and-two-drafts", "mixed", "two",
-                              "five-rows", "eight-rows"])
+                              "five-rows", "eight-rows", "nine-rows", "eighteen-rows",
+                              "thirty-two-rows"])
 def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
-    # where this CPU has VNNI: one row on the gemv kernel, 2-8 on the VNNI one; else 1-4 on gemv
+    # where this CPU has VNNI: one row on the gemv kernel, 2-8 on the VNNI one; else 1-4 on
+    # gemv; where it has AMX, the steps above on AMX tiles up to amx_max_tokens (32)
     (native, native_kv), (layered, layered_kv), calls = _both_ways(runner, _decode_items(runner,
                                                                                         shape))
     assert calls == (1 if sum(shape) <= runner.model.decode_stack.max_rows else 0)
@@ -88,8 +95,11 @@ def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
 def test_the_vnni_kernel_takes_two_to_eight_rows_where_it_is(runner):
     stack = runner.model.decode_stack
     vnni = runner.q4a8 == "split"
-    assert stack.max_rows == (8 if vnni else 4)
-    assert stack.native.takes_rows(8) == vnni
+    amx = runner.uses_amx and native_stack.stack_ops().DecodeStack.has_amx
+    assert stack.max_rows == (runner.amx_max_tokens if amx else 8 if vnni else 4)
+    assert stack.native.takes_rows(8) == (vnni or amx)
+    assert stack.native.takes_rows(runner.amx_max_tokens) == amx
+    assert not stack.native.takes_rows(runner.amx_max_tokens + 1)
     qkv = runner.model.layers[0].self_attn.qkv_proj
     rows = [max_rows for max_rows, _ in qkv.small_steps]  # AMX's 32 may follow where it runs
     assert rows[:2] == [1, 8] if vnni else rows[0] == 4
@@ -105,7 +115,7 @@ def test_a_short_prefill_chunk_is_decode_rows_too(runner):
 
 
 def test_steps_beyond_its_rows_run_layer_by_layer(runner):
-    too_many = _decode_items(runner, [4, 4, 2])  # 10 rows: oneDNN's, in the Python path
+    too_many = _decode_items(runner, [4] * 9)  # 36 rows: oneDNN's, in the Python path
     assert sum(item.num_new_tokens for item in too_many) > runner.model.decode_stack.max_rows
     _, _, calls = _both_ways(runner, too_many)
     assert calls == 0

@@ -18,7 +18,6 @@
 // are first copied into tile order (one contiguous KB per A tile: strided tile loads measured
 // 2x slower per multiply on this machine).
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <immintrin.h>
 #include <omp.h>
@@ -29,6 +28,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "cpu_amx_gemm.h"
 #include "omp_share.h"
 
 namespace {
@@ -55,6 +55,8 @@ void pack_rows(uint16_t* dst, const uint16_t* x, int64_t M, int64_t K) {
       }
 }
 
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
 // One 4-bit tile -> bf16 B tile. Lanes 0-15 are columns 0-7 (two K each), 16-31 columns 8-15.
 inline void widen_q4_tile(uint16_t* dst, const uint8_t* tile) {
   const uint8_t* nibbles = tile;
@@ -74,10 +76,11 @@ inline void widen_q4_tile(uint16_t* dst, const uint8_t* tile) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + row * 16)));
     const __m512 q_lo = _mm512_permutexvar_ps(_mm512_and_si512(bytes, low_nibble), centred);
     const __m512 q_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), centred);
-    // multiply, then add: two roundings, as the float32 dequantization the bf16 copy came from
-    // (this file is built with -ffp-contract=off so the compiler cannot fuse them)
-    const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(q_lo, s_lo), z_lo);
-    const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(q_hi, s_hi), z_hi);
+    // multiply, then add: two roundings, as the float32 dequantization the bf16 copy came from.
+    // The explicit-rounding forms are never fused into an FMA, whatever the build's
+    // -ffp-contract (the decode stack compiles this file with its own flags).
+    const __m512 w_lo = _mm512_add_round_ps(_mm512_mul_round_ps(q_lo, s_lo, kNearest), z_lo, kNearest);
+    const __m512 w_hi = _mm512_add_round_ps(_mm512_mul_round_ps(q_hi, s_hi, kNearest), z_hi, kNearest);
     _mm512_storeu_si512(dst + row * 32, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
   }
 }
@@ -184,8 +187,12 @@ Problem prepare(at::Tensor& out, const at::Tensor& x, std::vector<uint16_t>& a_b
   return {M, N, K, a_buffer.data(), reinterpret_cast<uint16_t*>(out.data_ptr())};
 }
 
+}  // namespace
+
+namespace kvrelay {
+
 // out [M, N] = x [M, K] @ W^T with W packed by pack_bf16 ([N/16, K/32, 16, 32] bf16).
-void gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
+void amx_gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
   thread_local std::vector<uint16_t> a_buffer;
   const Problem p = prepare(out, x, a_buffer);
   TORCH_CHECK(packed.numel() == p.N * p.K && packed.scalar_type() == at::kBFloat16,
@@ -208,7 +215,7 @@ void gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed) {
 }
 
 // The same with W as 4-bit tiles, [N/16, K/32, kQ4TileBytes] uint8 (see the top of the file).
-void gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
+void amx_gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
   thread_local std::vector<uint16_t> a_buffer;
   const Problem p = prepare(out, x, a_buffer);
   const int64_t k_blocks = p.K / 32, tiles = (p.N / 16) * k_blocks;
@@ -238,9 +245,4 @@ void gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles) {
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_bf16", &gemm_bf16, "out = x @ W^T on AMX, W in B-tile layout (bf16)");
-  m.def("gemm_q4", &gemm_q4, "out = x @ W^T on AMX, W as 4-bit GGUF tiles widened in L1");
-}
+}  // namespace kvrelay

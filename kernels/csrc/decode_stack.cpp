@@ -12,11 +12,14 @@
 // The model's part is bound once (DecodeStack: each layer's norm weights and 4-bit tiles);
 // each step passes what changes: the residual stream, rope's tables, the caches and the rows.
 // The matmuls of steps of up to gemv_max_rows rows run on the bf16 dot-product kernel
-// (cpu_gemv.cpp); larger ones, where the build has it (KVRELAY_STACK_VNNI) and its tiles were
-// given, on the VNNI kernel with activations coded twice (cpu_gemm_q4a8.cpp), as in Python.
+// (cpu_gemv.cpp); larger ones, up to vnni_max_rows where the build has it (KVRELAY_STACK_VNNI)
+// and its tiles were given, on the VNNI kernel with activations coded twice
+// (cpu_gemm_q4a8.cpp); larger still, up to amx_max_rows where the build has it
+// (KVRELAY_STACK_AMX), on AMX tiles from the same 4-bit tiles (cpu_amx_gemm.cpp), as in Python.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -25,6 +28,9 @@
 #include "paged_attention_ops.h"
 #ifdef KVRELAY_STACK_VNNI
 #include "cpu_gemm_q4a8.h"
+#endif
+#ifdef KVRELAY_STACK_AMX
+#include "cpu_amx_gemm.h"
 #endif
 
 namespace {
@@ -79,17 +85,26 @@ struct StepRows {
 
 class DecodeStack {
  public:
-  // vnni_tiles: empty, or four per layer like tiles (the steps above gemv_max_rows rows).
+  // vnni_tiles: empty, or four per layer like tiles (the steps above gemv_max_rows rows, up to
+  // vnni_max_rows). amx_max_rows: the steps above those on AMX tiles (0: none).
   DecodeStack(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& tiles,
-              const std::vector<at::Tensor>& vnni_tiles, int64_t gemv_max_rows, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps, double scale)
-      : gemv_max_rows_(gemv_max_rows), eps_(eps), scale_(scale) {
+              const std::vector<at::Tensor>& vnni_tiles, int64_t gemv_max_rows, int64_t vnni_max_rows,
+              int64_t amx_max_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t intermediate, double eps, double scale)
+      : gemv_max_rows_(gemv_max_rows),
+        vnni_max_rows_(vnni_tiles.empty() ? gemv_max_rows : std::max(gemv_max_rows, vnni_max_rows)),
+        amx_max_rows_(std::max(vnni_max_rows_, amx_max_rows)),
+        eps_(eps),
+        scale_(scale) {
     TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0, "norms: two per layer");
     const size_t layers = norms.size() / kNormsPerLayer;
     TORCH_CHECK(tiles.size() == layers * kMatmulsPerLayer, "tiles: four per layer");
     TORCH_CHECK(vnni_tiles.empty() || vnni_tiles.size() == tiles.size(), "vnni_tiles: none or four per layer");
 #ifndef KVRELAY_STACK_VNNI
     TORCH_CHECK(vnni_tiles.empty(), "this build has no VNNI kernel");
+#endif
+#ifndef KVRELAY_STACK_AMX
+    TORCH_CHECK(amx_max_rows == 0, "this build has no AMX kernel");
 #endif
     shape_ = {norms[0].numel(), num_heads, num_kv_heads, head_dim, intermediate};
     TORCH_CHECK(shape_.q_size() > 0 && shape_.kv_size() > 0 && num_heads % num_kv_heads == 0,
@@ -105,8 +120,8 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
-  // whether its kernels take a step of this many rows: the gemv kernel's few, any with VNNI tiles
-  bool takes_rows(int64_t rows) const { return rows <= gemv_max_rows_ || layers_[0].qkv.vnni.defined(); }
+  // whether its kernels take a step of this many rows
+  bool takes_rows(int64_t rows) const { return rows <= amx_max_rows_; }
 
   // residual [rows, hidden] bf16: the embeddings in, each layer's skip connections added in
   // place except the last MLP output, which is returned ([rows, hidden]; the caller adds it
@@ -173,16 +188,24 @@ class DecodeStack {
 
   // out [rows, N] = x [rows, K] @ W^T on the kernel the Python path picks for this many rows.
   void matmul(const at::Tensor& out, const at::Tensor& x, const Matmul& w) const {
-    if (x.size(0) <= gemv_max_rows_) {
+    const int64_t rows = x.size(0);
+    if (rows <= gemv_max_rows_) {
       kvrelay::gemv_q4(out, x, w.q4);
       return;
     }
 #ifdef KVRELAY_STACK_VNNI
-    TORCH_CHECK(w.vnni.defined(), "no VNNI tiles for a step of ", x.size(0), " rows");
-    kvrelay::gemm_q4a8(out, x, w.vnni, /*split=*/true);
-#else
-    TORCH_CHECK(false, "a step of ", x.size(0), " rows needs the VNNI kernel, not in this build");
+    if (rows <= vnni_max_rows_) {
+      kvrelay::gemm_q4a8(out, x, w.vnni, /*split=*/true);
+      return;
+    }
 #endif
+#ifdef KVRELAY_STACK_AMX
+    if (rows <= amx_max_rows_) {
+      kvrelay::amx_gemm_q4(out, x, w.q4);
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "no kernel in this build takes a step of ", rows, " rows");
   }
 
   // b.o = o_proj(attention(rope(q), rope(k), v)), the new K and V stored in the caches first.
@@ -213,7 +236,7 @@ class DecodeStack {
 
   std::vector<LayerWeights> layers_;
   Shape shape_{};
-  int64_t gemv_max_rows_;
+  int64_t gemv_max_rows_, vnni_max_rows_, amx_max_rows_;  // each kernel's rows, cumulative
   double eps_, scale_;
 };
 
@@ -222,16 +245,24 @@ class DecodeStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                          const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
-                          double>(),
+                          const std::vector<at::Tensor>&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, double, double>(),
            pybind11::arg("norms"), pybind11::arg("tiles"), pybind11::arg("vnni_tiles"),
-           pybind11::arg("gemv_max_rows"), pybind11::arg("num_heads"),
+           pybind11::arg("gemv_max_rows"), pybind11::arg("vnni_max_rows"), pybind11::arg("amx_max_rows"),
+           pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("intermediate"),
            pybind11::arg("eps"), pybind11::arg("scale"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("takes_rows", &DecodeStack::takes_rows)
       .def_property_readonly_static("has_vnni", [](pybind11::object) {
 #ifdef KVRELAY_STACK_VNNI
+        return true;
+#else
+        return false;
+#endif
+      })
+      .def_property_readonly_static("has_amx", [](pybind11::object) {
+#ifdef KVRELAY_STACK_AMX
         return true;
 #else
         return false;

@@ -4,8 +4,9 @@ Attached where every ingredient of the Python path's native small steps is there
 CPU, the fused elementwise ops, the native decode attention, and each layer's four matmuls on
 the 4-bit kernel. It takes a step when every row is a decode row (a speculative step's drafts
 are decode rows too) and there are at most `max_rows` of them: up to `gemv_max_rows` its
-matmuls run on the native gemv kernel, above that (where given) on the VNNI kernel's tiles, as
-the Python path picks them; anything else runs layer by layer as before. The result is the
+matmuls run on the native gemv kernel, above that (where given) on the VNNI kernel's tiles, and
+above those (where given) on AMX tiles from the same 4-bit tiles, as the Python path picks them;
+anything else runs layer by layer as before. The result is the
 Python path's bit for bit: the same kernels in the same order.
 """
 from __future__ import annotations
@@ -21,10 +22,11 @@ MATMULS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj: the kernel'
 
 class DecodeStack:
     def __init__(self, ops, model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict | None = None,
-                 vnni_max_rows: int = 0) -> None:
+                 vnni_max_rows: int = 0, amx_max_rows: int = 0) -> None:
         """tiles: parameter name ("layers.3.mlp.down_proj") -> native_amx.Q4Tiles, for steps of
         up to gemv_max_rows rows; vnni_tiles: the same names -> native_q4a8.Q4A8Tiles, for the
-        steps above, up to vnni_max_rows (None: none)."""
+        steps above, up to vnni_max_rows (None: none); amx_max_rows: the steps above those, on
+        AMX tiles from `tiles` (0: none)."""
         config = model.config
         attention = model.layers[0].self_attn
         norms = []
@@ -33,10 +35,11 @@ class DecodeStack:
                       layer.post_attention_layernorm.weight.detach()]
         self.native = ops.DecodeStack(norms, _in_order(tiles, len(model.layers)),
                                       _in_order(vnni_tiles or {}, len(model.layers)),
-                                      gemv_max_rows, attention.num_heads, attention.num_kv_heads,
+                                      gemv_max_rows, vnni_max_rows if vnni_tiles else 0,
+                                      amx_max_rows, attention.num_heads, attention.num_kv_heads,
                                       attention.head_dim, config.intermediate_size,
                                       config.rms_norm_eps, attention.scale)
-        self.max_rows = max(gemv_max_rows, vnni_max_rows if vnni_tiles else 0)
+        self.max_rows = max(gemv_max_rows, vnni_max_rows if vnni_tiles else 0, amx_max_rows)
 
     @staticmethod
     def fits(model, tiles: dict) -> bool:

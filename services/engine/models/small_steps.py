@@ -74,7 +74,8 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
         model.add_small_step_kernels_(int4_max_tokens, {}, _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else int4_kernel
         vnni = (q4a8_tiles, q4a8_max_tokens) if q4a8 == "split" else ({}, 0)
-        model.decode_stack = _decode_stack(model, tiles, layer_rows, *vnni)
+        model.decode_stack = _decode_stack(model, tiles, layer_rows, *vnni,
+                                           amx_max_tokens if amx is not None else 0)
     elif q4_blocks and int4_max_tokens and not every_step and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
             int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
@@ -102,16 +103,19 @@ def _layer_gemv_rows(int4_max_tokens: int, tiles: dict, q4a8: str | None,
 
 
 def _decode_stack(model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict,
-                  vnni_max_rows: int) -> DecodeStack | None:
+                  vnni_max_rows: int, amx_max_rows: int) -> DecodeStack | None:
     """The layers of small decode steps in one native call, where the model and this machine
-    allow it (decode_stack.py): the gemv kernel's steps, and the VNNI kernel's above them where
-    it runs every layer matmul and the build has it."""
+    allow it (decode_stack.py): the gemv kernel's steps, the VNNI kernel's above them where it
+    runs every layer matmul and the build has it, and AMX's above those where the build has it
+    (the Python path's amx_max_tokens)."""
     ops = native_stack.stack_ops() if tiles else None
     if ops is None or not DecodeStack.fits(model, tiles):
         return None
     if not ops.DecodeStack.has_vnni or not DecodeStack.fits(model, vnni_tiles):
         vnni_tiles, vnni_max_rows = {}, 0
-    return DecodeStack(ops, model, tiles, gemv_max_rows, vnni_tiles, vnni_max_rows)
+    if not ops.DecodeStack.has_amx:
+        amx_max_rows = 0
+    return DecodeStack(ops, model, tiles, gemv_max_rows, vnni_tiles, vnni_max_rows, amx_max_rows)
 
 
 def _attach_q4a8(model, q4_blocks: dict, max_tokens: int,
