@@ -14,8 +14,8 @@ from services.engine import LLM
 _BASE = [[1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 3,
          [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173] * 7,
          [1, 504, 3458, 282] * 11]
-# ten sequences, so that a step of 1 + 3 drafts each reaches past AMX's 32 rows
-PROMPTS = _BASE + [prompt[:-index] for index in range(1, 8) for prompt in _BASE[index % 3:][:1]]
+# seventeen sequences, so that a step of 1 + 3 drafts each reaches past AMX's 64 rows
+PROMPTS = _BASE + [_BASE[index % 3][:-index] for index in range(1, 15)]
 BLOCKS_PER_SEQUENCE = 20
 
 
@@ -76,13 +76,13 @@ def _both_ways(runner, items):
 
 
 @pytest.mark.parametrize("shape", [[1], [1, 1, 1], [3], [2, 1, 1], [1, 2], [3, 2], [4, 4],
-                                   [4, 4, 1], [4, 1, 4, 3, 2, 4], [4] * 8],
+                                   [4, 4, 1], [4, 1, 4, 3, 2, 4], [4] * 8, [4] * 10 + [3], [4] * 16],
                          ids=["one-row", "three-seqs", "token-and-two-drafts", "mixed", "two",
                               "five-rows", "eight-rows", "nine-rows", "eighteen-rows",
-                              "thirty-two-rows"])
+                              "thirty-two-rows", "forty-three-rows", "sixty-four-rows"])
 def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
     # where this CPU has VNNI: one row on the gemv kernel, 2-8 on the VNNI one; else 1-4 on
-    # gemv; where it has AMX, the steps above on AMX tiles up to amx_max_tokens (32)
+    # gemv; where it has AMX, the steps above on AMX tiles up to amx_max_tokens (64)
     (native, native_kv), (layered, layered_kv), calls = _both_ways(runner, _decode_items(runner,
                                                                                         shape))
     assert calls == (1 if sum(shape) <= runner.model.decode_stack.max_rows else 0)
@@ -115,7 +115,7 @@ def test_a_short_prefill_chunk_is_decode_rows_too(runner):
 
 
 def test_steps_beyond_its_rows_run_layer_by_layer(runner):
-    too_many = _decode_items(runner, [4] * 9)  # 36 rows: oneDNN's, in the Python path
+    too_many = _decode_items(runner, [4] * 17)  # 68 rows: oneDNN's, in the Python path
     assert sum(item.num_new_tokens for item in too_many) > runner.model.decode_stack.max_rows
     _, _, calls = _both_ways(runner, too_many)
     assert calls == 0

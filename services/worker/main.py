@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
                   "weights (GGUF Q4_0/Q4_1, bf16 on CPU) with torch's int4 kernel, a quarter "
                   "of the bytes (0: never; 8 where the CPU has no AMX)")
-    add_flag(parser, "--amx-max-tokens", type=int, default=32,
+    add_flag(parser, "--amx-max-tokens", type=int, default=64,
              help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
                   "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
                   "AMX-BF16 (0: never)")
