@@ -34,13 +34,11 @@
 namespace {
 
 using kvrelay::amx_permitted;
+using kvrelay::configure_full_tiles;  // tiles: C 0-3 (fp32 16 x 16), B 4-5 and A 6-7 (bf16 16 x 32)
 using kvrelay::thread_share;
 
 constexpr int64_t kTileElems = 16 * 32;     // bf16 elements of one A or B tile
 constexpr int64_t kQ4TileBytes = 256 + 32 + 32;  // one 4-bit B tile: nibbles, d, m
-
-// Every tile 16 rows of 64 bytes: C 0-3 (float32 16 x 16), B 4-5 and A 6-7 (bf16 16 x 32).
-inline void configure_tiles() { kvrelay::configure_full_tiles(); }
 
 // x [M, K] -> [ceil(M/16), K/32, 16, 32], rows past M zero.
 void pack_rows(uint16_t* dst, const uint16_t* x, int64_t M, int64_t K) {
@@ -203,7 +201,7 @@ void amx_gemm_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
   {
     int64_t lo, hi;
     thread_share(p.N / 32, &lo, &hi);
-    configure_tiles();
+    configure_full_tiles();
     const int64_t pair_bytes = 2 * k_blocks * kTileElems * 2;
     for (int64_t pair = lo; pair < hi; ++pair) {
       const uint16_t* b0 = weights + 2 * pair * k_blocks * kTileElems;
@@ -226,7 +224,7 @@ void amx_gemm_q4(at::Tensor out, const at::Tensor& x, const at::Tensor& q4_tiles
   {
     int64_t lo, hi;
     thread_share(p.N / 32, &lo, &hi);
-    configure_tiles();
+    configure_full_tiles();
     // a panel pair's bf16 tiles, 32 x K: 36 KB for K = 576 (in L1), 96 KB for 1,536 (in L2);
     // one per OpenMP thread, kept between calls (120 calls a decode step)
     thread_local std::vector<uint16_t> widened;

@@ -366,26 +366,35 @@ inline void score_pairs(const PairQueryState<G, D>& q, const PairTile<D>& tile, 
       scores[g][v] = lane_index < float(limit - v * kLanes) ? (Lanes)partial[g][v] * scale : minus_inf;
 }
 
+// The online softmax step of one score row over a tile's first V vectors: the weights against
+// the new running max, rounded to bf16 into `weights` (V * 16 of them), and the running max and
+// sum of the rounded weights moved on. Returns the factor that what was accumulated against the
+// old max must be scaled by.
+template <int V>
+inline float softmax_step(const Lanes* scores, float& max, float& sum, uint16_t* weights) {
+  Lanes tile_max = scores[0];
+  for (int v = 1; v < V; ++v) tile_max = max_each(tile_max, scores[v]);
+  const float new_max = std::max(max, max_of(tile_max));
+  const float rescale = exp2_nonpositive(max - new_max);
+  Lanes rounded_sum = Lanes{};
+  for (int v = 0; v < V; ++v) {
+    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp2_lanes(scores[v] - new_max));
+    rounded_sum += (Lanes)_mm512_cvtpbh_ps(rounded);
+    std::memcpy(weights + v * kLanes, &rounded, sizeof(rounded));
+  }
+  max = new_max;
+  sum = sum * rescale + sum_of(rounded_sum);
+  return rescale;
+}
+
 template <int G, int D, int V>
 inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit,
                              const Lanes (&scores)[G][kScoreVectors]) {
   constexpr int NC = D / kLanes;
   alignas(64) uint32_t weights[G][kPairTileKeys / 2];  // bf16 weights, a pair of keys per word
   float rescale[G];
-  for (int g = 0; g < G; ++g) {
-    Lanes tile_max = scores[g][0];
-    for (int v = 1; v < V; ++v) tile_max = max_each(tile_max, scores[g][v]);
-    const float new_max = std::max(q.max[g], max_of(tile_max));
-    rescale[g] = exp2_nonpositive(q.max[g] - new_max);
-    Lanes rounded_sum = Lanes{};
-    for (int v = 0; v < V; ++v) {
-      const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp2_lanes(scores[g][v] - new_max));
-      rounded_sum += (Lanes)_mm512_cvtpbh_ps(rounded);
-      std::memcpy(weights[g] + v * kLanes / 2, &rounded, sizeof(rounded));
-    }
-    q.max[g] = new_max;
-    q.sum[g] = q.sum[g] * rescale[g] + sum_of(rounded_sum);
-  }
+  for (int g = 0; g < G; ++g)
+    rescale[g] = softmax_step<V>(scores[g], q.max[g], q.sum[g], reinterpret_cast<uint16_t*>(weights[g]));
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(_mm512_load_ps(q.acc[g] + c * kLanes), _mm512_set1_ps(rescale[g]));
@@ -543,22 +552,11 @@ void softmax_row(AmxRows<G>& rows, int row, int limit, float scale) {
   const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
   Lanes scores[kScoreVectors];
-  Lanes tile_max = minus_inf;
   for (int v = 0; v < kScoreVectors; ++v) {
     const Lanes raw = load_lanes(rows.scores[row] + v * kLanes) * scale;
     scores[v] = lane_index < float(limit - v * kLanes) ? raw : minus_inf;
-    tile_max = max_each(tile_max, scores[v]);
   }
-  const float new_max = std::max(rows.max[row], max_of(tile_max));
-  const float rescale = exp2_nonpositive(rows.max[row] - new_max);
-  Lanes rounded_sum = Lanes{};
-  for (int v = 0; v < kScoreVectors; ++v) {
-    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)exp2_lanes(scores[v] - new_max));
-    rounded_sum += (Lanes)_mm512_cvtpbh_ps(rounded);
-    std::memcpy(weights + v * kLanes, &rounded, sizeof(rounded));
-  }
-  rows.max[row] = new_max;
-  rows.sum[row] = rows.sum[row] * rescale + sum_of(rounded_sum);
+  const float rescale = softmax_step<kScoreVectors>(scores, rows.max[row], rows.sum[row], weights);
   if (rescale != 1.0f)
     for (int c = 0; c < kAmxDim; c += kLanes) store_lanes(load_lanes(rows.out[row] + c) * rescale, rows.out[row] + c);
 }
