@@ -1,6 +1,7 @@
 """Fast paged attention for CPU: decode rows and prefill sequences in native kernels.
 
-Both read K/V in place through the block table (kernels/csrc/paged_decode.cpp, paged_prefill.cpp).
+Both read K/V in place through the block table (kernels/csrc/paged_decode.cpp, paged_prefill.cpp;
+a speculative step's bf16 runs of rows go to the prefill kernel, paged_decode_runs.cpp).
 Where a kernel cannot be built, or does not take the dtypes or shapes, decode rows go the torch
 way (cpu_decode_torch.py) and prefill sequences one SDPA call each. All indices and masks come
 from the step's CpuAttentionPlan.

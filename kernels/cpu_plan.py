@@ -5,8 +5,10 @@ if that kernel is unavailable does the torch path derive its padded gather group
 first use, see cpu_decode_torch.py). Prefill sequences go to the native prefill kernel the same
 way (PrefillRows), or one by one through SDPA (PrefillSeq) where it does not run.
 A sequence with a few query tokens (a speculative step's token and drafts) becomes that many
-decode rows, row j seeing the keys up to its own position: causal, and each token's attention
-computed exactly as a plain decode step would compute it.
+decode rows, row j seeing the keys up to its own position: causal. The native decode op finds
+such runs of consecutive rows again (csrc/paged_decode_runs.cpp): in bf16 it computes each run as
+one short causal block on the prefill kernel, reading its keys once; in fp32 each row's attention
+is computed exactly as a plain decode step would compute it.
 """
 from __future__ import annotations
 

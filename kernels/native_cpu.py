@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "paged_prefill.cpp", "paged_decode_binding.cpp",
+           for name in ("paged_decode.cpp", "paged_decode_runs.cpp", "paged_prefill.cpp", "paged_decode_binding.cpp",
                          "paged_attention_module.cpp")]
 # -march=native: the build is for this machine's vector units, so the extension's name carries
 # the CPU's feature flags and a cache directory shared by different machines never mixes them.

@@ -20,7 +20,7 @@ from kernels.native_gemv import _GEMV_CFLAGS, cpu_has_avx512_bf16
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_stack.cpp", "cpu_gemv.cpp", "cpu_elementwise.cpp",
-                                    "paged_decode.cpp", "paged_prefill.cpp",
+                                    "paged_decode.cpp", "paged_decode_runs.cpp", "paged_prefill.cpp",
                                     "paged_decode_binding.cpp")]
 # where the CPU has AVX512-VNNI, the steps above the gemv kernel's rows (kernels/native_q4a8.py)
 VNNI_SOURCES = [CSRC / "cpu_gemm_q4a8.cpp"]

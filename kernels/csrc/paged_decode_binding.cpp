@@ -9,6 +9,7 @@
 
 #include "paged_attention_ops.h"
 #include "paged_decode.h"
+#include "paged_decode_runs.h"
 #include "paged_prefill.h"
 
 namespace {
@@ -83,7 +84,7 @@ void paged_decode_attention_op(
                                 block_tables.data_ptr<int32_t>(), block_tables.stride(0), rows};
   // torch's intra-op thread count governs, as it does for torch's own CPU ops.
   const int num_threads = int(std::min<int64_t>(at::get_num_threads(), rows * k_cache.size(2)));
-  const bool ok = kvrelay::paged_decode_attention(args, num_threads);
+  const bool ok = kvrelay::paged_decode_with_runs(args, num_threads);
   TORCH_CHECK(ok, "paged_decode_attention: a block table entry lies outside the cache");
 }
 

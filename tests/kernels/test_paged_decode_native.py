@@ -132,3 +132,70 @@ def test_environment_switch_turns_the_kernel_off(monkeypatch):
         assert native_cpu.paged_decode_op() is None
     finally:
         native_cpu.paged_decode_op.cache_clear()
+
+
+
+def _rows_one_at_a_time(batch):
+    """Each decode row in a call of its own: never part of a run."""
+    op = require_native_decode()
+    rows = batch.meta.cpu_plan.decode
+    out = torch.full_like(batch.query, float("nan"))
+    for row in range(rows.num_rows):
+        pick = slice(row, row + 1)
+        op(out, batch.query, batch.k_cache, batch.v_cache, rows.token_ids[pick], rows.seq_lens[pick],
+           rows.block_tables[pick].contiguous(), batch.scale)
+    return out
+
+
+# A verify step: sequences of 1 + drafts query tokens, whose rows form runs of consecutive
+# queries. Runs end inside a tile, on a tile's edge, on a block's edge; one holds 17 rows (more
+# than a 16-row tile at any GQA group) and one sequence is a lone decode row.
+VERIFY_QUERY_LENS = [5, 1, 3, 17, 2, 9]
+VERIFY_CONTEXT_LENS = [40, 7, 13, 100, 14, 0]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group_size", [1, 3, 8])
+def test_bf16_verify_runs_match_the_reference(group_size, head_dim):
+    # bf16 runs go to the prefill kernel's bf16 forms (AMX tiles where the CPU has them).
+    batch = make_paged_batch(VERIFY_QUERY_LENS, VERIFY_CONTEXT_LENS, 16, 2 * group_size, 2, head_dim,
+                             seed=head_dim + group_size, dtype=torch.bfloat16)
+    together = _run_native(batch)
+    assert _max_error(batch, together) <= TOLERANCE[torch.bfloat16]
+    assert (together.float() - _rows_one_at_a_time(batch).float()).abs().max().item() <= 2e-2
+
+
+def test_fp32_verify_rows_are_computed_one_by_one_whatever_the_batch():
+    # fp32 rows stay on the decode kernel: each row's output does not depend on its neighbours,
+    # so a verify step's rows are bitwise what plain decode steps would compute.
+    batch = make_paged_batch(VERIFY_QUERY_LENS, VERIFY_CONTEXT_LENS, 16, 9, 3, 64, seed=4)
+    together = _run_native(batch)
+    assert _max_error(batch, together) <= TOLERANCE[torch.float32]
+    assert torch.equal(together, _rows_one_at_a_time(batch))
+
+
+def test_the_environment_switch_computes_bf16_verify_rows_one_by_one(monkeypatch):
+    batch = make_paged_batch(VERIFY_QUERY_LENS, VERIFY_CONTEXT_LENS, 16, 9, 3, 64, seed=6, dtype=torch.bfloat16)
+    runs = _run_native(batch)
+    monkeypatch.setenv("KVRELAY_DECODE_RUNS", "0")
+    alone = _run_native(batch)
+    assert torch.equal(alone, _rows_one_at_a_time(batch))
+    assert not torch.equal(alone, runs)  # the runs really took the other kernel
+
+
+def test_rows_that_look_consecutive_but_read_other_blocks_are_not_a_run():
+    # Two sequences whose rows follow each other in the batch with consecutive lengths, but with
+    # their own blocks: each must read its own keys.
+    batch = make_paged_batch([1, 1], [20, 21], 16, 9, 3, 64, seed=8, dtype=torch.bfloat16)
+    assert _max_error(batch, _run_native(batch)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_a_bad_block_inside_a_run_is_refused():
+    batch = make_paged_batch([4], [40], 16, 3, 1, 64, seed=3, dtype=torch.bfloat16)
+    op = require_native_decode()
+    rows = batch.meta.cpu_plan.decode
+    bad_tables = rows.block_tables.clone()
+    bad_tables[:, 1] = batch.k_cache.shape[0]  # every row's second block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(torch.empty_like(batch.query), batch.query, batch.k_cache, batch.v_cache, rows.token_ids,
+           rows.seq_lens, bad_tables, batch.scale)
