@@ -34,12 +34,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="decode steps per shape")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs-switch", action="store_true")
+    parser.add_argument("--q4a8-max-tokens", type=int, default=None,
+                        help="where the CPU has AVX512-VNNI, steps up to this many rows on the VNNI "
+                             "kernel (default: the engine's)")
     args = parser.parse_args()
     rows_list = [int(rows) for rows in args.rows.split(",")]
     if not all(1 <= rows <= MAX_DRAFTS + 1 for rows in rows_list):
         parser.error(f"--rows must lie in [1, {MAX_DRAFTS + 1}]")
+    kernels = {} if args.q4a8_max_tokens is None else {"q4a8_max_tokens": args.q4a8_max_tokens}
     llm = LLM(dtype="bfloat16", speculative_config={
-        "method": "ngram", "num_speculative_tokens": MAX_DRAFTS, "disable_by_batch_size": 0})
+        "method": "ngram", "num_speculative_tokens": MAX_DRAFTS, "disable_by_batch_size": 0},
+        **kernels)
     forced = ForcedDrafts(llm)
     switch = ("0", "1") if args.runs_switch else (os.environ.get(RUNS_SWITCH, "1"),)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
