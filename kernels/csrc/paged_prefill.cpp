@@ -564,7 +564,10 @@ void softmax_row(AmxRows<G>& rows, int row, int limit, float scale) {
 template <int G>
 void start_rows(const PagedPrefillArgs& a, const Item& item, int64_t first_token, int live_rows, AmxRows<G>& rows) {
   const uint16_t* query = static_cast<const uint16_t*>(a.query);
-  for (int row = 0; row < AmxRows<G>::kRows; ++row) {
+  // Only the live rows' 16-row tiles are ever read: a short item (a verify step's run of 5
+  // queries) need not clear the other ~80 rows' 384 bytes each.
+  const int used_rows = (live_rows + 15) / 16 * 16;
+  for (int row = 0; row < used_rows; ++row) {
     if (row < live_rows) {
       const uint16_t* src = query + (first_token + row / G) * a.query_token_stride +
                             (item.kv_head * G + row % G) * a.query_head_stride;
