@@ -37,11 +37,16 @@ def main() -> None:
     parser.add_argument("--q4a8-max-tokens", type=int, default=None,
                         help="where the CPU has AVX512-VNNI, steps up to this many rows on the VNNI "
                              "kernel (default: the engine's)")
+    parser.add_argument("--int4-max-tokens", type=int, default=None,
+                        help="steps up to this many rows on the 4-bit gemv kernel, and the head on its "
+                             "8-bit or bf16 gemv tiles (default: the engine's)")
     args = parser.parse_args()
     rows_list = [int(rows) for rows in args.rows.split(",")]
     if not all(1 <= rows <= MAX_DRAFTS + 1 for rows in rows_list):
         parser.error(f"--rows must lie in [1, {MAX_DRAFTS + 1}]")
-    kernels = {} if args.q4a8_max_tokens is None else {"q4a8_max_tokens": args.q4a8_max_tokens}
+    kernels = {name: value for name, value in (("q4a8_max_tokens", args.q4a8_max_tokens),
+                                               ("int4_max_tokens", args.int4_max_tokens))
+               if value is not None}
     llm = LLM(dtype="bfloat16", speculative_config={
         "method": "ngram", "num_speculative_tokens": MAX_DRAFTS, "disable_by_batch_size": 0},
         **kernels)

@@ -105,6 +105,16 @@ def test_the_vnni_kernel_takes_two_to_eight_rows_where_it_is(runner):
     assert rows[:2] == [1, 8] if vnni else rows[0] == 4
 
 
+def test_the_heads_8_bit_blocks_take_the_steps_below_amxs(runner):
+    # Above one gemv pass (3 rows) the AMX kernel's bf16 head beats the 8-bit blocks
+    # (small_steps._head_gemv_rows).
+    head_rows = [max_rows for max_rows, _ in runner.model.packed_head.small_steps]
+    if runner.q8_head and runner.uses_amx:
+        assert head_rows == [min(3, runner.int4_max_tokens), runner.amx_max_tokens]
+    elif runner.q8_head:
+        assert head_rows[0] == runner.int4_max_tokens
+
+
 def test_a_short_prefill_chunk_is_decode_rows_too(runner):
     # cpu_plan plans a sequence of a few query tokens as decode rows, each seeing its own prefix
     prompt = PROMPTS[0] + [2085, 957]

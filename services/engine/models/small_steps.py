@@ -3,7 +3,8 @@
 Decode steps are bound by reading the weights, and oneDNN's bf16 GEMM reads them slowest at
 few rows (BENCHMARKS.md). Steps of up to `int4_max_tokens` tokens multiply the checkpoint's own
 blocks: the native AVX512-BF16 kernel (kernels/native_gemv.py) where it builds, the head too
-(its 8-bit blocks where the checkpoint has them, models/gguf_q8_head.py, else bf16 tiles); else
+(its 8-bit blocks where the checkpoint has them, models/gguf_q8_head.py, up to 3 rows where AMX
+takes the steps above; else bf16 tiles); else
 torch's int4 kernel (layers only). Steps of up to `amx_max_tokens` run on AMX tiles
 (kernels/native_amx.py). The native kernels share one copy of each layer weight, the 4-bit
 tiles. Larger steps stay on oneDNN.
@@ -29,6 +30,7 @@ from services.engine.models.gguf_q8_head import Q8Blocks
 # 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
 Q8_HEAD_SWITCH = "KVRELAY_Q8_HEAD"
 EVERY_STEP = 1 << 30  # max_rows that takes any step
+Q8_HEAD_MAX_ROWS_BESIDE_AMX = 3  # the head's 8-bit gemv steps where AMX takes the larger ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,8 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
         model.add_small_step_kernels_(
             layer_rows,
             {name: _bound(native_gemv, "matmul_q4", gemv, t) for name, t in tiles.items()}, None)
-        model.add_small_step_kernels_(int4_max_tokens, {}, _gemv_head(gemv, q8_tiles, head))
+        model.add_small_step_kernels_(_head_gemv_rows(int4_max_tokens, q8_tiles, amx),
+                                      {}, _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else int4_kernel
         vnni = (q4a8_tiles, q4a8_max_tokens) if q4a8 == "split" else ({}, 0)
         model.decode_stack = _decode_stack(model, tiles, layer_rows, *vnni,
@@ -132,6 +135,18 @@ def _attach_q4a8(model, q4_blocks: dict, max_tokens: int,
         max_tokens if split else EVERY_STEP,
         {name: _q4a8_matmul(ops, t, split) for name, t in tiles.items()}, None)
     return ("split" if split else "int8"), tiles
+
+
+def _head_gemv_rows(int4_max_tokens: int, q8_tiles, amx) -> int:
+    """How many rows the head's steps take on its 8-bit blocks: one pass of the gemv kernel
+    (3 rows), since a second pass widens and multiplies the blocks again. Alone, [49152, 576]
+    at 1 / 2 / 3 / 4 rows took 0.72-0.77 / 1.16 / 1.46-1.48 / 2.12-2.17 ms there against
+    1.26-1.42 / 1.28-1.35 / 1.24-1.29 / 1.26-1.34 on the AMX kernel's bf16 copy; in the
+    engine's 3-row steps the two were even, in its 4-row steps AMX saved 0.0-0.5 ms (HISTORY,
+    session 25)."""
+    if q8_tiles is None or amx is None:
+        return int4_max_tokens
+    return min(int4_max_tokens, Q8_HEAD_MAX_ROWS_BESIDE_AMX)
 
 
 def _gemv_head(gemv, q8_tiles, bf16_tiles):
