@@ -1,7 +1,8 @@
 """What a speculative verify step costs against a plain decode step, offline.
 
     python benchmarks/verify_step.py [--rows 1,3,5,9] [--sequences 1] [--context 480]
-                                     [--rounds 2] [--runs-switch]
+                                     [--rounds 2] [--runs-switch] [engine flags, as in
+                                     `kvrelay bench latency`: --q4a8-max-tokens N, ...]
 
 Each sequence drafts rows - 1 tokens every step (its last token repeated, so most are rejected
 and the next step has the same shape), and the median model step of each shape is reported.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 
 RUNS_SWITCH = "KVRELAY_DECODE_RUNS"
@@ -34,26 +36,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="decode steps per shape")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs-switch", action="store_true")
-    parser.add_argument("--q4a8-max-tokens", type=int, default=None,
-                        help="where the CPU has AVX512-VNNI, steps up to this many rows on the VNNI "
-                             "kernel (default: the engine's)")
-    parser.add_argument("--int4-max-tokens", type=int, default=None,
-                        help="steps up to this many rows on the 4-bit gemv kernel, and the head on its "
-                             "8-bit or bf16 gemv tiles (default: the engine's)")
+    add_engine_arguments(parser)
+    parser.set_defaults(dtype="bfloat16")
     args = parser.parse_args()
     rows_list = [int(rows) for rows in args.rows.split(",")]
     if not all(1 <= rows <= MAX_DRAFTS + 1 for rows in rows_list):
         parser.error(f"--rows must lie in [1, {MAX_DRAFTS + 1}]")
-    kernels = {name: value for name, value in (("q4a8_max_tokens", args.q4a8_max_tokens),
-                                               ("int4_max_tokens", args.int4_max_tokens))
-               if value is not None}
-    llm = LLM(dtype="bfloat16", speculative_config={
-        "method": "ngram", "num_speculative_tokens": MAX_DRAFTS, "disable_by_batch_size": 0},
-        **kernels)
+    llm = make_llm(args, speculative_config={
+        "method": "ngram", "num_speculative_tokens": MAX_DRAFTS, "disable_by_batch_size": 0})
     forced = ForcedDrafts(llm)
     switch = ("0", "1") if args.runs_switch else (os.environ.get(RUNS_SWITCH, "1"),)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
-    print(f"{args.sequences} sequence(s) of {args.context} prompt tokens, bfloat16, "
+    print(f"{args.sequences} sequence(s) of {args.context} prompt tokens, {args.dtype}, "
           f"median model step of the last {args.steps - 3}")
     for round_index in range(args.rounds):
         for rows in rows_list:

@@ -63,9 +63,16 @@ bool runs_enabled() {
   return value == nullptr || std::strcmp(value, "0") != 0;
 }
 
+bool has_run(const PagedDecodeArgs& a) {
+  for (int64_t row = 1; row < a.rows; ++row)
+    if (continues(a, row - 1, row)) return true;
+  return false;
+}
+
+// A plain decode step (no run) is checked in one pass and left as it is, without copies.
 bool runs_apply(const PagedDecodeArgs& a) {
   return a.rows > 1 && a.query_dtype == Dtype::kBFloat16 && a.cache_dtype == Dtype::kBFloat16 &&
-         paged_prefill_supported(a.head_dim, a.group_size) && runs_enabled();
+         paged_prefill_supported(a.head_dim, a.group_size) && runs_enabled() && has_run(a);
 }
 
 }  // namespace
@@ -73,7 +80,6 @@ bool runs_apply(const PagedDecodeArgs& a) {
 bool paged_decode_with_runs(const PagedDecodeArgs& args, int num_threads) {
   if (!runs_apply(args)) return paged_decode_attention(args, num_threads);
   const RowSplit split = split_rows(args);
-  if (split.run_starts.empty()) return paged_decode_attention(args, num_threads);
   PagedPrefillArgs runs{};
   static_cast<PagedAttentionArgs&>(runs) = args;
   runs.token_starts = split.run_starts.data();
