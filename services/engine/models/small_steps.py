@@ -139,9 +139,9 @@ def _attach_q4a8(model, q4_blocks: dict, max_tokens: int,
 
 def _head_gemv_rows(int4_max_tokens: int, q8_tiles, amx) -> int:
     """How many rows the head's steps take on its 8-bit blocks: one pass of the gemv kernel
-    (3 rows), since a second pass widens and multiplies the blocks again. Alone, [49152, 576]
-    at 1 / 2 / 3 / 4 rows took 0.72-0.77 / 1.16 / 1.46-1.48 / 2.12-2.17 ms there against
-    1.26-1.42 / 1.28-1.35 / 1.24-1.29 / 1.26-1.34 on the AMX kernel's bf16 copy; in the
+    (3 rows), since a second pass widens and multiplies the blocks again. The head alone,
+    [49152, 576] at 1 / 2 / 3 / 4 rows, took 0.72-0.77 / 1.16 / 1.46-1.48 / 2.12-2.17 ms on the
+    8-bit blocks against 1.26-1.42 / 1.28-1.35 / 1.24-1.29 / 1.26-1.34 on the AMX kernel's bf16 copy; in the
     engine's 3-row steps the two were even, in its 4-row steps AMX saved 0.0-0.5 ms (HISTORY,
     session 25)."""
     if q8_tiles is None or amx is None:
