@@ -112,6 +112,17 @@ inline int32_t quad(const int8_t* src) {
   return value;
 }
 
+// The dot products of 16 columns with one row's 32 codes, over the K quads c = Half, Half + 2,
+// Half + 4, Half + 6: a chain of four, so two such chains per row run side by side.
+template <int Half>
+inline __m512i dot_half(const __m512i* w, const int8_t* x) {
+  __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[Half], _mm512_set1_epi32(quad(x + 4 * Half)));
+#pragma GCC unroll 4
+  for (int c = Half + 2; c < 8; c += 2)
+    dots = _mm512_dpbusd_epi32(dots, w[c], _mm512_set1_epi32(quad(x + 4 * c)));
+  return dots;
+}
+
 // Rows m0 .. m0 + R of one 16-column panel.
 template <int R, bool Split>
 void panel_rows(uint16_t* out, int64_t N, int64_t K, const Quantized& acts, int64_t m0,
@@ -135,20 +146,30 @@ void panel_rows(uint16_t* out, int64_t N, int64_t K, const Quantized& acts, int6
       w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
     }
     const __m512 d = load_halves(tile + 256), m = load_halves(tile + 288);
+    // Every row's dot products in one unrolled body, each as two chains of four: a chain of
+    // eight dependent vpdpbusd (5 cycles apiece) per row, rows in a loop the compiler kept
+    // rolled, left the port idle between them (HISTORY, session 26).
+    __m512i even[R], odd[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int8_t* x = xq + r * K + 32 * kb;
-      __m512i dots = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c)
-        dots = _mm512_dpbusd_epi32(dots, w[c], _mm512_set1_epi32(quad(x + 4 * c)));
-      if constexpr (Split) {  // 128 q.x + q.r: below 2^23, exact in int32 and in float32
+      even[r] = dot_half<0>(w, xq + r * K + 32 * kb);
+      odd[r] = dot_half<1>(w, xq + r * K + 32 * kb);
+    }
+    if constexpr (Split) {  // 128 q.x + q.r: below 2^23, exact in int32 and in float32
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
         const int8_t* rest = xr + r * K + 32 * kb;
-        __m512i fine = _mm512_setzero_si512();
-        for (int c = 0; c < 8; ++c)
-          fine = _mm512_dpbusd_epi32(fine, w[c], _mm512_set1_epi32(quad(rest + 4 * c)));
-        dots = _mm512_add_epi32(_mm512_slli_epi32(dots, 7), fine);
+        const __m512i fine = _mm512_add_epi32(dot_half<0>(w, rest), dot_half<1>(w, rest));
+        even[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(even[r], odd[r]), 7), fine);
       }
+    } else {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) even[r] = _mm512_add_epi32(even[r], odd[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
       const __m512 scaled_d = _mm512_mul_ps(d, _mm512_set1_ps(scales[r * k_blocks + kb]));
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scaled_d, total[r]);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even[r]), scaled_d, total[r]);
       total[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * k_blocks + kb]), total[r]);
     }
   }
