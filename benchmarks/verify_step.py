@@ -1,14 +1,16 @@
 """What a speculative verify step costs against a plain decode step, offline.
 
     python benchmarks/verify_step.py [--rows 1,3,5,9] [--sequences 1] [--context 480]
-                                     [--rounds 2] [--runs-switch] [engine flags, as in
+                                     [--rounds 2] [--runs-switch | --switch VAR] [engine flags, as in
                                      `kvrelay bench latency`: --q4a8-max-tokens N, ...]
 
 Each sequence drafts rows - 1 tokens every step (its last token repeated, so most are rejected
 and the next step has the same shape), and the median model step of each shape is reported.
 With --runs-switch every shape runs twice per round, with KVRELAY_DECODE_RUNS=0 (each decode
 row alone) and =1 (a sequence's rows as one causal block on the prefill kernel), alternating
-within one process, since this machine drifts by 20% between processes.
+within one process, since this machine drifts by 20% between processes. --switch VAR does the
+same with another of the kernels' runtime switches (KVRELAY_DECODE_SPLIT: a step of few rows
+cuts each row's keys into parts for the threads).
 """
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=480, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=60, help="decode steps per shape")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--runs-switch", action="store_true")
+    parser.add_argument("--runs-switch", action="store_true",
+                        help=f"alternate {RUNS_SWITCH}=0 and =1 (same as --switch {RUNS_SWITCH})")
+    parser.add_argument("--switch", default=None, metavar="VAR",
+                        help="alternate this environment variable between 0 and 1")
     add_engine_arguments(parser)
     parser.set_defaults(dtype="bfloat16")
     args = parser.parse_args()
@@ -45,18 +50,19 @@ def main() -> None:
     llm = make_llm(args, speculative_config={
         "method": "ngram", "num_speculative_tokens": MAX_DRAFTS, "disable_by_batch_size": 0})
     forced = ForcedDrafts(llm)
-    switch = ("0", "1") if args.runs_switch else (os.environ.get(RUNS_SWITCH, "1"),)
+    switch_name = args.switch or RUNS_SWITCH
+    switch = ("0", "1") if args.runs_switch or args.switch else (os.environ.get(switch_name, "1"),)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
     print(f"{args.sequences} sequence(s) of {args.context} prompt tokens, {args.dtype}, "
           f"median model step of the last {args.steps - 3}")
     for round_index in range(args.rounds):
         for rows in rows_list:
             for runs in switch:
-                os.environ[RUNS_SWITCH] = runs
+                os.environ[switch_name] = runs
                 prompts = [{"prompt_token_ids": _prompt(args.context, seq, round_index)}
                            for seq in range(args.sequences)]
                 step_ms = forced.time_steps(prompts, params, rows - 1)
-                print(f"rows {rows:2d}  {RUNS_SWITCH}={runs}  step {step_ms:6.2f} ms", flush=True)
+                print(f"rows {rows:2d}  {switch_name}={runs}  step {step_ms:6.2f} ms", flush=True)
 
 
 def _prompt(length: int, seq: int, round_index: int) -> list[int]:

@@ -6,8 +6,13 @@
 // tile's scores fill one vector, and the accumulators are rescaled once per tile.
 #include "paged_decode.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fp32_lanes.h"
@@ -218,13 +223,34 @@ inline int lane_order(int d) {
   return d / (2 * kLanes) * (2 * kLanes) + d % 2 * kLanes + d % (2 * kLanes) / 2;
 }
 
+// One part of a row's keys (see key_parts below): its online-softmax state, unnormalized, in the
+// kernel's lane order. A part that saw no key has max -inf and sum 0.
+template <int G, int D>
+struct PartState {
+  float acc[G][D];
+  float max[G], sum[G];
+};
+
+// acc / sum of each q head in natural dim order, narrowed into the row's output.
 template <int G, int D, typename QT, typename KT>
-bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
+void write_heads(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, const float (&acc)[G][D],
+                 const float (&sum)[G]) {
+  QT* out = static_cast<QT*>(a.out) + a.token_ids[row] * a.out_token_stride + kv_head * G * a.out_head_stride;
+  for (int g = 0; g < G; ++g) {
+    const float inv_sum = 1.0f / sum[g];
+    QT* dst = out + g * a.out_head_stride;
+    for (int d = 0; d < D; ++d) narrow(acc[g][lane_order<KT>(d)] * inv_sum, dst + d);
+  }
+}
+
+// Keys [key_begin, key_end) of one (row, kv head). With `part` the unnormalized state goes
+// there for merge_parts; without it the output is written.
+template <int G, int D, typename QT, typename KT>
+bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, int64_t key_begin,
+                       int64_t key_end, PartState<G, D>* part) {
   constexpr int NC = D / kLanes;
   constexpr int kLinesPerRow = int((D * sizeof(KT) + 63) / 64);
-  const int64_t token = a.token_ids[row];
-  const int64_t first_q_head = kv_head * G;
-  const QT* query = static_cast<const QT*>(a.query) + token * a.query_token_stride + first_q_head * a.query_head_stride;
+  const QT* query = static_cast<const QT*>(a.query) + a.token_ids[row] * a.query_token_stride + kv_head * G * a.query_head_stride;
   const float query_scale = a.scale * kLog2e;
   Lanes q[G][NC];
   for (int g = 0; g < G; ++g) {
@@ -244,7 +270,8 @@ bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
   const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
 
-  KeyCursor cursor{a.block_tables + row * a.block_table_stride, a.seq_lens[row]};
+  KeyCursor cursor{a.block_tables + row * a.block_table_stride, key_end, key_begin,
+                   key_begin / a.block_size, key_begin % a.block_size};
   Tile tiles[2];
   if (!next_tile(a, kv_head, cursor, tiles[0])) return false;
   for (int t = 0; tiles[t].count > 0; t ^= 1) {
@@ -295,36 +322,126 @@ bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
       }
     }
   }
-  QT* out = static_cast<QT*>(a.out) + token * a.out_token_stride + first_q_head * a.out_head_stride;
+  PartState<G, D> local;
+  PartState<G, D>& state = part != nullptr ? *part : local;
   for (int g = 0; g < G; ++g) {
-    const float inv_sum = 1.0f / sum[g];
-    alignas(64) float result[D];
-    for (int c = 0; c < NC; ++c) store_lanes(acc[g][c] * inv_sum, result + c * kLanes);
-    QT* dst = out + g * a.out_head_stride;
-    for (int d = 0; d < D; ++d) narrow(result[lane_order<KT>(d)], dst + d);
+    for (int c = 0; c < NC; ++c) store_lanes(acc[g][c], state.acc[g] + c * kLanes);
+    state.max[g] = max[g];
+    state.sum[g] = sum[g];
   }
+  if (part == nullptr) write_heads<G, D, QT, KT>(a, row, kv_head, state.acc, state.sum);
   return true;
 }
 
+template <int G, int D, typename QT, typename KT>
+bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
+  return attend_keys_fixed<G, D, QT, KT>(a, row, kv_head, 0, a.seq_lens[row], nullptr);
+}
+
+// How a call's (row, kv head) items share the team. Where they are too few to share out evenly
+// (one sequence's 3 kv heads on 2 threads: one thread did two, the other one and waited), each
+// row's keys are cut into parts, attended apart and merged. The cut depends on the call's rows
+// only, not on the thread count, so a row's output does not either. Only bf16 queries: the
+// merge sums in another order, and an fp32 row stays what it is in any batch (speculation's
+// exact float32 path relies on that). KVRELAY_DECODE_SPLIT=0 turns it off.
+constexpr int64_t kMinItems = 8;      // items (parts included) enough to share out
+constexpr int64_t kMinPartKeys = 64;  // fewer keys are not worth a part of their own
+
+bool split_enabled() {
+  const char* value = std::getenv("KVRELAY_DECODE_SPLIT");
+  return value == nullptr || std::strcmp(value, "0") != 0;
+}
+
+// Parts per row: 1, or enough that the call has kMinItems items, none of the longest row's
+// parts under kMinPartKeys keys.
+template <typename QT>
+int64_t key_parts(const PagedDecodeArgs& a) {
+  const int64_t items = a.rows * a.num_kv_heads;
+  if (!std::is_same_v<QT, uint16_t> || items >= kMinItems || !split_enabled()) return 1;
+  int64_t longest = 0;
+  for (int64_t row = 0; row < a.rows; ++row) longest = std::max<int64_t>(longest, a.seq_lens[row]);
+  const int64_t wanted = (kMinItems + items - 1) / items;
+  return std::max<int64_t>(1, std::min(wanted, longest / kMinPartKeys));
+}
+
+// Part p of P of a row of n keys: [n p / P, n (p + 1) / P).
+inline int64_t part_edge(int64_t keys, int64_t part, int64_t parts) { return keys * part / parts; }
+
+// The parts' states of one (row, kv head) as one softmax: each part's sums rescaled to the
+// largest max, then the output written as an unsplit item writes it.
+template <int G, int D, typename QT, typename KT>
+void merge_parts(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, const PartState<G, D>* parts,
+                 int64_t count) {
+  PartState<G, D> merged{};
+  for (int g = 0; g < G; ++g) {
+    float top = kMinusInf;
+    for (int64_t p = 0; p < count; ++p) top = std::max(top, parts[p].max[g]);
+    for (int64_t p = 0; p < count; ++p) {
+      if (parts[p].sum[g] == 0.0f) continue;  // a part with no key
+      const float weight = std::exp2(parts[p].max[g] - top);
+      merged.sum[g] += weight * parts[p].sum[g];
+      for (int d = 0; d < D; ++d) merged.acc[g][d] += weight * parts[p].acc[g][d];
+    }
+  }
+  write_heads<G, D, QT, KT>(a, row, kv_head, merged.acc, merged.sum);
+}
+
+template <int G, int D, typename QT, typename KT>
+bool run_fixed(const PagedDecodeArgs& a, int num_threads) {
+  const int64_t items = a.rows * a.num_kv_heads;
+  const int64_t parts = key_parts<QT>(a);
+  // Items of one row go to one thread together where there are rows enough to share out: the
+  // kv heads of a key sit side by side in memory, and a core fetching one head's lines pulls
+  // its neighbours' into its own cache too (measured 10-20% faster on 2 threads).
+  const int64_t chunk = a.rows >= 4 * num_threads ? a.num_kv_heads : 1;
+  std::atomic<bool> ok{true};
+  if (parts == 1) {
+    // Dynamic scheduling: rows differ in length, and a thread that a busy machine deschedules
+    // leaves its share to the others instead of holding up the whole step.
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, chunk)
+    for (int64_t item = 0; item < items; ++item)
+      if (!attend_item_fixed<G, D, QT, KT>(a, item / a.num_kv_heads, item % a.num_kv_heads))
+        ok.store(false, std::memory_order_relaxed);
+    return ok.load();
+  }
+  std::vector<PartState<G, D>> states(items * parts);  // [rows, kv heads, parts]
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items * parts; ++i) {
+      const int64_t item = i / parts, part = i % parts, row = item / a.num_kv_heads;
+      const int64_t keys = a.seq_lens[row];
+      if (!attend_keys_fixed<G, D, QT, KT>(a, row, item % a.num_kv_heads, part_edge(keys, part, parts),
+                                           part_edge(keys, part + 1, parts), &states[i]))
+        ok.store(false, std::memory_order_relaxed);
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item)
+      if (ok.load(std::memory_order_relaxed))
+        merge_parts<G, D, QT, KT>(a, item / a.num_kv_heads, item % a.num_kv_heads, &states[item * parts], parts);
+  }
+  return ok.load();
+}
+
 template <typename QT, typename KT>
-using FixedItem = bool (*)(const PagedDecodeArgs&, int64_t, int64_t);
+using FixedRun = bool (*)(const PagedDecodeArgs&, int);
 
 template <typename QT, typename KT, int D>
-FixedItem<QT, KT> fixed_for_group(int64_t group_size) {
+FixedRun<QT, KT> fixed_for_group(int64_t group_size) {
   switch (group_size) {
-    case 1: return attend_item_fixed<1, D, QT, KT>;
-    case 2: return attend_item_fixed<2, D, QT, KT>;
-    case 3: return attend_item_fixed<3, D, QT, KT>;
-    case 4: return attend_item_fixed<4, D, QT, KT>;
-    case 6: return attend_item_fixed<6, D, QT, KT>;
-    case 8: return attend_item_fixed<8, D, QT, KT>;
+    case 1: return run_fixed<1, D, QT, KT>;
+    case 2: return run_fixed<2, D, QT, KT>;
+    case 3: return run_fixed<3, D, QT, KT>;
+    case 4: return run_fixed<4, D, QT, KT>;
+    case 6: return run_fixed<6, D, QT, KT>;
+    case 8: return run_fixed<8, D, QT, KT>;
     default: return nullptr;
   }
 }
 
 // The fixed-shape kernel for these args, or nullptr for the generic one.
 template <typename QT, typename KT>
-FixedItem<QT, KT> fixed_item(const PagedDecodeArgs& a) {
+FixedRun<QT, KT> fixed_run(const PagedDecodeArgs& a) {
   if (a.head_dim == 64) return fixed_for_group<QT, KT, 64>(a.group_size);
   if (a.head_dim == 128) return fixed_for_group<QT, KT, 128>(a.group_size);
   return nullptr;
@@ -332,28 +449,17 @@ FixedItem<QT, KT> fixed_item(const PagedDecodeArgs& a) {
 
 template <typename QT, typename KT>
 bool attend_all(const PagedDecodeArgs& a, int num_threads) {
+  if (const FixedRun<QT, KT> fixed = fixed_run<QT, KT>(a)) return fixed(a, num_threads);
   const int64_t items = a.rows * a.num_kv_heads;
-  // Items of one row go to one thread together where there are rows enough to share out: the
-  // kv heads of a key sit side by side in memory, and a core fetching one head's lines pulls
-  // its neighbours' into its own cache too (measured 10-20% faster on 2 threads).
-  const int64_t chunk = a.rows >= 4 * num_threads ? a.num_kv_heads : 1;
+  const int64_t chunk = a.rows >= 4 * num_threads ? a.num_kv_heads : 1;  // as in run_fixed
   std::atomic<bool> ok{true};
-  // Dynamic scheduling: rows differ in length, and a thread that a busy machine deschedules
-  // leaves its share to the others instead of holding up the whole step.
-  const FixedItem<QT, KT> fixed = fixed_item<QT, KT>(a);
 #pragma omp parallel num_threads(num_threads)
   {
-    if (fixed != nullptr) {
-#pragma omp for schedule(dynamic, chunk)
-      for (int64_t item = 0; item < items; ++item)
-        if (!fixed(a, item / a.num_kv_heads, item % a.num_kv_heads)) ok.store(false, std::memory_order_relaxed);
-    } else {
     Scratch scratch(a);
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < items; ++item)
       if (!attend_item<QT, KT>(a, item / a.num_kv_heads, item % a.num_kv_heads, scratch))
         ok.store(false, std::memory_order_relaxed);
-    }
   }
   return ok.load();
 }

@@ -199,3 +199,59 @@ def test_a_bad_block_inside_a_run_is_refused():
     with pytest.raises(RuntimeError, match="outside the cache"):
         op(torch.empty_like(batch.query), batch.query, batch.k_cache, batch.v_cache, rows.token_ids,
            rows.seq_lens, bad_tables, batch.scale)
+
+
+# A step of one or two sequences has fewer (row, kv head) items than two threads share out
+# evenly: each bf16 row's keys are then cut into parts, attended apart and merged.
+def _split_batch(context_lens, seed, group_size=3, num_kv_heads=3):
+    return _decode_batch(16, num_kv_heads, group_size, 64, torch.bfloat16, seed, context_lens=context_lens)
+
+
+def test_bf16_rows_cut_into_parts_match_the_reference(monkeypatch):
+    batch = _split_batch([700], seed=31)
+    assert _max_error(batch, _run_native(batch)) <= TOLERANCE[torch.bfloat16]
+    monkeypatch.setenv("KVRELAY_DECODE_SPLIT", "0")
+    assert _max_error(batch, _run_native(batch)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_the_parts_really_are_merged(monkeypatch):
+    # Merging sums in another order than one pass, which shows only where an output's float32
+    # value lies next to a bf16 rounding edge: rare, so over several fixed long rows.
+    differing = 0
+    for seed in range(4):
+        batch = _decode_batch(16, 1, 8, 128, torch.bfloat16, seed, context_lens=[2000])
+        monkeypatch.setenv("KVRELAY_DECODE_SPLIT", "1")
+        parts = _run_native(batch)
+        monkeypatch.setenv("KVRELAY_DECODE_SPLIT", "0")
+        differing += int((parts != _run_native(batch)).sum())
+    assert differing > 0
+
+
+def test_parts_merge_over_peaked_scores_and_parts_with_no_key():
+    # Large scores put each part's max far from the others'. The 3-key row, in a call cut into
+    # 4 parts by its 700-key neighbour, has a part with no key, which must weigh nothing.
+    batch = _split_batch([700, 3], seed=32, group_size=8, num_kv_heads=1)
+    batch.query.mul_(40.0)
+    assert _max_error(batch, _run_native(batch)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_rows_cut_into_parts_do_not_depend_on_the_thread_count():
+    batch = _split_batch([450, 1, 129], seed=33, num_kv_heads=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _run_native(batch)
+        torch.set_num_threads(max(2, threads))
+        multi = _run_native(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+
+
+def test_fp32_rows_are_never_cut():
+    # float32 rows keep one item per (row, kv head) in any batch (speculation's exact path): a
+    # long row alone in its call, where bf16 would be cut, equals the same row among eight more.
+    batch = _decode_batch(16, 3, 3, 64, torch.float32, seed=34, context_lens=[700] + [5] * 8)
+    together = _run_native(batch)
+    assert _max_error(batch, together) <= TOLERANCE[torch.float32]
+    assert torch.equal(_rows_one_at_a_time(batch), together)
