@@ -81,7 +81,7 @@ def _both_ways(runner, items):
                               "five-rows", "eight-rows", "nine-rows", "eighteen-rows",
                               "thirty-two-rows", "forty-three-rows", "sixty-four-rows"])
 def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
-    # where this CPU has VNNI: one row on the gemv kernel, 2-8 on the VNNI one; else 1-4 on
+    # where this CPU has VNNI: one row on the gemv kernel, 2-11 on the VNNI one; else 1-4 on
     # gemv; where it has AMX, the steps above on AMX tiles up to amx_max_tokens (64)
     (native, native_kv), (layered, layered_kv), calls = _both_ways(runner, _decode_items(runner,
                                                                                         shape))
@@ -92,17 +92,17 @@ def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
     assert not torch.equal(native_kv, torch.zeros_like(native_kv))
 
 
-def test_the_vnni_kernel_takes_two_to_eight_rows_where_it_is(runner):
+def test_the_vnni_kernel_takes_two_to_eleven_rows_where_it_is(runner):
     stack = runner.model.decode_stack
     vnni = runner.q4a8 == "split"
     amx = runner.uses_amx and native_stack.stack_ops().DecodeStack.has_amx
-    assert stack.max_rows == (runner.amx_max_tokens if amx else 8 if vnni else 4)
-    assert stack.native.takes_rows(8) == (vnni or amx)
+    assert stack.max_rows == (runner.amx_max_tokens if amx else 11 if vnni else 4)
+    assert stack.native.takes_rows(11) == (vnni or amx)
     assert stack.native.takes_rows(runner.amx_max_tokens) == amx
     assert not stack.native.takes_rows(runner.amx_max_tokens + 1)
     qkv = runner.model.layers[0].self_attn.qkv_proj
     rows = [max_rows for max_rows, _ in qkv.small_steps]  # AMX's 32 may follow where it runs
-    assert rows[:2] == [1, 8] if vnni else rows[0] == 4
+    assert rows[:2] == [1, 11] if vnni else rows[0] == 4
 
 
 def test_the_heads_8_bit_blocks_take_the_steps_below_amxs(runner):

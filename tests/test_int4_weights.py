@@ -58,7 +58,7 @@ def int4_llm(request):
     """The engine with small steps on the 4-bit weights, on each kernel that can run them: the
     native AVX512-BF16 one (kernels/native_gemv.py, where the CPU has it), torch's, and where
     AVX512-VNNI the VNNI kernel (kernels/native_q4a8.py): "split" (the default, steps of
-    2-8 rows; the test decodes its prompts together for it) or "int8" (every layer step)."""
+    2-11 rows; the test decodes its prompts together for it) or "int8" (every layer step)."""
     if request.param in ("native", "split") and native_gemv.gemv_ops() is None:
         pytest.skip("no AVX512-BF16 on this CPU")
     if request.param in ("split", "int8") and native_q4a8.q4a8_ops() is None:
@@ -79,7 +79,7 @@ def int4_llm(request):
 
 def _generate(llm, prompts: list[list[int]], params) -> list:
     """Each prompt alone (every decode step one row), or all at once for the split kernel
-    (whose steps are 2-8 rows)."""
+    (whose steps are 2-11 rows)."""
     if llm.kernel == "split":
         return [output.outputs[0] for output in llm.generate(
             [{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)]

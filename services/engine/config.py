@@ -45,7 +45,7 @@ class EngineConfig:
     # int4_max_tokens up to this many tokens multiply the 4-bit weights on integer dot products,
     # the activations coded as two int8 per value per 32 values (~15 bits: finer than bf16;
     # kernels/native_q4a8.py). 0: never (oneDNN).
-    q4a8_max_tokens: int = 8
+    q4a8_max_tokens: int = 11
     # There, every layer step (prefill included) on that kernel with the activations coded
     # once, as int8 per 32 values (llama.cpp's Q8 activations): 1.3-1.5x the bf16 matmuls at
     # 64 rows and more at few, at a cost in accuracy (BENCHMARKS.md). Off by default.

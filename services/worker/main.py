@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
                   "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
                   "AMX-BF16 (0: never)")
-    add_flag(parser, "--q4a8-max-tokens", type=int, default=8,
+    add_flag(parser, "--q4a8-max-tokens", type=int, default=11,
              help="where the CPU has AVX512-VNNI, steps above "
                   "--int4-max-tokens up to this many tokens multiply the 4-bit weights on "
                   "integer dot products, activations coded finer than bf16 (0: never)")

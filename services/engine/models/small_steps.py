@@ -13,7 +13,9 @@ Where the CPU has AVX512-VNNI, the VNNI kernel (kernels/native_q4a8.py: integer 
 twice the multiply-adds per instruction of bf16 ones) takes the layers' steps of 2 up to
 `q4a8_max_tokens` tokens, its activations coded twice per 32 values (finer than bf16); AMX, where
 it runs, the steps above those (on an AMX Xeon a 4-row step took 16.3 ms with the gemv kernel and
-12.6 with VNNI, an 8-row one 21.9 on AMX tiles and 19.9 with VNNI; HISTORY, session 23). With
+12.6 with VNNI, an 8-row one 21.9 on AMX tiles and 19.9 with VNNI; HISTORY, session 23; since
+the VNNI kernel's rows were unrolled, the layers of 9-11-row steps too: 8.9-10.3 against
+10.3-11.7 ms at 9 rows, 9.9-12.3 against 10.6-12.9 at 11; HISTORY, session 26). With
 `int8_activations` it takes every layer step, prefill included, its activations coded once
 (llama.cpp's Q8: faster, coarser). The head keeps its kernels.
 """
