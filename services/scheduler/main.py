@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="speculative decoding on the decode workers, as vLLM takes it: JSON such as "
                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or method "
-                  "\"suffix\"; also disable_by_batch_size (default 16) and the suffix_decoding_* "
+                  "\"suffix\"; also disable_by_batch_size (default 5) and the suffix_decoding_* "
                   "keys (default: off)")
     add_flag(parser, "--max-queued-requests", type=int, default=1024,
              help="refuse a request (RESOURCE_EXHAUSTED; the gateway's 503 with Retry-After) "

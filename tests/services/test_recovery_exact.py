@@ -234,7 +234,8 @@ def test_pd_recovered_under_speculative_decoding_gives_the_uninterrupted_tokens(
         model, uninterrupted):
     """The drafter drafts for the greedy sample over its whole sequence, outputs from before
     the recovery included (seeded samples are never speculated)."""
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    # its six sequences speculate from the start (the batch switch is not under test here)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=0)
     driver = _run(model, "pd", _killed_mid_decode, speculative_config=spec)
     _assert_same(_outputs(driver), uninterrupted("pd"))
     stats = driver.cluster.registry.drafter.stats

@@ -17,8 +17,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # No speculation while this many sequences or more run on the worker (0: never off): a
-    # big batch is compute bound, and every draft costs a token of compute.
-    disable_by_batch_size: int = 16
+    # big batch is compute bound, and every draft costs a token of compute. On the 2-core AMX
+    # Xeon, grounded served with n-gram drafts against none: 1.44-1.51x at 1 sequence,
+    # 1.00-1.07x at 4, 0.88-0.92x at 8 (BENCHMARKS.md, session 26). On a GPU, where a verify
+    # step's rows cost little, raise it.
+    disable_by_batch_size: int = 5
     # Suffix decoding (vLLM's names): the trees' depth, how many finished requests' outputs
     # the global tree keeps, drafts up to factor x the matched length, and the probability
     # below which a continuation is not proposed.
