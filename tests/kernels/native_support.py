@@ -4,6 +4,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from kernels import native_cpu
 
@@ -15,3 +16,16 @@ def require_native_decode():
             pytest.skip("no C++ compiler: the native CPU decode kernel cannot be built here")
         pytest.fail("a C++ compiler exists but the native CPU decode kernel did not build or load")
     return op
+
+
+def on_one_thread_and_more(run):
+    """run() on one torch thread, then on at least two: both outputs (the thread count is
+    restored)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run()
+        torch.set_num_threads(max(2, threads))
+        return single, run()
+    finally:
+        torch.set_num_threads(threads)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import native_cpu, paged_attention_reference
-from tests.kernels.native_support import require_native_decode
+from tests.kernels.native_support import on_one_thread_and_more, require_native_decode
 from tests.kernels.paged_batch import make_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -81,14 +81,7 @@ def test_native_decode_writes_only_its_rows_into_a_strided_out():
 
 def test_native_decode_does_not_depend_on_the_thread_count():
     batch = _decode_batch(16, 3, 3, 64, torch.bfloat16, seed=21, context_lens=list(range(1, 200, 7)))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = _run_native(batch)
-        torch.set_num_threads(max(2, threads))
-        multi = _run_native(batch)
-    finally:
-        torch.set_num_threads(threads)
+    single, multi = on_one_thread_and_more(lambda: _run_native(batch))
     assert torch.equal(single, multi)  # one thread per (row, kv head): same arithmetic either way
 
 
@@ -237,14 +230,7 @@ def test_parts_merge_over_peaked_scores_and_parts_with_no_key():
 
 def test_rows_cut_into_parts_do_not_depend_on_the_thread_count():
     batch = _split_batch([450, 1, 129], seed=33, num_kv_heads=2)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = _run_native(batch)
-        torch.set_num_threads(max(2, threads))
-        multi = _run_native(batch)
-    finally:
-        torch.set_num_threads(threads)
+    single, multi = on_one_thread_and_more(lambda: _run_native(batch))
     assert torch.equal(single, multi)
 
 

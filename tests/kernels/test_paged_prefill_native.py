@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import native_cpu, paged_attention_cpu, paged_attention_reference
-from tests.kernels.native_support import require_native_decode
+from tests.kernels.native_support import on_one_thread_and_more, require_native_decode
 from tests.kernels.paged_batch import make_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -92,14 +92,7 @@ def test_native_prefill_stays_exact_with_peaked_scores_over_long_rows():
 
 def test_native_prefill_does_not_depend_on_the_thread_count():
     batch = _batch([90, 40, 200], [0, 60, 10], dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = _run_native(batch)
-        torch.set_num_threads(max(2, threads))
-        multi = _run_native(batch)
-    finally:
-        torch.set_num_threads(threads)
+    single, multi = on_one_thread_and_more(lambda: _run_native(batch))
     assert torch.equal(single, multi)  # one thread per work item: same arithmetic either way
 
 
