@@ -241,3 +241,16 @@ def test_fp32_rows_are_never_cut():
     together = _run_native(batch)
     assert _max_error(batch, together) <= TOLERANCE[torch.float32]
     assert torch.equal(_rows_one_at_a_time(batch), together)
+
+
+def test_a_bad_block_in_a_later_part_is_refused():
+    # A 300-key bf16 row alone is cut into parts; the block id outside the cache lies in the
+    # last part, which another thread may attend: the call must still fail, not merge.
+    batch = _split_batch([300], seed=35)
+    op = require_native_decode()
+    rows = batch.meta.cpu_plan.decode
+    bad_tables = rows.block_tables.clone()
+    bad_tables[0, 17] = batch.k_cache.shape[0]  # keys 272-287
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(torch.empty_like(batch.query), batch.query, batch.k_cache, batch.v_cache, rows.token_ids,
+           rows.seq_lens, bad_tables, batch.scale)
