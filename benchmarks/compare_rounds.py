@@ -11,12 +11,17 @@ So each round runs every system once, the order reversed every other round, and 
 gives one ratio per workload and run (a poisson rate is a run): the first system's output tok/s
 over each other system's. The report is every round's ratio and their median, and the same for
 TTFT p50 (the other system's over the first's, so above 1 is better for the first system too).
+A workload swept over request rates (poisson) also gives each round's knee per system, the
+highest swept rate with >= 90% goodput, and the ratio of the knees: exact where both knees
+lie inside the sweep, otherwise a bound (a system that held at its highest rate has a knee
+somewhere above it; one that held at none, somewhere below its lowest).
 Every round's own tables stay in DIR/round-N (BENCHMARKS.md is left alone).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -94,6 +99,80 @@ def round_ratios(comparisons: list[dict], first_name: str) -> list[dict]:
     return rows
 
 
+GOODPUT_KNEE = 0.9  # the goodput fraction a rate must keep to count (issue 16's poisson target)
+RATE_IN_LABEL = re.compile(r"@ ([0-9.]+) req/s")
+
+
+def knee(runs: list[dict]) -> tuple[float | None, float | None, float | None]:
+    """(the highest rate whose goodput fraction reached GOODPUT_KNEE or None, the lowest and
+    the highest rate swept) of one system's rate-labelled runs."""
+    rated = [(float(m.group(1)), run) for run in runs if (m := RATE_IN_LABEL.search(run["label"]))]
+    passing = [rate for rate, run in rated if (run.get("goodput_fraction") or 0) >= GOODPUT_KNEE]
+    rates = [rate for rate, _ in rated]
+    return max(passing, default=None), min(rates, default=None), max(rates, default=None)
+
+
+def knee_ratio(mine: tuple, theirs: tuple) -> tuple[float | None, str]:
+    """The ratio of two knees and what it is: "=" where both lie inside their sweeps, ">="
+    where the first's is only a floor (it held at its highest rate, or the other held at none,
+    whose lowest rate then stands in), "<=" the other way round; (None, "") where unknown."""
+    (my_knee, my_lowest, my_top), (their_knee, their_lowest, their_top) = mine, theirs
+    my_floor = my_knee is not None and my_knee == my_top  # held at every rate up to the top
+    their_floor = their_knee is not None and their_knee == their_top
+    if my_knee is not None and their_knee is not None:
+        if my_floor and their_floor:
+            return None, ""
+        return my_knee / their_knee, ">=" if my_floor else "<=" if their_floor else "="
+    if my_knee is not None and their_lowest:
+        return my_knee / their_lowest, ">="
+    if their_knee is not None and my_lowest:
+        return my_lowest / their_knee, "<="
+    return None, ""
+
+
+def knee_ratios(comparisons: list[dict], first_name: str) -> list[dict]:
+    """One row per (rate-swept workload, other system): each round's knees and their ratio."""
+    rows = []
+    by_round = [summaries(c) for c in comparisons]
+    for workload, results in (by_round[0].items() if by_round else ()):
+        if not any(RATE_IN_LABEL.search(run["label"]) for run in results.get(first_name, [])):
+            continue  # not a rate sweep
+        others = [s["name"] for s in comparisons[0]["systems"] if s["name"] != first_name]
+        for other in others:
+            rounds = []
+            for results in by_round:
+                mine = knee(results.get(workload, {}).get(first_name, []))
+                theirs = knee(results.get(workload, {}).get(other, []))
+                ratio, kind = knee_ratio(mine, theirs)
+                rounds.append({"mine": mine[0], "theirs": theirs[0], "ratio": ratio, "kind": kind})
+            rows.append({"workload": workload, "against": other, "rounds": rounds})
+    return rows
+
+
+def knee_report(rows: list[dict], first: str) -> str:
+    if not rows:
+        return ""
+    lines = ["", f"Knees: the highest swept rate with >= {GOODPUT_KNEE:.0%} goodput, {first} / "
+             "the other, per round. A ratio marked >= or <= is a bound (a system held at its "
+             "highest rate, or at none, where its lowest rate stands in); the median is over "
+             "the exact ones.", "",
+             "| workload | against | knees per round | ratio per round | median |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        knees = ", ".join(f"{_rate(r['mine'])} / {_rate(r['theirs'])}" for r in row["rounds"])
+        ratios = ", ".join("-" if r["ratio"] is None else
+                           f"{'' if r['kind'] == '=' else r['kind'] + ' '}{r['ratio']:.2f}x"
+                           for r in row["rounds"])
+        exact = [r["ratio"] for r in row["rounds"] if r["kind"] == "="]
+        lines.append(f"| {row['workload']} | {row['against']} | {knees} | {ratios} | "
+                     f"{_median(exact)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rate(rate: float | None) -> str:
+    return "none" if rate is None else f"{rate:g}"
+
+
 def report(rows: list[dict], first: str) -> str:
     lines = [f"Ratios for {first}: its output tok/s over the other's, and the other's TTFT p50 "
              f"over its own (above 1: {first} better), per round and the median.", "",
@@ -136,7 +215,8 @@ def main(argv=None) -> int:
         return 1
     # the display name of --systems[0]: the first system of round 0, which ran in that order
     first = comparisons[0]["systems"][0]["name"]
-    body = report(round_ratios(comparisons, first), first)
+    body = (report(round_ratios(comparisons, first), first)
+            + knee_report(knee_ratios(comparisons, first), first))
     (args.out / "rounds.md").write_text(body)
     print(body)
     return 0
