@@ -614,17 +614,21 @@ bool attend_item_amx(const PagedPrefillArgs& a, const Item& item, PairTile<kAmxD
     // The last live query sees the most keys of this tile; pairs past them weigh 0.
     const int64_t widest = std::min<int64_t>(count, first_position + num_queries - first_key);
     const int key_chunks = int((widest + 31) / 32);
-    for (int m_tile = 0; m_tile < live_m_tiles; ++m_tile) {
-      // Rows whose queries see none of this tile's keys would get zero weights: skip them whole.
-      const int64_t last_row_query = std::min(16 * m_tile + 15, live_rows - 1) / G;
-      if (first_position + last_row_query + 1 - first_key <= 0) continue;
-      score_tiles<G>(rows, tile, m_tile, key_tiles);
-      for (int row = 16 * m_tile; row < std::min(16 * m_tile + 16, live_rows); ++row) {
-        const int64_t visible = first_position + row / G + 1 - first_key;
-        softmax_row<G>(rows, row, int(std::min<int64_t>(count, visible)), scale);
-      }
-      value_tiles<G>(rows, tile, m_tile, key_chunks);
+    // Rows whose queries see none of this tile's keys would get zero weights: their 16-row
+    // tiles are skipped whole, and those before the first seeing one are exactly those.
+    int first_m_tile = 0;
+    while (first_m_tile < live_m_tiles &&
+           first_position + std::min(16 * first_m_tile + 15, live_rows - 1) / G + 1 - first_key <= 0)
+      ++first_m_tile;
+    // Each phase for every 16-row tile before the next phase: a tile load of rows that vector
+    // code has just stored waits for those stores to drain (measured: a fifth of this kernel's
+    // time at the first product after each load), and the other tiles' work covers that wait.
+    for (int m_tile = first_m_tile; m_tile < live_m_tiles; ++m_tile) score_tiles<G>(rows, tile, m_tile, key_tiles);
+    for (int row = 16 * first_m_tile; row < live_rows; ++row) {
+      const int64_t visible = first_position + row / G + 1 - first_key;
+      softmax_row<G>(rows, row, int(std::min<int64_t>(count, visible)), scale);
     }
+    for (int m_tile = first_m_tile; m_tile < live_m_tiles; ++m_tile) value_tiles<G>(rows, tile, m_tile, key_chunks);
   }
   _tile_release();
   if (ok) finish_rows<G>(a, item, first_token, live_rows, rows);
