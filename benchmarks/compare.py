@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--rates", default="0.5,1,2,4", help="the poisson sweep, requests/s")
+    parser.add_argument("--poisson-requests", type=int, default=None,
+                        help="requests per poisson rate (default: the workload's 64)")
     parser.add_argument("--long-short-rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16",
@@ -161,6 +163,8 @@ def bench_command(server: Server, workload: str, args, out: Path, warmup: int) -
         command += ["--metrics-url", url]
     if workload == "poisson":
         command += ["--rates", args.rates]
+        if args.poisson_requests:
+            command += ["--num-requests", str(args.poisson_requests)]
     if workload == "long+short":
         command += ["--rate", str(args.long_short_rate)]
     max_requests = args.max_requests

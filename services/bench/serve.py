@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests/s as a Poisson process (poisson; optional for others)")
     parser.add_argument("--rates", default=None, help="a sweep: comma list, e.g. 1,2,4")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="poisson: requests per rate (default 64, chat-64's prompts); more "
+                             "make a sweep measure sustained load rather than one burst")
     parser.add_argument("--jsonl", default=None, help="prompts for --workload jsonl")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="override the workload's max_tokens (128)")
@@ -99,7 +102,7 @@ def plan_runs(args) -> list[PlannedRun]:
                   [args.long_short_phases] if args.workload == "long+short" else [True])
         for include_long in phases:
             requests = workloads.build(args.workload, sweep_seed(args, index), rate, args.jsonl,
-                                       args.max_tokens, include_long)
+                                       args.max_tokens, include_long, args.num_requests)
             phase = None
             if args.workload == "long+short":
                 phase = "with long" if include_long else "without long"

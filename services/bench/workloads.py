@@ -48,6 +48,9 @@ class BenchRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
+MAX_POISSON_REQUESTS = 10_000  # a sweep point of hours at low rates is a mistake
+
+
 def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival offsets of a Poisson process at `rate` per second: exponential gaps. The first
     request goes at 0 so that a run never starts with idle time. Infinite rate: all at once."""
@@ -127,9 +130,17 @@ def _jsonl_request(item, max_tokens: int) -> BenchRequest:
 
 
 def build(name: str, seed: int = 0, rate: float | None = None, jsonl: str | None = None,
-          max_tokens: int | None = None, include_long: bool = True) -> list[BenchRequest]:
+          max_tokens: int | None = None, include_long: bool = True,
+          num_requests: int | None = None) -> list[BenchRequest]:
     """The named workload. `rate` (requests/s) makes the arrivals a Poisson process; without it
-    every request arrives at once, except long+short, whose short requests always trickle in."""
+    every request arrives at once, except long+short, whose short requests always trickle in.
+    `num_requests` (poisson only) draws that many of chat-64's kind of prompt instead of 64: a
+    sweep whose load outlasts the first minute measures sustained capacity, where 64 requests at
+    a high rate are one burst that any server absorbs."""
+    if num_requests is not None and name != "poisson":
+        raise ValueError("--num-requests applies to the poisson workload only")
+    if num_requests is not None and not 1 <= num_requests <= MAX_POISSON_REQUESTS:
+        raise ValueError(f"--num-requests must be in [1, {MAX_POISSON_REQUESTS}], got {num_requests}")
     limit = max_tokens or DEFAULT_MAX_TOKENS
     if name == "chat-64":
         requests = chat_requests(chat64(seed), limit)
@@ -149,7 +160,7 @@ def build(name: str, seed: int = 0, rate: float | None = None, jsonl: str | None
     elif name == "poisson":
         if rate is None:
             raise ValueError("the poisson workload needs --rate (or --rates)")
-        requests = chat_requests(chat64(seed), limit)
+        requests = chat_requests(chat64(seed, num_requests or 64), limit)
     elif name == "shared-prefix":
         requests = chat_requests(shared_prefix(seed), limit)
     elif name == "long+short":

@@ -67,6 +67,11 @@ def test_compare_arguments_and_bench_command(tmp_path):
     assert poisson[poisson.index("--rates") + 1] == "0.5,1,2,4"
     assert poisson[poisson.index("--warmup") + 1] == "64"
     assert poisson[poisson.index("--max-requests") + 1] == "4"
+    assert "--num-requests" not in poisson  # the workload's own 64 unless asked
+    args.poisson_requests = 256
+    poisson = compare.bench_command(server, "poisson", args, tmp_path, warmup=64)
+    assert poisson[poisson.index("--num-requests") + 1] == "256"
+    assert "--num-requests" not in compare.bench_command(server, "long+short", args, tmp_path, warmup=0)
     long_short = compare.bench_command(server, "long+short", args, tmp_path, warmup=0)
     assert long_short[long_short.index("--rate") + 1] == "4.0"
     single = compare.bench_command(server, "single-stream", args, tmp_path, warmup=0)

@@ -61,6 +61,19 @@ def test_poisson_workload_is_chat64_on_a_schedule():
         workloads.poisson_arrivals(3, 0.0)
 
 
+def test_poisson_can_send_more_requests_than_chat64_holds():
+    requests = workloads.build("poisson", seed=0, rate=8.0, num_requests=200)
+    assert len(requests) == 200
+    assert [r.messages for r in requests[:64]] == chat64()  # the first 64 are chat-64's own
+    assert len({json.dumps(r.messages) for r in requests}) == 200  # and the rest are new
+    assert [r.arrival_s for r in requests] == workloads.poisson_arrivals(200, 8.0, 0)
+    with pytest.raises(ValueError, match="poisson workload only"):
+        workloads.build("chat-64", num_requests=100)
+    for bad in (0, workloads.MAX_POISSON_REQUESTS + 1):
+        with pytest.raises(ValueError, match="--num-requests must be"):
+            workloads.build("poisson", rate=1.0, num_requests=bad)
+
+
 def test_long_short_puts_four_long_prompts_among_32_short():
     requests = workloads.build("long+short", seed=0)
     shorts = [r for r in requests if r.tag == "short"]
