@@ -21,11 +21,6 @@ class SchedulerConfig:
     # While a decode worker of its compute domain has sequences running, a prefill step this
     # big at most keeps their inter-token latency in check (None: no cap).
     shared_prefill_max_num_batched_tokens: int | None = None
-    # While a decode worker of its compute domain has sequences running, a prefill worker with
-    # fewer prompt tokens queued than linger_tokens waits up to linger_ms after the oldest one
-    # arrived before stepping (prefill_linger.py; 0: never waits).
-    shared_prefill_linger_ms: float = 0.0
-    shared_prefill_linger_tokens: int = 1024
     # While a step of plain decodes runs, plan the next one and send it, so the worker goes on
     # without waiting for the round trip (worker_link.py).
     async_scheduling: bool = True
@@ -61,8 +56,5 @@ class SchedulerConfig:
             raise ValueError("max_queued_requests and max_queued_prompt_tokens must be >= 0")
         if self.max_request_retries < 0 or self.worker_wait_s < 0:
             raise ValueError("max_request_retries and worker_wait_s must be >= 0")
-        if not 0 <= self.shared_prefill_linger_ms <= 10_000 or self.shared_prefill_linger_tokens < 1:
-            raise ValueError("shared_prefill_linger_ms must be in [0, 10000] and "
-                             "shared_prefill_linger_tokens >= 1")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")

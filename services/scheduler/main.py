@@ -60,13 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "a decode worker on the same hardware has sequences running (0: no limit). "
                   "Trades throughput and TTFT for the decodes' inter-token latency "
                   "(BENCHMARKS.md)")
-    add_flag(parser, "--shared-prefill-linger-ms", type=float, default=0.0,
-             help="while a decode worker on the same hardware has sequences running, a "
-                  "prefill worker with fewer than --shared-prefill-linger-tokens prompt tokens "
-                  "queued waits up to this long after the oldest arrived, to step them "
-                  "together (0: never waits)")
-    add_flag(parser, "--shared-prefill-linger-tokens", type=int, default=1024,
-             help="the queued prompt tokens that end such a wait at once")
     add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0,
              help="seconds a prefill worker has to push a sample's KV pages; the decode "
                   "blocks of a lost worker's sends are held this long (plus a lease)")
@@ -127,8 +120,6 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens or None,
         shared_prefill_max_num_batched_tokens=args.shared_prefill_max_num_batched_tokens or None,
         shared_compute_steps=args.shared_compute_steps,
-        shared_prefill_linger_ms=args.shared_prefill_linger_ms,
-        shared_prefill_linger_tokens=args.shared_prefill_linger_tokens,
         async_scheduling=not args.no_async_scheduling,
         transfer_timeout_s=args.kv_transfer_timeout, kv_transport=args.kv_transport,
         model=args.model, structured_outputs_backend=args.structured_outputs_backend,

@@ -5,7 +5,6 @@ different workers run concurrently; KV send results arrive on the same stream be
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
@@ -14,7 +13,6 @@ from services.common.grpc_server import channel
 from services.common.log import get_logger
 from services.scheduler import edge, scheduler_metrics
 from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.prefill_linger import linger_s
 from services.scheduler.registry import WorkerRecord
 from services.scheduler.step_gate import StepGate
 from services.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
@@ -31,7 +29,6 @@ class WorkerLink:
         self.wakeup.set()
         self.pending: dict[int, asyncio.Future] = {}  # step id -> its result, steps in flight
         self.task: asyncio.Task | None = None
-        self.linger_timer: asyncio.TimerHandle | None = None  # ends a prefill's wait for prompts
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run())
@@ -50,8 +47,6 @@ class WorkerLink:
             log.exception("step loop crashed", worker_id=self.worker.worker_id)
             self._fail(f"scheduler error: {exc!r}")
         finally:
-            if self.linger_timer is not None:
-                self.linger_timer.cancel()
             reader.cancel()
             call.cancel()
             await chan.close()
@@ -67,24 +62,10 @@ class WorkerLink:
                 self.cluster.retire(self.worker)
                 await call.done_writing()
                 return
-            if self._linger():
-                continue
             async with self.gate.turn(self.worker) as num_threads:
                 await self._one_step(call, reader, num_threads)
             if self.cluster.has_work(self.worker):
                 self.wakeup.set()
-
-    def _linger(self) -> bool:
-        """True when the worker should wait for more prompts first (prefill_linger.py): a wakeup
-        is then set for when the wait ends; new work wakes it sooner, to decide again."""
-        delay = linger_s(self.cluster, self.worker, time.monotonic())
-        if self.linger_timer is not None:
-            self.linger_timer.cancel()
-            self.linger_timer = None
-        if delay <= 0:
-            return False
-        self.linger_timer = asyncio.get_running_loop().call_later(delay, self.wakeup.set)
-        return True
 
     async def _one_step(self, call, reader: asyncio.Task, num_threads: int) -> None:
         """One planned step, and while each step runs the next one planned ahead (async

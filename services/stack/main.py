@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "worker's, 32; 0: never)")
     add_flag(parser, "--q4a8-max-tokens", type=int, default=None,
              help="workers' steps up to this many tokens on the VNNI kernel where the CPU has "
-                  "AVX512-VNNI (default: the worker's, 11; 0: never)")
+                  "AVX512-VNNI (default: the worker's, 8; 0: never)")
     add_flag(parser, "--int8-activations", action="store_true", default=False,
              help="workers run every layer step on the VNNI kernel with int8 activations "
                   "(faster, less accurate)")
@@ -75,10 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--prefill-max-num-batched-tokens", type=int, default=None,
              help="a prefill worker's step budget (default: the scheduler's, "
                   "--max-num-batched-tokens)")
-    add_flag(parser, "--shared-prefill-linger-ms", type=float, default=None,
-             help="PD on one machine: a prefill worker with few prompt tokens queued waits up "
-                  "to this long for more before a step stops the decodes (default: the "
-                  "scheduler's)")
     add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
     add_flag(parser, "--no-async-scheduling", action="store_true", default=False,
              help="the scheduler plans each step after the previous one's result "

@@ -192,8 +192,7 @@ def _scheduler_flags(args: Namespace) -> list[str]:
     flags = _optional(args, "--max-num-batched-tokens", "--kv-transport",
                       "--shared-compute-steps", "--model", "--structured-outputs-backend",
                       "--speculative-config", "--max-queued-requests",
-                      "--prefill-max-num-batched-tokens", "--worker-wait-timeout",
-                      "--shared-prefill-linger-ms")
+                      "--prefill-max-num-batched-tokens", "--worker-wait-timeout")
     if args.no_prefix_caching:
         flags.append("--no-prefix-caching")
     if args.no_async_scheduling:

@@ -139,19 +139,15 @@ def test_structured_output_flags_reach_the_scheduler():
 def test_scheduling_and_recovery_flags_reach_the_scheduler_only():
     specs = {s.name: s for s in plan_stack(parse(
         "--prefill-max-num-batched-tokens", "2048", "--worker-wait-timeout", "15",
-        "--request-timeout", "30", "--tokenizer-wait-timeout", "5",
-        "--shared-prefill-linger-ms", "80"))}
+        "--request-timeout", "30", "--tokenizer-wait-timeout", "5"))}
     assert flag(specs["gateway"], "--request-timeout") == "30.0"
     assert flag(specs["gateway"], "--tokenizer-wait-timeout") == "5.0"
     assert flag(specs["scheduler"], "--prefill-max-num-batched-tokens") == "2048"
     assert flag(specs["scheduler"], "--worker-wait-timeout") == "15.0"
-    assert flag(specs["scheduler"], "--shared-prefill-linger-ms") == "80.0"
     for name in ("prefill-0", "decode-0", "gateway", "tokenizer"):
         assert "--worker-wait-timeout" not in specs[name].argv
-        assert "--shared-prefill-linger-ms" not in specs[name].argv
     defaults = {s.name: s for s in plan_stack(parse())}
     assert "--prefill-max-num-batched-tokens" not in defaults["scheduler"].argv
-    assert "--shared-prefill-linger-ms" not in defaults["scheduler"].argv
 
 
 def test_no_async_scheduling_reaches_the_scheduler_only():
