@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "worker's, 32; 0: never)")
     add_flag(parser, "--q4a8-max-tokens", type=int, default=None,
              help="workers' steps up to this many tokens on the VNNI kernel where the CPU has "
-                  "AVX512-VNNI (default: the worker's, 8; 0: never)")
+                  "AVX512-VNNI (default: the worker's, 11; 0: never)")
     add_flag(parser, "--int8-activations", action="store_true", default=False,
              help="workers run every layer step on the VNNI kernel with int8 activations "
                   "(faster, less accurate)")
