@@ -69,16 +69,19 @@ def summaries(comparison: dict) -> dict[str, dict[str, list[dict]]]:
             for workload, results in comparison["results"].items()}
 
 
+def other_names(comparisons: list[dict], first_name: str) -> list[str]:
+    """The systems of round 0 other than first_name, in its order."""
+    names = [system["name"] for system in comparisons[0]["systems"]] if comparisons else []
+    return [name for name in names if name != first_name]
+
+
 def round_ratios(comparisons: list[dict], first_name: str) -> list[dict]:
     """One row per (workload, run, other system): first_name's output tok/s over the other's,
     and the other's TTFT p50 over first_name's, one value per round that has both."""
-    names = [system["name"] for system in comparisons[0]["systems"]] if comparisons else []
     by_round = [summaries(c) for c in comparisons]
     rows = []
     for workload in (by_round[0] if by_round else {}):
-        for other in names:
-            if other == first_name:
-                continue
+        for other in other_names(comparisons, first_name):
             runs = len(by_round[0][workload].get(first_name, []))
             for index in range(runs):
                 throughput, ttft = [], []
@@ -137,8 +140,7 @@ def knee_ratios(comparisons: list[dict], first_name: str) -> list[dict]:
     for workload, results in (by_round[0].items() if by_round else ()):
         if not any(RATE_IN_LABEL.search(run["label"]) for run in results.get(first_name, [])):
             continue  # not a rate sweep
-        others = [s["name"] for s in comparisons[0]["systems"] if s["name"] != first_name]
-        for other in others:
+        for other in other_names(comparisons, first_name):
             rounds = []
             for results in by_round:
                 mine = knee(results.get(workload, {}).get(first_name, []))
