@@ -250,6 +250,14 @@ void write_heads(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, const f
   }
 }
 
+// Weights are taken against a running max that may lag the true one by up to kRescaleSlack
+// (base 2): a weight then reaches at most 2^kRescaleSlack, far inside fp32, and the softmax is
+// the same function. Only a tile whose max moves past that slack rescales the accumulators.
+// The exact online softmax paid a horizontal sum, a scalar exp2 and a rescale of every
+// accumulator on every tile, one long dependent chain per q head that the kernel's time went
+// to (perf: ~45% of its samples on rows hot in L2); most tiles now pay a max and the weights.
+constexpr float kRescaleSlack = 8.0f;
+
 // Keys [key_begin, key_end) of one (row, kv head). With `part` the unnormalized state goes
 // there for merge_parts; without it the output is written.
 template <int G, int D, typename QT, typename KT>
@@ -266,11 +274,12 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
     for (int c = 0; c < NC; ++c) q[g][c] = load_lanes(widened + c * kLanes);
   }
   Lanes acc[G][NC];
-  float max[G], sum[G];
+  Lanes sums[G];  // weight sums by lane, folded once at the end
+  float max[G];
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < NC; ++c) acc[g][c] = Lanes{};
+    sums[g] = Lanes{};
     max[g] = kMinusInf;
-    sum[g] = 0.0f;
   }
   const KT* k_cache = static_cast<const KT*>(a.k_cache);
   const KT* v_cache = static_cast<const KT*>(a.v_cache);
@@ -311,12 +320,15 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
     for (int g = 0; g < G; ++g) {
       Lanes scores = sum_each(partial[g]);
       scores = lane_index < float(count) ? scores : minus_inf;  // padding lanes weigh exactly 0
-      const float new_max = std::max(max[g], max_of(scores));
-      const float rescale = exp2_nonpositive(max[g] - new_max);
-      const Lanes weights = exp2_lanes(scores - new_max);
-      max[g] = new_max;
-      sum[g] = sum[g] * rescale + sum_of(weights);
-      for (int c = 0; c < NC; ++c) acc[g][c] *= rescale;
+      const float tile_max = max_of(scores);
+      if (tile_max > max[g] + kRescaleSlack) {
+        const float rescale = exp2_nonpositive(max[g] - tile_max);
+        max[g] = tile_max;
+        sums[g] *= rescale;
+        for (int c = 0; c < NC; ++c) acc[g][c] *= rescale;
+      }
+      const Lanes weights = exp2_lanes(scores - max[g]);
+      sums[g] += weights;
       store_lanes(weights, probs[g]);
     }
     for (int j = 0; j < count; ++j) {
@@ -334,7 +346,7 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < NC; ++c) store_lanes(acc[g][c], state.acc[g] + c * kLanes);
     state.max[g] = max[g];
-    state.sum[g] = sum[g];
+    state.sum[g] = sum_of(sums[g]);
   }
   if (part == nullptr) write_heads<G, D, QT, KT>(a, row, kv_head, state.acc, state.sum);
   return true;

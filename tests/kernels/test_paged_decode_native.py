@@ -209,9 +209,10 @@ def test_bf16_rows_cut_into_parts_match_the_reference(monkeypatch):
 
 def test_the_parts_really_are_merged(monkeypatch):
     # Merging sums in another order than one pass, which shows only where an output's float32
-    # value lies next to a bf16 rounding edge: rare, so over several fixed long rows.
+    # value lies next to a bf16 rounding edge: rare, so over several fixed long rows (seeds 4, 5
+    # and 7 have such outputs).
     differing = 0
-    for seed in range(4):
+    for seed in range(8):
         batch = _decode_batch(16, 1, 8, 128, torch.bfloat16, seed, context_lens=[2000])
         monkeypatch.setenv("KVRELAY_DECODE_SPLIT", "1")
         parts = _run_native(batch)
