@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,16 +15,22 @@ from kernels.native_elementwise import elementwise_ops
 from services.engine.models import gguf_int4, gguf_q8_head, small_steps
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.no_init import skip_weight_init
-from services.engine.models.packed_linear import packing_supported
+from services.engine.models.packed_linear import onednn_min_rows, packing_supported
+from services.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 from services.engine.models.weights import load_weights
+
+
+# 0: steps keep their own row count on oneDNN (to compare; step_padding.py says why they do not)
+PAD_SWITCH = "KVRELAY_PAD_STEPS"
 
 
 @dataclass(slots=True)
 class StepInput:
-    """One step's flat batch; `sample_rows` maps logits rows back to the scheduled items."""
+    """One step's flat batch; `sample_rows` maps logits rows back to the scheduled items.
+    T may exceed the scheduled tokens (cu_seqlens_q[-1]) by pad rows (step_padding.py)."""
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 on pad rows
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -56,6 +63,9 @@ class ModelRunner:
         self.q4a8: str | None = None  # how the VNNI kernel codes activations, where it runs
         self.decode_stack = False  # the smallest decode steps' layers in one native call
         self.model = self._load_model(hf_config, model_dir)
+        # Steps of this many rows or more reach oneDNN and are padded to a bucket; None: none.
+        self.pad_from_rows = (onednn_min_rows(self.model.layers)
+                              if os.environ.get(PAD_SWITCH, "1") != "0" else None)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
                          or hf_config.hidden_size // hf_config.num_attention_heads)
@@ -166,6 +176,11 @@ class ModelRunner:
                        block_tables, logits_indices, sample_rows) -> StepInput:
         device = self.device
         flat_tokens = [token for chunk in token_chunks for token in chunk]
+        num_pad = padded_rows(len(flat_tokens), self.pad_from_rows) - len(flat_tokens)
+        if num_pad:
+            flat_tokens += [PAD_TOKEN_ID] * num_pad
+            position_chunks = [*position_chunks, np.zeros(num_pad, dtype=np.int64)]
+            slot_chunks = [*slot_chunks, np.full(num_pad, PAD_SLOT, dtype=np.int64)]
         query_lens = np.diff(cu_seqlens)
         return StepInput(
             input_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),

@@ -65,6 +65,21 @@ class PackedLinear(nn.Module):
                                                   self.bias, "none", [], "")
 
 
+def onednn_min_rows(layers: nn.Module) -> int | None:
+    """The fewest rows of a step that some packed matmul of `layers` runs on oneDNN, or None
+    where none does (nothing packed, or small-step kernels take every step)."""
+    fewest = None
+    for module in layers.modules():
+        if isinstance(module, PackedLinear) and module.packed_weight is not None:
+            largest_small = max((max_rows for max_rows, _ in module.small_steps), default=0)
+            if largest_small < _NO_ONEDNN_ROWS:
+                fewest = largest_small + 1 if fewest is None else min(fewest, largest_small + 1)
+    return fewest
+
+
+_NO_ONEDNN_ROWS = 1 << 29  # small-step kernels this large take every step
+
+
 def pack_linears_(model: nn.Module) -> None:
     """Replace every nn.Linear in the model by a PackedLinear, in place."""
     for parent in list(model.modules()):
