@@ -217,6 +217,28 @@ def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
     assert [s.get("long") for s in sizes] == [8, 8, 8, 8, 8]
 
 
+def test_a_short_prompt_cut_by_the_budget_finishes_first_in_the_next_step():
+    # A burst of short prompts: the step's budget cuts one of them. What is left of it is no
+    # long prompt: it goes whole at the head of the next step, before the prompts still
+    # waiting, and not one a step after all of them.
+    scheduler = _scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=16)
+    scheduler.add_request(_request("decoding", 3, max_tokens=40))
+    scheduler.update_from_output(scheduler.schedule(), {"decoding": [3]})
+    for index in range(8):  # distinct prompts: no prefix cache hits
+        scheduler.add_request(Request(f"p{index}", list(range(100 * index, 100 * index + 12)),
+                                      SamplingParams(max_tokens=1), eos_token_ids=frozenset({EOS}),
+                                      arrival_time=1.0 + index))
+    first = scheduler.schedule()
+    assert _sizes(first) == {"decoding": 1, "p0": 12, "p1": 12, "p2": 7}
+    scheduler.update_from_output(first, {i.request.request_id: [3] for i in first.scheduled
+                                         if i.samples})
+    second = scheduler.schedule()
+    order = [item.request.request_id for item in second.scheduled]
+    assert order.index("p2") < order.index("p3")
+    assert _sizes(second) == {"decoding": 1, "p2": 5, "p3": 12, "p4": 12, "p5": 2}
+    assert [i.samples for i in second.scheduled if i.request.request_id == "p2"] == [True]
+
+
 def test_a_new_short_prompt_goes_first_and_the_long_chunk_shrinks_by_it():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
                            long_prefill_chunk_size=12)

@@ -225,9 +225,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._long_threshold and num_new > 1:
-                # A prompt part way through its chunks: it keeps its long-prompt slot, and its
-                # chunk is sized after this step's new prompts (_schedule_deferred).
+            if self._long_threshold and num_new > 1 and request.num_tokens > self._long_threshold:
+                # A long prompt part way through its chunks: it keeps its long-prompt slot, and
+                # its chunk is sized after this step's new prompts (_schedule_deferred). What
+                # is left of a short one (cut where a step's budget ran out) goes whole, first,
+                # as vLLM's running prefills do: as a long prompt it waited behind every new
+                # prompt and then went one a step (a 64-prompt burst ended in 5-7 extra steps).
                 if self._long_slots > 0:
                     self._long_slots -= 1
                     self._deferred.append(request)
@@ -252,6 +255,8 @@ class Scheduler:
             else:
                 output.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
+                if num_new > 1:
+                    self._step_prefill += num_new  # a prompt's rest: long chunks make room
                 index += 1
                 continue
             break  # the request preempted itself: nothing behind it is left to schedule

@@ -101,6 +101,7 @@ class WorkerLink:
         await call.write(edge.step_to_proto(plan.order))
         log.debug("step sent", worker_id=self.worker.worker_id,
                   step_id=plan.order.step_id, num_scheduled=len(plan.order.scheduled),
+                  num_tokens=sum(item.num_new_tokens for item in plan.order.scheduled),
                   num_threads=num_threads)
 
     async def _read(self, call) -> None:
