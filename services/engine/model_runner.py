@@ -16,8 +16,8 @@ from services.engine.models import gguf_int4, gguf_q8_head, small_steps
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.no_init import skip_weight_init
 from services.engine.models.packed_linear import onednn_min_rows, packing_supported
-from services.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 from services.engine.models.weights import load_weights
+from services.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 
 
 # 0: steps keep their own row count on oneDNN (to compare; step_padding.py says why they do not)
