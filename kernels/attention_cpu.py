@@ -34,9 +34,8 @@ def paged_attention_cpu(
         out = torch.empty_like(query)
         # Rows past the batch's tokens (a step padded to a bucketed size) are no query's: zero
         # rather than whatever the allocator left there, for the layers after them.
-        num_tokens = int(meta.cu_seqlens_q[-1])
-        if num_tokens < query.shape[0]:
-            out[num_tokens:].zero_()
+        if plan.num_tokens < query.shape[0]:
+            out[plan.num_tokens:].zero_()
     if plan.decode.num_rows:
         _decode_attention(query, k_cache, v_cache, plan, scale, out)
     if plan.prefill_rows is not None and not _native_prefill(query, k_cache, v_cache, plan,

@@ -64,6 +64,7 @@ class DecodeGroup:
 class CpuAttentionPlan:
     decode: DecodeRows
     block_size: int
+    num_tokens: int  # the step's query rows (a padded step's tensors have more)
     prefill_rows: PrefillRows | None = None  # None: no prefill sequence in the step
     # The torch decode path's padded groups: built by the first layer that needs them, if any.
     padded_decode_groups: list[DecodeGroup] | None = None
@@ -90,6 +91,7 @@ def plan_cpu_attention(
     prefill_seqs = (query_lens > MAX_DECODE_ROWS_PER_SEQ).nonzero().squeeze(1).tolist()
     decode = _decode_rows(query_lens, cu_seqlens_q, seq_lens, block_tables)
     return CpuAttentionPlan(decode=decode, block_size=block_size,
+                            num_tokens=int(cu_seqlens_q[-1]),
                             prefill_rows=_prefill_rows(prefill_seqs, cu_seqlens_q, query_lens,
                                                        seq_lens, block_tables))
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 _PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the blocked layout for; any M still works
+EVERY_STEP = 1 << 30  # a small-step kernel's max_rows that takes any step
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -72,12 +73,10 @@ def onednn_min_rows(layers: nn.Module) -> int | None:
     for module in layers.modules():
         if isinstance(module, PackedLinear) and module.packed_weight is not None:
             largest_small = max((max_rows for max_rows, _ in module.small_steps), default=0)
-            if largest_small < _NO_ONEDNN_ROWS:
+            if largest_small < EVERY_STEP:
                 fewest = largest_small + 1 if fewest is None else min(fewest, largest_small + 1)
     return fewest
 
-
-_NO_ONEDNN_ROWS = 1 << 29  # small-step kernels this large take every step
 
 
 def pack_linears_(model: nn.Module) -> None:

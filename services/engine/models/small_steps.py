@@ -28,10 +28,10 @@ from kernels import native_amx, native_gemv, native_q4a8, native_stack
 from services.engine.models import gguf_int4
 from services.engine.models.decode_stack import DecodeStack
 from services.engine.models.gguf_q8_head import Q8Blocks
+from services.engine.models.packed_linear import EVERY_STEP
 
 # 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
 Q8_HEAD_SWITCH = "KVRELAY_Q8_HEAD"
-EVERY_STEP = 1 << 30  # max_rows that takes any step
 Q8_HEAD_MAX_ROWS_BESIDE_AMX = 3  # the head's 8-bit gemv steps where AMX takes the larger ones
 
 
