@@ -8,7 +8,7 @@ import torch
 from kernels import build_attention_metadata
 from kernels.attention_cpu import paged_attention_cpu
 from services.engine import LLM, SamplingParams
-from services.engine.step_padding import bucket_grain, padded_rows
+from services.engine.step_padding import bucket_grain, bucket_sizes, padded_rows
 from services.worker.warmup import _items
 
 
@@ -21,6 +21,14 @@ def test_buckets_are_16_rows_up_to_512_then_double_each_octave():
     for n in range(65, 4097):
         assert n <= padded_rows(n, 65) < n + bucket_grain(n)
         assert padded_rows(n, 65) - n <= max(15, n // 16)  # at most ~6% above 256 rows
+
+
+def test_bucket_sizes_lists_every_row_count_a_padded_step_can_have():
+    buckets = bucket_sizes(65, 2048)
+    assert buckets[:3] == [80, 96, 112] and buckets[-2:] == [1984, 2048]
+    assert buckets == sorted(set(buckets)) and len(buckets) == 60
+    assert {padded_rows(n, 65) for n in range(65, 2049)} == set(buckets)
+    assert bucket_sizes(None, 2048) == [] and bucket_sizes(65, 64) == []
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.engine import LLM, SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.models.packed_linear import PackedLinear
+from services.engine.step_padding import bucket_sizes
 from services.worker import warmup
 
 
@@ -46,3 +49,20 @@ def test_only_bf16_on_cpu_warms_up(llm):
     bf16 = LLM(dtype="bfloat16", num_kv_blocks=512).engine.runner
     assert warmup.needs_warm_up(bf16)
     assert warmup.warm_up(bf16, "both") > 0
+
+
+def test_bf16_warm_up_compiles_every_padded_row_count_of_the_first_layers_matmuls(monkeypatch):
+    runner = LLM(dtype="bfloat16", num_kv_blocks=512).engine.runner
+    calls = []
+    onednn_matmul = PackedLinear.onednn_matmul
+    monkeypatch.setattr(PackedLinear, "onednn_matmul",
+                        lambda self, x: calls.append((id(self), x.shape[0])) or onednn_matmul(self, x))
+    warmup.warm_up(runner, "decode")
+    buckets = warmup.warm_bucket_rows(runner)
+    assert buckets == bucket_sizes(runner.pad_from_rows, EngineConfig().max_num_batched_tokens)
+    assert len(buckets) > 50 and buckets[-1] == EngineConfig().max_num_batched_tokens
+    packed = [m for m in runner.model.layers[0].modules()
+              if isinstance(m, PackedLinear) and m.packed_weight is not None]
+    assert len(packed) == 4  # qkv, o, gate/up, down
+    for linear in packed:
+        assert [rows for owner, rows in calls if owner == id(linear)][-len(buckets):] == buckets

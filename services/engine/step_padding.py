@@ -34,3 +34,11 @@ def padded_rows(num_tokens: int, pad_from_rows: int | None) -> int:
         return num_tokens
     grain = bucket_grain(num_tokens)
     return -(-num_tokens // grain) * grain
+
+
+def bucket_sizes(pad_from_rows: int | None, max_rows: int) -> list[int]:
+    """Every padded row count a step of pad_from_rows to max_rows rows can have, in order;
+    [] where nothing pads."""
+    if pad_from_rows is None or max_rows < pad_from_rows:
+        return []
+    return sorted({padded_rows(rows, pad_from_rows) for rows in range(pad_from_rows, max_rows + 1)})

@@ -3,6 +3,12 @@ growth and first-touch page faults: right after `kvrelay up` said ready, a Poiss
 rate reached 30% goodput and the next ones 98-100%. So a worker runs the step shapes of its role
 once before it registers and reports SERVING (vLLM warms up before it serves, too).
 
+Those passes compile oneDNN's kernels for their own row counts only, and a serving step's row
+count is padded to one of ~60 buckets (services/engine/step_padding.py), each compiled on first
+use (~10-30 ms a bucket at first sight). So every bucket up to the default token budget is also
+run once through the first layer's packed matmuls, on zeros: oneDNN keeps a kernel per weight
+shape and row count, whatever the weights, so that warms every layer (~1 s in all).
+
 The passes write K/V into the first blocks of the cache, which no sequence holds yet: every
 real sequence writes a slot's K/V before anything reads it. Only bf16 on CPU warms up: its
 packed oneDNN matmuls JIT-compile a kernel per batch shape and its 4-bit path has its own; the
@@ -15,12 +21,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
+from services.engine.models.packed_linear import warm_onednn_rows
 from services.engine.sampling_ops import greedy_tokens
+from services.engine.step_padding import bucket_sizes
 
 DECODE_BATCHES = (1, 8, 64)  # the int4 path (<= 8 tokens) and the packed bf16 one
 DECODE_CONTEXT = 64
 PREFILL_CHUNKS = ((512,), (512, 512, 512, 512))  # one prompt; a 2,048-token step of four
+# steps up to this many rows find their bucket's matmul kernels compiled (the scheduler's
+# default budget; a larger --max-num-batched-tokens compiles the rest on first use)
+WARM_BUCKET_ROWS = EngineConfig().max_num_batched_tokens
 
 
 @dataclass(slots=True)
@@ -55,7 +67,13 @@ def warm_up(runner: ModelRunner, role: str) -> float:
         items = _items(shape, runner.block_size, runner.num_blocks)
         if items:
             greedy_tokens(runner.execute(runner.prepare(items)))
+    warm_onednn_rows(runner.model.layers[0], warm_bucket_rows(runner))
     return time.perf_counter() - started
+
+
+def warm_bucket_rows(runner: ModelRunner) -> list[int]:
+    """The padded row counts whose oneDNN kernels warm_up compiles."""
+    return bucket_sizes(runner.pad_from_rows, WARM_BUCKET_ROWS)
 
 
 def _items(shape: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[_Item]:

@@ -36,7 +36,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         # weight [out_features, in_features]; the packed copy is opaque (mkldnn layout).
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.packed_weight = self.weight = None
         if onednn_packs_bf16():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
@@ -62,6 +62,9 @@ class PackedLinear(nn.Module):
                 return out if self.bias is None else out + self.bias
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
+        return self.onednn_matmul(x)
+
+    def onednn_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features], packed only
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
                                                   self.bias, "none", [], "")
 
@@ -77,6 +80,17 @@ def onednn_min_rows(layers: nn.Module) -> int | None:
                 fewest = largest_small + 1 if fewest is None else min(fewest, largest_small + 1)
     return fewest
 
+
+def warm_onednn_rows(module: nn.Module, row_counts: list[int]) -> None:
+    """Run every oneDNN-packed matmul of `module` once at each row count, on zeros. oneDNN
+    JIT-compiles a kernel per (weight shape, row count) and caches it for every weight of that
+    shape, so one layer warms them all (step_padding.py)."""
+    linears = [m for m in module.modules()
+               if isinstance(m, PackedLinear) and m.packed_weight is not None]
+    with torch.inference_mode():
+        for rows in row_counts:
+            for linear in linears:
+                linear.onednn_matmul(torch.zeros(rows, linear.in_features, dtype=torch.bfloat16))
 
 
 def pack_linears_(model: nn.Module) -> None:
