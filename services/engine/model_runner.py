@@ -16,6 +16,7 @@ from services.engine.models import gguf_int4, gguf_q8_head, small_steps
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.no_init import skip_weight_init
 from services.engine.models.packed_linear import onednn_min_rows, packing_supported
+from services.engine import shared_pages
 from services.engine.models.weights import load_weights
 from services.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 
@@ -216,7 +217,9 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     numel = int(np.prod(shape))
     with open(path, "wb") as handle:
         handle.truncate(numel * torch.tensor([], dtype=dtype).element_size())
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    cache = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    shared_pages.populate(cache)  # allocated and mapped now, not a fault at a time in the steps
+    return cache.view(shape)
 
 
 def map_kv_cache_file(path: str, dtype: torch.dtype,
@@ -228,6 +231,7 @@ def map_kv_cache_file(path: str, dtype: torch.dtype,
     numel = Path(path).stat().st_size // element_size
     num_blocks = numel // (layers * 2 * block_size * kv_heads * head_dim)
     tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    shared_pages.populate(tensor)  # the pages exist (the owner populated them): map them all now
     return tensor.view(layers, 2, num_blocks, block_size, kv_heads, head_dim)
 
 
