@@ -22,7 +22,8 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 
 def populate(tensor: torch.Tensor) -> bool:
-    """Fault in every page under a file-backed tensor's storage; False where the kernel cannot."""
+    """Fault in every page under a file-backed tensor's storage. False where the kernel cannot
+    (then the pages fault in lazily, as they did before)."""
     start = tensor.untyped_storage().data_ptr()
     length = tensor.untyped_storage().nbytes()
     aligned = start - start % mmap.PAGESIZE
