@@ -73,11 +73,10 @@ def onednn_min_rows(layers: nn.Module) -> int | None:
     """The fewest rows of a step that some packed matmul of `layers` runs on oneDNN, or None
     where none does (nothing packed, or small-step kernels take every step)."""
     fewest = None
-    for module in layers.modules():
-        if isinstance(module, PackedLinear) and module.packed_weight is not None:
-            largest_small = max((max_rows for max_rows, _ in module.small_steps), default=0)
-            if largest_small < EVERY_STEP:
-                fewest = largest_small + 1 if fewest is None else min(fewest, largest_small + 1)
+    for linear in _onednn_linears(layers):
+        largest_small = max((max_rows for max_rows, _ in linear.small_steps), default=0)
+        if largest_small < EVERY_STEP:
+            fewest = largest_small + 1 if fewest is None else min(fewest, largest_small + 1)
     return fewest
 
 
@@ -85,12 +84,17 @@ def warm_onednn_rows(module: nn.Module, row_counts: list[int]) -> None:
     """Run every oneDNN-packed matmul of `module` once at each row count, on zeros. oneDNN
     JIT-compiles a kernel per (weight shape, row count) and caches it for every weight of that
     shape, so one layer warms them all (step_padding.py)."""
-    linears = [m for m in module.modules()
-               if isinstance(m, PackedLinear) and m.packed_weight is not None]
+    linears = list(_onednn_linears(module))
     with torch.inference_mode():
         for rows in row_counts:
             for linear in linears:
                 linear.onednn_matmul(torch.zeros(rows, linear.in_features, dtype=torch.bfloat16))
+
+
+def _onednn_linears(module: nn.Module):
+    """The PackedLinears under `module` that hold a oneDNN-packed weight."""
+    return (m for m in module.modules()
+            if isinstance(m, PackedLinear) and m.packed_weight is not None)
 
 
 def pack_linears_(model: nn.Module) -> None:
