@@ -215,10 +215,10 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     if device.type != "cpu":
         raise ValueError("a shared-memory KV cache needs device cpu")
     numel = int(np.prod(shape))
-    with open(path, "wb") as handle:
-        handle.truncate(numel * torch.tensor([], dtype=dtype).element_size())
+    # its pages allocated now: a filesystem without room for them fails here, not with SIGBUS
+    shared_pages.reserve(path, numel * torch.tensor([], dtype=dtype).element_size())
     cache = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-    shared_pages.populate(cache)  # allocated and mapped now, not a fault at a time in the steps
+    shared_pages.populate(cache)  # and mapped now, not a fault at a time in the steps
     return cache.view(shape)
 
 
