@@ -80,24 +80,36 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         with STEP_SECONDS.time():
             try:
-                sampled = await loop.run_in_executor(self.compute, self.executor.execute,
-                                                     prepared, hook)
+                sampled = await loop.run_in_executor(self.compute, self._execute, prepared, hook,
+                                                     feeds if hook is None else [])
             except BaseException as exc:
                 for feed in feeds:
                     feed.fail(exc)
                 raise
         if hook is None:
             for feed in feeds:
-                feed.fill_now()
+                feed.fill_now()  # those with a lander landed in the compute thread already
         STEP_TOKENS.inc(sum(item.num_new_tokens for item in prepared.items))
         return worker_pb2.StepResult(step_id=request.step_id, sampled=sampled)
+
+    def _execute(self, prepared, hook, final_feeds: list[LayerFeed]) -> list:
+        """The compute thread's part: the step, then the sends that land their pages straight
+        in the destination do so on the same thread (both cores, and before any later step can
+        reuse the source blocks)."""
+        sampled = self.executor.execute(prepared, hook)
+        for feed in final_feeds:
+            feed.land()
+        return sampled
 
     def _start_sends(self, orders, outbox: asyncio.Queue, sends: set) -> list[LayerFeed]:
         """Start every ordered send; return the feeds that this step's forward pass fills."""
         loop = asyncio.get_running_loop()
         during_step = []
         for order in orders:
-            feed = LayerFeed(self.executor.runner.kv_cache, list(order.src_block_ids), loop)
+            # pages that stream layer by layer during the pass go through the feed's queue
+            streams = order.during_step and self.layerwise_push
+            feed = LayerFeed(self.executor.runner.kv_cache, list(order.src_block_ids), loop,
+                             None if streams else self.sender.lander(order))
             if order.during_step:
                 during_step.append(feed)
             else:

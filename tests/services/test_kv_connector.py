@@ -1,7 +1,7 @@
 """The KV connector's transports for real: a grpc.aio KvTransfer server writing into a
 destination cache, the gRPC push from a source cache (all layers at once, or layer by layer from
 a compute thread), chunking above 4 MiB, refusals, dead destinations, and the shared-memory
-transport into a cache file another mapping reads."""
+transport into a cache file another mapping reads, layer by layer or landed in one pass."""
 from __future__ import annotations
 
 import asyncio
@@ -307,6 +307,80 @@ def test_shm_push_that_cannot_land_fails(tmp_path, problem):
 
     result = asyncio.run(scenario())
     assert not result.ok and result.error
+
+
+# ---- shared memory, landed in one pass -------------------------------------------------------------
+def _landing(path: str, dtype, source: torch.Tensor, order) -> tuple[ShmKvTransport, KvSender,
+                                                                     LayerFeed]:
+    layers, _, _, block_size, kv_heads, head_dim = SMALL
+    transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), dtype)
+    sender = KvSender({"shm": transport}, timeout_s=5.0)
+    feed = LayerFeed(source, list(order.src_block_ids), asyncio.get_running_loop(),
+                     sender.lander(order))
+    return transport, sender, feed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("on_compute_thread", [False, True])
+def test_shm_landing_writes_the_final_pages_before_the_source_blocks_are_let_go(
+        tmp_path, dtype, on_compute_thread):
+    """A lander copies the pages straight into the destination when the step's KV is final
+    (fill_now on the event loop, or land on the compute thread right after the pass): once that
+    returns, the scheduler may give the source blocks to the next step, which overwrites them."""
+    path = str(tmp_path / "decode.kv")
+    destination = allocate_kv_cache(SMALL, dtype, torch.device("cpu"), path)
+    destination.copy_(_cache(SMALL, dtype, 2))
+    before, source = destination.clone(), _cache(SMALL, dtype, 1)
+    original = source.clone()
+    src, dst = [4, 0, 8], [10, 1, 5]
+    order = _order(src, dst, transport="shm", shm_path=path)
+
+    async def scenario():
+        _, sender, feed = _landing(path, dtype, source, order)
+        assert feed.lander is not None
+        if on_compute_thread:
+            thread = threading.Thread(target=feed.land)
+            thread.start()
+            thread.join()
+        feed.fill_now()  # lands now, or is a no-op after the compute thread's landing
+        source.fill_(7.0)  # the next step reuses the source blocks
+        return await sender.send(order, feed)
+
+    result = asyncio.run(scenario())
+    assert result.ok, result.error
+    assert result.num_bytes == original[:, :, src].numel() * original.element_size()
+    _assert_moved(original, destination, before, src, dst)
+    reader = map_kv_cache_file(path, dtype, (SMALL[0], SMALL[3], SMALL[4], SMALL[5]))
+    _assert_moved(original, reader, before, src, dst)
+
+
+@pytest.mark.parametrize("problem", ["block-out-of-range", "no-file", "no-path", "deadline",
+                                     "forward-pass"])
+def test_shm_landing_that_cannot_land_fails_the_send_and_writes_nothing(tmp_path, problem):
+    path = str(tmp_path / "decode.kv")
+    destination = None
+    if problem != "no-file":
+        destination = allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
+    before = None if destination is None else destination.clone()
+    dst = [0, SMALL[2]] if problem == "block-out-of-range" else [2, 3]
+    order = _order([0, 1], dst, transport="shm", shm_path="" if problem == "no-path" else path)
+    if problem == "deadline":
+        order.deadline_unix_ms = _deadline_in(-0.001)
+
+    async def scenario():
+        _, sender, feed = _landing(path, torch.float32, _cache(SMALL, torch.float32, 1), order)
+        if problem == "forward-pass":
+            feed.fail(RuntimeError("out of memory"))
+        else:
+            feed.fill_now()
+        return await sender.send(order, feed)
+
+    result = asyncio.run(scenario())
+    assert not result.ok and result.error
+    if problem in ("deadline", "forward-pass"):
+        assert ("deadline" if problem == "deadline" else "out of memory") in result.error
+    if destination is not None:
+        assert torch.equal(_bits(destination), _bits(before))
 
 
 # ---- deadlines --------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The transport interface. A transport gets the order and an async feed of layers and must
-either deliver every layer into the destination blocks or raise TransferFailed.
+either deliver every layer into the destination blocks or raise TransferFailed. A transport that
+can write the destination itself (shm) may instead give the feed a lander, which writes the final
+pages there in one pass; its push then reports how that went.
 
 Keeping the unit of work "one layer of a set of blocks" leaves room for transports that move
 device memory directly (RDMA / NCCL on GPUs): they would read the same feed of tensors.
@@ -10,7 +12,7 @@ import time
 from abc import ABC, abstractmethod
 
 from services.api.kvrelay.v1 import worker_pb2
-from services.worker.kv_connector.feed import LayerFeed
+from services.worker.kv_connector.feed import Lander, LayerFeed
 
 
 class TransferFailed(Exception):
@@ -37,6 +39,11 @@ class KvTransport(ABC):
     @abstractmethod
     async def push(self, order: worker_pb2.KvSendOrder, feed: LayerFeed) -> int:
         """Deliver every layer of `feed` to order.dst_block_ids; return the bytes moved."""
+
+    def lander(self, order: worker_pb2.KvSendOrder) -> Lander | None:
+        """What writes this send's final pages straight into the destination, or None: the
+        transport reads the feed's layers."""
+        return None
 
     async def close(self) -> None:
         pass

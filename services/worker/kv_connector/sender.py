@@ -9,7 +9,7 @@ from services.api.kvrelay.v1 import worker_pb2
 from services.common import metrics
 from services.common.log import get_logger
 from services.worker.kv_connector.base import KvTransport, TransferFailed, seconds_left
-from services.worker.kv_connector.feed import LayerFeed
+from services.worker.kv_connector.feed import Lander, LayerFeed
 
 log = get_logger(__name__)
 
@@ -25,6 +25,11 @@ class KvSender:
     def __init__(self, transports: dict[str, KvTransport], timeout_s: float) -> None:
         self.transports = transports
         self.timeout_s = timeout_s
+
+    def lander(self, order: worker_pb2.KvSendOrder) -> Lander | None:
+        """The order's transport's lander (base.py), or None."""
+        transport = self.transports.get(order.transport or "grpc")
+        return transport.lander(order) if transport is not None else None
 
     async def send(self, order: worker_pb2.KvSendOrder,
                    feed: LayerFeed) -> worker_pb2.KvSendResult:

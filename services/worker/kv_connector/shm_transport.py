@@ -8,7 +8,7 @@ import torch
 from services.api.kvrelay.v1 import worker_pb2
 from services.engine.model_runner import map_kv_cache_file
 from services.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
-from services.worker.kv_connector.feed import LayerFeed
+from services.worker.kv_connector.feed import Lander, LayerFeed
 
 
 class ShmKvTransport(KvTransport):
@@ -27,13 +27,45 @@ class ShmKvTransport(KvTransport):
                 raise TransferFailed(f"cannot map {path}: {exc}") from None
         return self.mappings[path]
 
-    async def push(self, order: worker_pb2.KvSendOrder, feed: LayerFeed) -> int:
+    def _target(self, order: worker_pb2.KvSendOrder) -> tuple[torch.Tensor, list[int]]:
+        """The destination's mapped cache and the order's block ids in it, checked."""
         if not order.dst_shm_path:
             raise TransferFailed("shm transport needs the destination's shm path")
         destination = self._destination(order.dst_shm_path)
-        dst_index = torch.tensor(list(order.dst_block_ids), dtype=torch.int64)
-        if dst_index.numel() and int(dst_index.max()) >= destination.shape[2]:
-            raise TransferFailed(f"destination block {int(dst_index.max())} out of range")
+        dst_block_ids = list(order.dst_block_ids)
+        if dst_block_ids and max(dst_block_ids) >= destination.shape[2]:
+            raise TransferFailed(f"destination block {max(dst_block_ids)} out of range")
+        if len(dst_block_ids) != len(order.src_block_ids):
+            raise TransferFailed(f"{len(order.src_block_ids)} source blocks for "
+                                 f"{len(dst_block_ids)} destination blocks")
+        return destination, dst_block_ids
+
+    def lander(self, order: worker_pb2.KvSendOrder) -> Lander:
+        """Copies the final pages block by block, every layer at once, from the source cache
+        into the mapped destination: one pass over the bytes, where copying each layer out
+        and then in made two (and the second ran on the event loop during the next step)."""
+        try:
+            destination, dst_block_ids = self._target(order)
+        except TransferFailed as problem:
+            refusal = problem
+
+            def refuse(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
+                raise refusal
+            return refuse
+
+        def land(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
+            # kv_cache, destination [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+            check_deadline(order)
+            for src, dst in zip(src_block_ids, dst_block_ids):
+                destination[:, :, dst].copy_(kv_cache[:, :, src])
+            return len(dst_block_ids) * kv_cache[:, :, 0].numel() * kv_cache.element_size()
+        return land
+
+    async def push(self, order: worker_pb2.KvSendOrder, feed: LayerFeed) -> int:
+        if feed.lander is not None:
+            return await feed.landed
+        destination, dst_block_ids = self._target(order)
+        dst_index = torch.tensor(dst_block_ids, dtype=torch.int64)
         num_bytes = 0
         async for layer, pages in feed.layers():  # pages [2, n, bs, kv_heads, head_dim]
             check_deadline(order)
