@@ -18,7 +18,8 @@ from services.engine.model_runner import allocate_kv_cache, map_kv_cache_file
 SHAPE = (2, 2, 64, 16, 2, 64)  # [layers, K/V, blocks, block size, kv heads, head dim]: 1 MiB in bf16
 
 _KERNEL = tuple(int(part) for part in os.uname().release.split(".")[:2])
-needs_populate = pytest.mark.skipif(_KERNEL < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+needs_populate = pytest.mark.skipif(_KERNEL < (5, 14),
+                                    reason="MADV_POPULATE_WRITE needs Linux 5.14")
 
 
 def _minor_faults() -> int:

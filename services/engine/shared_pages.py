@@ -48,10 +48,10 @@ def reserve(path: str, num_bytes: int) -> None:
     raise CacheSpaceError(
         errno.ENOSPC,
         f"the shared KV cache needs {_size(num_bytes)} in {directory}, which has "
-        f"{_size(_free_bytes(directory))} free: give that filesystem more room (docker run --shm-size, "
-        f"or a Kubernetes emptyDir with medium Memory and a sizeLimit), point --shm-dir at a "
-        f"larger tmpfs, lower --kv-cache-memory / --num-kv-blocks, or drop shm from "
-        f"--kv-transports (KV pages then travel over gRPC)")
+        f"{_size(_free_bytes(directory))} free: give that filesystem more room (docker run "
+        f"--shm-size, or a Kubernetes emptyDir with medium Memory and a sizeLimit), point "
+        f"--shm-dir at a larger tmpfs, lower --kv-cache-memory / --num-kv-blocks, or drop shm "
+        f"from --kv-transports (KV pages then travel over gRPC)")
 
 
 def _size(num_bytes: int) -> str:

@@ -309,7 +309,7 @@ def test_shm_push_that_cannot_land_fails(tmp_path, problem):
     assert not result.ok and result.error
 
 
-# ---- shared memory, landed in one pass -------------------------------------------------------------
+# ---- shared memory, landed in one pass ---------------------------------------------------------
 def _landing(path: str, dtype, source: torch.Tensor, order) -> tuple[ShmKvTransport, KvSender,
                                                                      LayerFeed]:
     layers, _, _, block_size, kv_heads, head_dim = SMALL

@@ -47,11 +47,7 @@ class ShmKvTransport(KvTransport):
         try:
             destination, dst_block_ids = self._target(order)
         except TransferFailed as problem:
-            refusal = problem
-
-            def refuse(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
-                raise refusal
-            return refuse
+            return _refusing(problem)  # the send fails when it would land
 
         def land(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
             # kv_cache, destination [layers, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -72,3 +68,9 @@ class ShmKvTransport(KvTransport):
             destination[layer].index_copy_(1, dst_index, pages)
             num_bytes += pages.numel() * pages.element_size()
         return num_bytes
+
+
+def _refusing(problem: TransferFailed) -> Lander:
+    def refuse(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
+        raise problem
+    return refuse
