@@ -173,6 +173,10 @@ class GatewayCore:
                 self.request_timeout_s, group.expire, self.request_timeout_s)
         return group
 
+    async def wait_for_ready_group(self) -> None:
+        """Until a scheduler group is ready; 503 (unavailable) past submit_wait_s."""
+        await self._ready_group()
+
     async def _ready_group(self) -> SchedulerGroup:
         """The least loaded ready scheduler group, waiting up to submit_wait_s for one."""
         loop = asyncio.get_running_loop()

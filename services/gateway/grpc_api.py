@@ -13,7 +13,7 @@ from services.common.log import bind_request_id, get_logger
 from services.wire import params_from_proto
 from services.gateway.errors import GatewayError, invalid, param_from_value_error
 from services.gateway.limits import RequestLimits
-from services.gateway.openai_serving import served_model
+from services.gateway.openai_serving import generation_model, served_model
 from services.gateway.request_group import RequestGroup
 from services.gateway.request_state import SampleDelta
 from services.gateway.text_fields import proto_texts, undecodable_string_field
@@ -98,7 +98,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 first = False
 
     async def _start(self, request, request_id: str) -> tuple[RequestGroup, list[int]]:
-        served_model(self.core, request.model or None)
+        await generation_model(self.core, request.model or None)
         try:
             params = params_from_proto(request.params)
         except ValueError as exc:

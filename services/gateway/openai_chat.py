@@ -11,7 +11,7 @@ from services.gateway.openai_logprobs import chat_logprobs
 from services.gateway.openai_params import chat_params, with_bad_words
 from services.gateway.openai_protocol import ChatCompletionRequest
 from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
-                                             collect_choices, served_model, sse, sse_error,
+                                             collect_choices, generation_model, sse, sse_error,
                                              unless_disconnected, usage)
 from services.gateway.openai_structured import blame_constraint
 from services.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
@@ -21,7 +21,7 @@ from services.gateway.request_group import RequestGroup
 
 async def create_chat_completion(core, http_request: Request, body: ChatCompletionRequest,
                                  request_id: str):
-    model = served_model(core, body.model)
+    model = await generation_model(core, body.model)
     tools_mode = tool_choice_mode(body.tools, body.tool_choice)
     prompt, call_format = await core.upstream.render_chat_with_tools(
         chat_messages(body.messages), body.add_generation_prompt, request_id,

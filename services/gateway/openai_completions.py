@@ -12,7 +12,7 @@ from services.gateway.openai_logprobs import CompletionLogprobs
 from services.gateway.openai_params import completion_params, with_bad_words
 from services.gateway.openai_protocol import CompletionRequest
 from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
-                                             collect_choices, served_model, sse, sse_error,
+                                             collect_choices, generation_model, sse, sse_error,
                                              unless_disconnected, usage)
 from services.gateway.openai_structured import blame_constraint
 from services.gateway.request_group import RequestGroup
@@ -20,7 +20,7 @@ from services.gateway.request_group import RequestGroup
 
 async def create_completion(core, http_request: Request, body: CompletionRequest,
                             request_id: str):
-    model = served_model(core, body.model)
+    model = await generation_model(core, body.model)
     params = completion_params(body)
     params = await with_bad_words(core, params, body.bad_words, request_id)
     prompts = await _prompt_token_ids(core, body.prompt, request_id)

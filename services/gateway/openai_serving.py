@@ -27,6 +27,15 @@ def served_model(core, requested: str | None) -> str:
     return served
 
 
+async def generation_model(core, requested: str | None) -> str:
+    """served_model for a generation. The model is known once a scheduler group is ready; while
+    none is (one restarting), the request waits for one as its submit would (up to
+    --submit-wait-timeout) instead of answering 503 at once."""
+    if core.model_name is None:
+        await core.wait_for_ready_group()
+    return served_model(core, requested)
+
+
 def usage(group: RequestGroup) -> dict:
     prompt_tokens, completion_tokens = group.num_prompt_tokens, group.num_output_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
