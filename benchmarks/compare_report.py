@@ -2,7 +2,7 @@
 they replace (everything outside the markers stays as written by hand)."""
 from __future__ import annotations
 
-from services.bench.report import HEADER, RULE, summary_row, tagged_subsets
+from kvrelay.bench.report import HEADER, RULE, summary_row, tagged_subsets
 
 BEGIN = "<!-- kvrelay-compare:begin (written by `python -m benchmarks.compare`) -->"
 END = "<!-- kvrelay-compare:end -->"

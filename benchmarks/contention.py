@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine import LLM, SamplingParams  # noqa: E402
+from kvrelay.engine import LLM, SamplingParams  # noqa: E402
 
 PERIOD_S = 0.008
 HOG = """

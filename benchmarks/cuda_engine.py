@@ -10,12 +10,12 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.cuda_kernels import device_timer
-from services.engine.config import EngineConfig
-from services.engine.model_runner import ModelRunner
-from services.engine.prefill_chunks import attention_crossover
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest, Scheduler
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.prefill_chunks import attention_crossover
+from kvrelay.engine.request import Request
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import ScheduledRequest, Scheduler
 
 BLOCK_SIZE = 16
 

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import build_attention_metadata, paged_attention_reference, store_kv_reference
+from kvrelay.kernels.metadata import build_attention_metadata
+from kvrelay.kernels.attention_reference import paged_attention_reference
+from kvrelay.kernels.store_kv_torch import store_kv_reference
 
 
 @dataclass(slots=True)
@@ -94,7 +96,7 @@ def attention_cases(smoke: bool) -> list[tuple[str, list[int], list[int]]]:
 
 
 def check_attention(device: torch.device, smoke: bool) -> list[dict]:
-    from kernels import paged_attention_triton
+    from kvrelay.kernels.triton_paged_attention import paged_attention_triton
     rows = []
     heads_list = [HeadShape("tiny", 4, 2, 32)] if smoke else [LLAMA3_8B_HEADS, SMOLLM2_HEADS]
     for heads in heads_list:
@@ -115,7 +117,7 @@ def check_attention(device: torch.device, smoke: bool) -> list[dict]:
 
 
 def check_store_kv(device: torch.device, smoke: bool) -> list[dict]:
-    from kernels import store_kv_triton
+    from kvrelay.kernels.triton_store_kv import store_kv_triton
     rows = []
     num_tokens, heads = (9, HeadShape("tiny", 4, 2, 32)) if smoke else (4096, LLAMA3_8B_HEADS)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -138,8 +140,8 @@ def check_rejection(device: torch.device, smoke: bool) -> list[dict]:
     """The speculative rejection kernel against its torch reference (run on the CPU), on
     fresh random target rows: the tokens must agree but for draws within rounding of a CDF
     boundary, and acceptance must agree everywhere."""
-    from kernels.triton_rejection import rejection_sample_triton
-    from services.engine.spec.rejection import rejection_sample
+    from kvrelay.kernels.triton_rejection import rejection_sample_triton
+    from kvrelay.engine.spec.rejection import rejection_sample
     num_rows, vocab_size = (9, 300) if smoke else (4096, 128256)
     probs = torch.rand(num_rows, vocab_size) ** 4
     drafts = torch.randint(0, vocab_size, (num_rows,))
@@ -171,7 +173,7 @@ def attention_bandwidth(device: torch.device, smoke: bool, copy_bytes_per_s: flo
                         max_kv_bytes: float) -> list[dict]:
     """Decode attention (one query token per sequence) for batch x context: bytes read over
     the kernel's time, against the copy bandwidth."""
-    from kernels import paged_attention_triton
+    from kvrelay.kernels.triton_paged_attention import paged_attention_triton
     heads = HeadShape("tiny", 4, 2, 32) if smoke else LLAMA3_8B_HEADS
     batches, contexts = ((1, 4), (64, 256)) if smoke else ((1, 8, 32, 128),
                                                            (1024, 4096, 16384, 32768))

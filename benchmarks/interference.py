@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
-from services.engine import SamplingParams  # noqa: E402
+from kvrelay.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
+from kvrelay.engine import SamplingParams  # noqa: E402
 
 PREFILL_STEPS = 12  # the prompts' prefill steps and the first decode steps are left out
 

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-_LOAD = "from services.engine import LLM; LLM(dtype='bfloat16', kv_cache_memory=64 << 20)"
+_LOAD = "from kvrelay.engine import LLM; LLM(dtype='bfloat16', kv_cache_memory=64 << 20)"
 
 
 def timed_load(env: dict) -> float:

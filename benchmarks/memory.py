@@ -73,8 +73,8 @@ def _short_name(pid: int) -> str:
     args = [arg.decode(errors="replace") for arg in argv if arg]
     if not args:
         return "?"
-    if "services.cli" in args:
-        rest = args[args.index("services.cli") + 1:]
+    if "kvrelay.cli" in args:
+        rest = args[args.index("kvrelay.cli") + 1:]
         role = rest[rest.index("--role") + 1] if "--role" in rest[:-1] else ""
         return " ".join(part for part in (rest[0] if rest else "kvrelay", role) if part)
     return os.path.basename(args[0])

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import chat64  # noqa: E402
 from benchmarks.peers.hf_static import generate_all  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
+from kvrelay.engine import LLM, SamplingParams  # noqa: E402
 
 MAX_TOKENS = 128
 
@@ -226,7 +226,7 @@ def main() -> None:
 
 
 def _model_dir():
-    from services.engine.model_loader import resolve_model_dir
+    from kvrelay.engine.model_loader import resolve_model_dir
     return resolve_model_dir(None)
 
 

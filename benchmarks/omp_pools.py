@@ -34,8 +34,8 @@ def run_case(case: str) -> float:
     import torch
 
     from benchmarks.contention import decode_step_ms
-    from services.engine import LLM
-    from services.engine.omp_threads import run_torch_ops_inline
+    from kvrelay.engine import LLM
+    from kvrelay.engine.omp_threads import run_torch_ops_inline
 
     if case == "second thread inline":
         run_torch_ops_inline()

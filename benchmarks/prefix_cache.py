@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.peers.kvrelay_stack import up_command  # noqa: E402
-from services.bench.prompts import shared_prefix  # noqa: E402
+from kvrelay.bench.prompts import shared_prefix  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -66,7 +66,7 @@ def run_one(topology: str, caching: bool, checkout: Path, workdir: Path, port: i
     command = up_command(topology, port, log_dir, "bfloat16", None)
     if not caching:
         command.append("--no-prefix-caching")
-    # `python -m services.cli` from the checkout runs that tree's code.
+    # `python -m kvrelay.cli` from the checkout runs that tree's code.
     stack = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                              cwd=checkout)
     try:
@@ -75,7 +75,7 @@ def run_one(topology: str, caching: bool, checkout: Path, workdir: Path, port: i
         model = httpx.get(f"{rest_url}/v1/models", trust_env=False).json()["data"][0]["id"]
         before, after = _counters(state), None
         out = log_dir / "bench"
-        subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve",
+        subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "serve",
                         "--base-url", rest_url, "--workload", "shared-prefix", "--warmup", "0",
                         "--max-requests", str(count), "--out", str(out), "--quiet"],
                        check=True, cwd=REPO)

@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
-from services.engine import SamplingParams  # noqa: E402
-from services.engine.request import Request  # noqa: E402
-from services.engine.spec.config import SpeculativeConfig  # noqa: E402
-from services.engine.spec.drafter import Drafter  # noqa: E402
+from kvrelay.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
+from kvrelay.engine import SamplingParams  # noqa: E402
+from kvrelay.engine.request import Request  # noqa: E402
+from kvrelay.engine.spec.config import SpeculativeConfig  # noqa: E402
+from kvrelay.engine.spec.drafter import Drafter  # noqa: E402
 
 DEFAULT_CONFIGS = (
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
@@ -91,7 +91,7 @@ def replay(samples: list[dict], config: SpeculativeConfig, max_tokens: int,
 
 
 def generate_outputs(args) -> list[dict]:
-    from services.bench.workloads import build
+    from kvrelay.bench.workloads import build
 
     requests = build(args.workload, seed=args.seed, max_tokens=args.max_tokens)[:args.requests]
     if any(request.messages is None for request in requests):

@@ -39,11 +39,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.offline import MAX_TOKENS, OfflineEngine, _pct  # noqa: E402
 from benchmarks.workloads import chat64  # noqa: E402
-from services.bench.client import ServerOptions  # noqa: E402
-from services.bench.runner import Limits  # noqa: E402
-from services.bench.runner import run as run_workload  # noqa: E402
-from services.bench.workloads import chat_requests  # noqa: E402
-from services.common.runtime import run_loop  # noqa: E402
+from kvrelay.bench.client import ServerOptions  # noqa: E402
+from kvrelay.bench.runner import Limits  # noqa: E402
+from kvrelay.bench.runner import run as run_workload  # noqa: E402
+from kvrelay.bench.workloads import chat_requests  # noqa: E402
+from kvrelay.common.runtime import run_loop  # noqa: E402
 
 FRONT_SERVICES = ("gateway", "tokenizer", "scheduler")
 WARMUP_SEED = 1  # the timed pass uses chat64's default seed 0
@@ -79,7 +79,7 @@ def start_stack(variant: str, args, workdir: Path, port: int) -> tuple[subproces
     topology, env_overrides = parse_variant(variant)
     name = f"{topology}-{port}"
     state_file = workdir / f"{name}.json"
-    command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
+    command = [sys.executable, "-m", "kvrelay.cli", "up", "--topology", topology,
                "--port", str(port), "--grpc-port", str(port + 1), "--base-port", str(port + 2),
                "--log-dir", str(workdir / name), "--state-file", str(state_file)]
     if args.dtype:

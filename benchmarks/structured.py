@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bench.workloads import CHAT_JSON_SCHEMA  # noqa: E402
-from services.engine.model_loader import resolve_model_dir  # noqa: E402
-from services.engine.structured.backend import next_token_bitmask  # noqa: E402
-from services.engine.structured.compiler import make_backend  # noqa: E402
-from services.engine.structured.spec import StructuredOutputs  # noqa: E402
+from kvrelay.bench.workloads import CHAT_JSON_SCHEMA  # noqa: E402
+from kvrelay.engine.model_loader import resolve_model_dir  # noqa: E402
+from kvrelay.engine.structured.backend import next_token_bitmask  # noqa: E402
+from kvrelay.engine.structured.compiler import make_backend  # noqa: E402
+from kvrelay.engine.structured.spec import StructuredOutputs  # noqa: E402
 from tests.structured_schemas import SCHEMAS  # noqa: E402
 
 VOCAB, EOS = 49152, [2]

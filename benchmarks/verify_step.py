@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
+from kvrelay.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
+from kvrelay.engine import LLM, SamplingParams  # noqa: E402
 
 RUNS_SWITCH = "KVRELAY_DECODE_RUNS"
 MAX_DRAFTS = 16

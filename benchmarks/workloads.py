@@ -3,6 +3,6 @@ prompts. They live in services/bench (the installed `kvrelay bench` needs them);
 keeps the scripts here importing them from where they always did."""
 from __future__ import annotations
 
-from services.bench.prompts import chat64, shared_prefix, user_message  # noqa: F401
-from services.bench.workloads import (  # noqa: F401
+from kvrelay.bench.prompts import chat64, shared_prefix, user_message  # noqa: F401
+from kvrelay.bench.workloads import (  # noqa: F401
     WORKLOADS, BenchRequest, build, chat_requests, load_jsonl, long_short, poisson_arrivals)

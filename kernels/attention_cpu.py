@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native_cpu
-from kernels.cpu_decode_torch import decode_attention_torch
-from kernels.cpu_plan import CpuAttentionPlan, PrefillSeq
-from kernels.metadata import AttentionMetadata
+from kvrelay.kernels import native_cpu
+from kvrelay.kernels.cpu_decode_torch import decode_attention_torch
+from kvrelay.kernels.cpu_plan import CpuAttentionPlan, PrefillSeq
+from kvrelay.kernels.metadata import AttentionMetadata
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

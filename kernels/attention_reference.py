@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from kvrelay.kernels.metadata import AttentionMetadata
 
 
 def paged_attention_reference(

@@ -1,7 +1,7 @@
 """Times the CPU attention path on typical SmolLM2-135M steps: decode rows in the native kernel
 ("native") and in the torch fallback ("torch"), with the reference for scale.
 
-    .venv/bin/python -m kernels.bench_cpu_attention [--repeats N] [--threads N]
+    .venv/bin/python -m kvrelay.kernels.bench_cpu_attention [--repeats N] [--threads N]
 
 Times are medians per layer call of wall time and, in brackets, of process CPU time (all threads
 summed), which other processes on a shared machine disturb less. The kernel's OpenMP workers only
@@ -17,8 +17,11 @@ import time
 
 import torch
 
-from kernels import build_attention_metadata, native_cpu, paged_attention_cpu, paged_attention_reference
-from kernels.cpu_decode_torch import plan_decode_groups
+from kvrelay.kernels import native_cpu
+from kvrelay.kernels.metadata import build_attention_metadata
+from kvrelay.kernels.attention_cpu import paged_attention_cpu
+from kvrelay.kernels.attention_reference import paged_attention_reference
+from kvrelay.kernels.cpu_decode_torch import plan_decode_groups
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
 

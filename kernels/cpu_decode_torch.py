@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_plan import CpuAttentionPlan, DecodeGroup, DecodeRows, slot_ids
+from kvrelay.kernels.cpu_plan import CpuAttentionPlan, DecodeGroup, DecodeRows, slot_ids
 
 # Padded key tokens per decode group (rows * longest row). Gathering the whole decode batch at
 # once measured 2-4x slower than chunks of this size on SmolLM2-135M (3 kv heads x 64 dims): a

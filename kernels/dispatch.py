@@ -1,11 +1,18 @@
-"""Entry points the model runner calls: Triton on CUDA tensors, the torch fast path on CPU."""
+"""Entry points the model runner calls: Triton on CUDA tensors, the torch fast path on CPU.
+
+KV layout, per layer and for K and V alike: [num_blocks, block_size, num_kv_heads, head_dim];
+a token's slot is block_id * block_size + offset.
+
+kvrelay.kernels has no __init__.py on purpose: its folder sits at the top of the repository,
+where a regular package named `kernels` would shadow Hugging Face's `kernels` distribution
+(which transformers imports) for anything run from the checkout. Import the modules directly."""
 from __future__ import annotations
 
 import torch
 
-from kernels.attention_cpu import paged_attention_cpu
-from kernels.metadata import AttentionMetadata
-from kernels.store_kv_torch import store_kv_cpu
+from kvrelay.kernels.attention_cpu import paged_attention_cpu
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.store_kv_torch import store_kv_cpu
 
 
 def store_kv(
@@ -17,7 +24,7 @@ def store_kv(
 ) -> None:
     if k_cache.is_cuda:
         # Imported here so that CPU-only installs never need a working triton.
-        from kernels.triton_store_kv import store_kv_triton
+        from kvrelay.kernels.triton_store_kv import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -33,7 +40,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
 ) -> torch.Tensor:
     if query.is_cuda:
-        from kernels.triton_paged_attention import paged_attention_triton
+        from kvrelay.kernels.triton_paged_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, out)
     return paged_attention_cpu(query, k_cache, v_cache, meta, scale, out)

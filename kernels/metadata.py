@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_plan import CpuAttentionPlan, plan_cpu_attention
+from kvrelay.kernels.cpu_plan import CpuAttentionPlan, plan_cpu_attention
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
+from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_amx_gemm.cpp", "cpu_amx_gemm_binding.cpp")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
+from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_elementwise.cpp", "cpu_elementwise_binding.cpp")]

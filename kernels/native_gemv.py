@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.native_amx import Q4Tiles
-from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
+from kvrelay.kernels.native_amx import Q4Tiles
+from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_gemv.cpp", "cpu_gemv_q8.cpp",
                                                              "cpu_gemv_binding.cpp")]

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.native_amx import Q4_TILE_BYTES, q4_scales_as_float16, tile_scales
-from kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
+from kvrelay.kernels.native_amx import Q4_TILE_BYTES, q4_scales_as_float16, tile_scales
+from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("cpu_gemm_q4a8.cpp", "cpu_gemm_q4a8_binding.cpp")]

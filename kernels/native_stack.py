@@ -14,9 +14,9 @@ import os
 import warnings
 from pathlib import Path
 
-from kernels import native_amx, native_q4a8
-from kernels.native_cpu import _machine_tag, _put_pip_ninja_on_path
-from kernels.native_gemv import _GEMV_CFLAGS, cpu_has_avx512_bf16
+from kvrelay.kernels import native_amx, native_q4a8
+from kvrelay.kernels.native_cpu import _machine_tag, _put_pip_ninja_on_path
+from kvrelay.kernels.native_gemv import _GEMV_CFLAGS, cpu_has_avx512_bf16
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_stack.cpp", "cpu_gemv.cpp", "cpu_elementwise.cpp",

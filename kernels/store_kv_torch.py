@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native_cpu
+from kvrelay.kernels import native_cpu
 
 
 def store_kv_reference(

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
-from kernels.triton_support import ensure_runnable
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.triton_support import ensure_runnable
 
 LOG2_E = 1.4426950408889634
 TILE_N = 32  # keys per inner step; independent of the cache block size

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import ensure_runnable
+from kvrelay.kernels.triton_support import ensure_runnable
 
 BLOCK_V = 1024
 

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_support import ensure_runnable
+from kvrelay.kernels.triton_support import ensure_runnable
 
 
 @triton.jit

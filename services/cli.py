@@ -12,13 +12,13 @@ import sys
 
 # subcommand -> (module, help)
 COMMANDS = {
-    "gateway": ("services.gateway.main", "OpenAI REST + public gRPC API"),
-    "tokenizer": ("services.tokenizer.main", "chat templates, tokenization, detokenization"),
-    "scheduler": ("services.scheduler.main", "the engine core: queues, KV blocks, PD handoff"),
-    "worker": ("services.worker.main", "a model worker: --role prefill|decode|both"),
-    "certs": ("services.certs.main", "a CA and per-role certificates for mutual TLS"),
-    "up": ("services.stack.main", "run all five services locally as child processes"),
-    "bench": ("services.bench.main", "benchmarks: serve (any OpenAI server), latency, throughput"),
+    "gateway": ("kvrelay.gateway.main", "OpenAI REST + public gRPC API"),
+    "tokenizer": ("kvrelay.tokenizer.main", "chat templates, tokenization, detokenization"),
+    "scheduler": ("kvrelay.scheduler.main", "the engine core: queues, KV blocks, PD handoff"),
+    "worker": ("kvrelay.worker.main", "a model worker: --role prefill|decode|both"),
+    "certs": ("kvrelay.certs.main", "a CA and per-role certificates for mutual TLS"),
+    "up": ("kvrelay.stack.main", "run all five services locally as child processes"),
+    "bench": ("kvrelay.bench.main", "benchmarks: serve (any OpenAI server), latency, throughput"),
 }
 
 

@@ -1,9 +1,9 @@
 """Protobuf <-> engine conversions shared by the service edges (gateway, scheduler, workers)."""
 from __future__ import annotations
 
-from services.api.kvrelay.v1 import common_pb2
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.api.kvrelay.v1 import common_pb2
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured.spec import StructuredOutputs
 
 # proto field -> SamplingParams field, for the `optional` scalars (unset keeps the default)
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",

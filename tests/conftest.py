@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from services.engine.model_loader import resolve_model_dir
+from kvrelay.engine.model_loader import resolve_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -5,14 +5,14 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
-from services.engine.config import EngineConfig
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
-from services.engine.spec.config import SpeculativeConfig
-from services.engine.spec.drafter import Drafter
+from kvrelay.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.drafter import Drafter
 
 BLOCK_SIZE = 4
 

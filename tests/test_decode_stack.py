@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import native_stack
-from services.engine import LLM
+from kvrelay.kernels import native_stack
+from kvrelay.engine import LLM
 
 _BASE = [[1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 3,
          [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173] * 7,

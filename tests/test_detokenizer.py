@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from services.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello, world! Plain ASCII text.", "你好，世界！今天天气很好。", "Rockets 🚀, coders 👩‍💻 and flags 🇫🇷.",
          "Ünïcödé àccents, Ελληνικά, русский, العربية."]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from kvrelay.engine import LLM, SamplingParams
 from tests.conftest import hf_greedy
 from tests.prompts import chat_conversations
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from kernels import native_amx, native_gemv
-from services.engine.models import gguf_int4, gguf_q8_head
+from kvrelay.kernels import native_amx, native_gemv
+from kvrelay.engine.models import gguf_int4, gguf_q8_head
 
 pytestmark = pytest.mark.skipif(native_gemv.gemv_ops() is None, reason="no AVX512-BF16 here")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from kernels import native_gemv, native_q4a8
-from services.engine import LLM, SamplingParams
-from services.engine.models import gguf_int4
+from kvrelay.kernels import native_gemv, native_q4a8
+from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine.models import gguf_int4
 from tests.conftest import reference_logprobs
 from tests.prompts import chat_conversations
 

@@ -6,7 +6,7 @@ checks modules whose dependencies are missing here too).
   when a module is imported, `if TYPE_CHECKING:` blocks included (a cycle there is still a design
   knot, and breaks as soon as someone needs the name at runtime); imports inside functions are
   left out: they run later, on purpose.
-- services/stack starts the services by their command lines and never imports services.cli, even
+- services/stack starts the services by their command lines and never imports kvrelay.cli, even
   inside a function: the cli imports the stack (for `up`), not the other way round.
 - The scheduler's bookkeeping modules know nothing of the wire format (no `_pb2` module): the
   protobuf conversions live at the edge, in the service.
@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("services", "kernels")  # what pyproject.toml ships
+# folder -> the package it installs as (setup.py)
+PACKAGES = {"services": ["kvrelay"], "kernels": ["kvrelay", "kernels"]}
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join(PACKAGES[folder] + parts)
 
 
 def _project_sources() -> dict[str, Path]:
@@ -135,7 +136,7 @@ def _cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
 
 
 def test_common_imports_only_common():
-    allowed = "services.common"
+    allowed = "kvrelay.common"
     bad = {}
     for module in SOURCES:
         if module != allowed and not module.startswith(allowed + "."):
@@ -144,7 +145,7 @@ def test_common_imports_only_common():
                          if name != allowed and not name.startswith(allowed + "."))
         if outside:
             bad[module] = outside
-    assert not bad, f"services/common must import only services.common.*: {bad}"
+    assert not bad, f"services/common must import only kvrelay.common.*: {bad}"
 
 
 def test_no_import_cycles():
@@ -154,14 +155,14 @@ def test_no_import_cycles():
 
 
 def test_stack_does_not_import_cli():
-    bad = sorted(module for module in SOURCES if module.startswith("services.stack")
-                 and "services.cli" in _project_imports(module, module_level_only=False))
-    assert not bad, f"these import services.cli, which imports the stack: {bad}"
+    bad = sorted(module for module in SOURCES if module.startswith("kvrelay.stack")
+                 and "kvrelay.cli" in _project_imports(module, module_level_only=False))
+    assert not bad, f"these import kvrelay.cli, which imports the stack: {bad}"
 
 
 # Everything of the scheduler but its service edge (edge.py, outputs.py, service.py,
 # worker_link.py, main.py and the metrics), which converts protobuf to the core's types.
-SCHEDULER_CORE = [f"services.scheduler.{name}"
+SCHEDULER_CORE = [f"kvrelay.scheduler.{name}"
                   for name in ("cluster", "registry", "transfers", "step_plan", "records",
                                "messages", "config", "deltas", "core_share", "step_gate",
                                "lease_reaper")]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.engine.sampler import Sampler, SamplingRow
+from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine.sampler import Sampler, SamplingRow
 from tests.conftest import below_best, reference_logprobs
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "My favourite food is"]
@@ -210,7 +210,7 @@ def test_a_discarded_llm_frees_its_engine():
     import gc
     import weakref
 
-    from services.engine import LLM
+    from kvrelay.engine import LLM
 
     llm = LLM(dtype="float32", num_kv_blocks=16)
     engine = weakref.ref(llm.engine)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine import LLM
+from kvrelay.engine import LLM
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 6  # 84 tokens
 

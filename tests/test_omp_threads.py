@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from services.engine.omp_threads import run_torch_ops_inline
+from kvrelay.engine.omp_threads import run_torch_ops_inline
 from tests.threads import on_a_thread
 
 

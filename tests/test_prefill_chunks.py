@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from services.engine.prefill_chunks import attention_crossover, long_prefill_chunk
+from kvrelay.engine.prefill_chunks import attention_crossover, long_prefill_chunk
 from tests.test_scheduler import _request, _scheduler
 
 

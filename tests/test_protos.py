@@ -1,7 +1,7 @@
 """The committed gRPC stubs are exactly what `make protos` generates from protos/."""
 from __future__ import annotations
 
-from services.common.protogen import OUTPUT, generate, proto_files
+from kvrelay.common.protogen import OUTPUT, generate, proto_files
 
 
 def _tree(root):
@@ -19,7 +19,7 @@ def test_generated_stubs_are_fresh(tmp_path):
 
 
 def test_stubs_import_and_round_trip():
-    from services.api.kvrelay.v1 import generation_pb2, generation_pb2_grpc
+    from kvrelay.api.kvrelay.v1 import generation_pb2, generation_pb2_grpc
 
     request = generation_pb2.GenerateRequest(prompt="hi", params={"max_tokens": 3, "seed": 7})
     decoded = generation_pb2.GenerateRequest.FromString(request.SerializeToString())

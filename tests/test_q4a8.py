@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import native_q4a8
+from kvrelay.kernels import native_q4a8
 
 pytestmark = pytest.mark.skipif(native_q4a8.q4a8_ops() is None,
                                 reason="no AVX512-VNNI on this CPU, or no compiler")
@@ -100,8 +100,8 @@ def test_bad_shapes_are_refused():
                                          (["--q4a8-max-tokens", "0"], None)])
 def test_the_worker_flags_choose_the_coding(argv, coding):
     """A worker's own flags, parsed as `kvrelay worker` parses them, reach its model runner."""
-    from services.worker import main as worker_main
-    from services.worker.model_setup import load_worker_model
+    from kvrelay.worker import main as worker_main
+    from kvrelay.worker.model_setup import load_worker_model
 
     parser = argparse.ArgumentParser()
     worker_main.add_arguments(parser)

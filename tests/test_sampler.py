@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from services.engine.sampling_draw import sample_from_probs, truncation_cutoffs
-from services.engine.sampling_ops import apply_penalties_
-from services.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from kvrelay.engine.sampling_draw import sample_from_probs, truncation_cutoffs
+from kvrelay.engine.sampling_ops import apply_penalties_
+from kvrelay.engine.sampling_params import SamplingParams
 
 
 def make_row(prompt=(), output=(), banned=(), child_index=0, **params) -> SamplingRow:

@@ -1,10 +1,10 @@
 """Scheduler unit tests without a model: budget, chunking, preemption, policies, stop rules."""
 from __future__ import annotations
 
-from services.engine.config import EngineConfig
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import Scheduler
 
 EOS = 2
 

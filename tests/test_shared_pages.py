@@ -12,8 +12,8 @@ import subprocess
 import pytest
 import torch
 
-from services.engine import shared_pages
-from services.engine.model_runner import allocate_kv_cache, map_kv_cache_file
+from kvrelay.engine import shared_pages
+from kvrelay.engine.model_runner import allocate_kv_cache, map_kv_cache_file
 
 SHAPE = (2, 2, 64, 16, 2, 64)  # [layers, K/V, blocks, block size, kv heads, head dim]: 1 MiB in bf16
 

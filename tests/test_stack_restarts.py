@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
-from services.stack.plan import ServiceSpec
-from services.stack.restarts import RestartPolicy, RestartState
-from services.stack.supervisor import Supervisor
+from kvrelay.stack.plan import ServiceSpec
+from kvrelay.stack.restarts import RestartPolicy, RestartState
+from kvrelay.stack.supervisor import Supervisor
 
 
 def test_backoff_doubles_up_to_its_cap_then_gives_up():

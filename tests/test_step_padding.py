@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import build_attention_metadata
-from kernels.attention_cpu import paged_attention_cpu
-from services.engine import LLM, SamplingParams
-from services.engine.step_padding import bucket_grain, bucket_sizes, padded_rows
-from services.worker.warmup import _items
+from kvrelay.kernels.metadata import build_attention_metadata
+from kvrelay.kernels.attention_cpu import paged_attention_cpu
+from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine.step_padding import bucket_grain, bucket_sizes, padded_rows
+from kvrelay.worker.warmup import _items
 
 
 def test_buckets_are_16_rows_up_to_512_then_double_each_octave():

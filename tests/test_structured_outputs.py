@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.structured.backend import GrammarError
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine.structured.backend import GrammarError
+from kvrelay.engine.structured.spec import StructuredOutputs
 from tests.structured_schemas import SCHEMAS, validate
 
 
@@ -170,8 +170,8 @@ def test_bad_words_ban_a_word_after_its_prefix(llm, tokenizer):
 
 
 def test_bad_word_bans_follow_the_output():
-    from services.engine.request import Request
-    from services.engine.stop_checker import banned_token_ids
+    from kvrelay.engine.request import Request
+    from kvrelay.engine.stop_checker import banned_token_ids
     request = Request("r", [1, 2], SamplingParams(bad_words_token_ids=[[7], [5, 6], [4, 5, 9]]))
     assert banned_token_ids(request) == [7]
     request.append_token(5)

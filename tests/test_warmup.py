@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.config import EngineConfig
-from services.engine.models.packed_linear import PackedLinear
-from services.engine.step_padding import bucket_sizes
-from services.worker import warmup
+from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.models.packed_linear import PackedLinear
+from kvrelay.engine.step_padding import bucket_sizes
+from kvrelay.worker import warmup
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def stop(process: subprocess.Popen, grace_s: float = 30) -> None:
 
 def default_gguf() -> Path:
     # The same file kvrelay serves by default (found without importing the wheel).
-    from services.engine.model_loader import default_gguf_path
+    from kvrelay.engine.model_loader import default_gguf_path
     return default_gguf_path()
 
 

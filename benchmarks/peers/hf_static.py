@@ -15,13 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for services.bench.prompts
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for kvrelay.bench.prompts
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from services.bench.prompts import chat64  # noqa: E402
+from kvrelay.bench.prompts import chat64  # noqa: E402
 
 
 def generate_all(model, tokenizer, texts: list[str], batch_size: int, max_tokens: int) -> int:

@@ -41,7 +41,7 @@ def install(home: str | Path | None = None, version: str = TRANSFORMERS) -> Path
 
 def model_dir() -> Path:
     # kvrelay's converted copy of the default GGUF (converted on first use).
-    from services.engine.model_loader import resolve_model_dir
+    from kvrelay.engine.model_loader import resolve_model_dir
     return resolve_model_dir(None)
 
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def up_command(topology: str, port: int, log_dir: Path, dtype: str | None,
                threads: int | None, up_flags: list[str] = ()) -> list[str]:
     # REST on port, public gRPC on port+1, internal services from port+2 on.
-    command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
+    command = [sys.executable, "-m", "kvrelay.cli", "up", "--topology", topology,
                "--port", str(port), "--grpc-port", str(port + 1), "--base-port", str(port + 2),
                "--log-dir", str(log_dir), "--state-file", str(log_dir / "state.json")]
     if dtype:
@@ -41,7 +41,7 @@ def version() -> str:
 
 
 def resolved_dtype(dtype: str | None) -> str:
-    from services.engine.hardware import resolve_dtype
+    from kvrelay.engine.hardware import resolve_dtype
     return str(resolve_dtype(dtype or "auto", "cpu")).removeprefix("torch.")
 
 

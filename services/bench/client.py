@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from services.bench.records import RequestRecord
-from services.bench.workloads import BenchRequest
+from kvrelay.bench.records import RequestRecord
+from kvrelay.bench.workloads import BenchRequest
 
 BACKENDS = ("openai", "transformers")
 

@@ -29,7 +29,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def make_llm(args, **extra_engine_args):
     """The engine the flags describe; extra_engine_args (a speculative config, say) go to LLM
     as they are."""
-    from services.engine import LLM
+    from kvrelay.engine import LLM
     engine_args = {"num_threads": args.num_threads,
                    "enable_prefix_caching": args.prefix_caching, **extra_engine_args}
     for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens", "amx_max_tokens",

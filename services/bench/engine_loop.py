@@ -9,7 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from services.bench.records import RequestRecord
+from kvrelay.bench.records import RequestRecord
 
 _run_ids = itertools.count()  # request ids stay unique when one engine serves several runs
 
@@ -32,7 +32,7 @@ class EngineRun:
 
 def drive(llm, items: list[OfflineItem], temperature: float = 0.0, ignore_eos: bool = True,
           time_limit_s: float | None = None) -> EngineRun:
-    from services.engine import SamplingParams
+    from kvrelay.engine import SamplingParams
     engine, run_id = llm.engine, next(_run_ids)
     pending = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     records: dict[int, RequestRecord] = {}

@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from services.bench.engine_args import add_engine_arguments, engine_description, make_llm
-from services.bench.engine_loop import OfflineItem, drive
-from services.bench.metrics import distribution
-from services.bench.outputs import command_line
+from kvrelay.bench.engine_args import add_engine_arguments, engine_description, make_llm
+from kvrelay.bench.engine_loop import OfflineItem, drive
+from kvrelay.bench.metrics import distribution
+from kvrelay.bench.outputs import command_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,10 +10,10 @@ import argparse
 import importlib
 
 BENCHMARKS = {
-    "serve": ("services.bench.serve", "drive an OpenAI-compatible server with a workload"),
-    "latency": ("services.bench.latency",
+    "serve": ("kvrelay.bench.serve", "drive an OpenAI-compatible server with a workload"),
+    "latency": ("kvrelay.bench.latency",
                 "in-process engine: batch-size sweep of fixed lengths, time per step"),
-    "throughput": ("services.bench.throughput", "in-process engine: a workload offline, tok/s"),
+    "throughput": ("kvrelay.bench.throughput", "in-process engine: a workload offline, tok/s"),
 }
 
 

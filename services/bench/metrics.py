@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from services.bench.records import RequestRecord
+from kvrelay.bench.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

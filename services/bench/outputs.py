@@ -6,11 +6,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from services.bench import report
+from kvrelay.bench import report
 
 
 def command_line() -> str:
-    """The command as the user typed it (`python -m services.cli` reads as `kvrelay`)."""
+    """The command as the user typed it (`python -m kvrelay.cli` reads as `kvrelay`)."""
     if Path(sys.argv[0]).name in ("kvrelay", "cli.py"):
         return "kvrelay " + shlex.join(sys.argv[1:])
     return shlex.join(sys.argv)
@@ -30,7 +30,7 @@ def write_outputs(result: dict, records: list, out: Path) -> dict:
 
 def _plots(result: dict, records: list, out: Path) -> dict:
     try:  # matplotlib loads only when there is something to draw
-        from services.bench import plots
+        from kvrelay.bench import plots
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
         return {}

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: headless machines and CI have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from services.bench.records import RequestRecord  # noqa: E402
+from kvrelay.bench.records import RequestRecord  # noqa: E402
 
 # (title, unit scale, how to get the values of one run)
 LATENCIES = [

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from services.bench.client import ServerOptions, send
-from services.bench.progress import Progress
-from services.bench.records import RequestRecord
-from services.bench.workloads import BenchRequest
+from kvrelay.bench.client import ServerOptions, send
+from kvrelay.bench.progress import Progress
+from kvrelay.bench.records import RequestRecord
+from kvrelay.bench.workloads import BenchRequest
 
 
 @dataclass(slots=True)

@@ -17,14 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.bench import report, spec_metrics, workloads
-from services.bench.outputs import command_line, write_outputs
-from services.bench.client import BACKENDS, ServerOptions, discover_model
-from services.bench.metrics import Slo, max_rate_meeting, summarize
-from services.bench.progress import Progress
-from services.bench.runner import Limits, RunResult, make_client
-from services.bench.runner import run as run_workload
-from services.common.runtime import run_loop
+from kvrelay.bench import report, spec_metrics, workloads
+from kvrelay.bench.outputs import command_line, write_outputs
+from kvrelay.bench.client import BACKENDS, ServerOptions, discover_model
+from kvrelay.bench.metrics import Slo, max_rate_meeting, summarize
+from kvrelay.bench.progress import Progress
+from kvrelay.bench.runner import Limits, RunResult, make_client
+from kvrelay.bench.runner import run as run_workload
+from kvrelay.common.runtime import run_loop
 
 
 @dataclass(slots=True)

@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from services.bench import report, workloads
-from services.bench.engine_args import add_engine_arguments, engine_description, make_llm
-from services.bench.engine_loop import OfflineItem, drive
-from services.bench.metrics import Slo, summarize
-from services.bench.outputs import command_line, write_outputs
+from kvrelay.bench import report, workloads
+from kvrelay.bench.engine_args import add_engine_arguments, engine_description, make_llm
+from kvrelay.bench.engine_loop import OfflineItem, drive
+from kvrelay.bench.metrics import Slo, summarize
+from kvrelay.bench.outputs import command_line, write_outputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

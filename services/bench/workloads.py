@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.bench.grounded import grounded
-from services.bench.prompts import chat64, shared_prefix, user_message
+from kvrelay.bench.grounded import grounded
+from kvrelay.bench.prompts import chat64, shared_prefix, user_message
 
 DEFAULT_MAX_TOKENS = 128
 WORKLOADS = ("chat-64", "chat-64-json", "grounded", "poisson", "shared-prefix", "long+short",

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from services.common.flags import add_flag
+from kvrelay.common.flags import add_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.common.certs import LEAF_DAYS, ROLES
+    from kvrelay.common.certs import LEAF_DAYS, ROLES
     add_flag(parser, "--out", required=True, help="directory to write the PEM files into")
     add_flag(parser, "--roles", default=",".join(ROLES),
              help=f"comma-separated roles to issue ({', '.join(ROLES)})")
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cryptography import x509
 
-    from services.common.certs import Authority, write_bundle, write_file
+    from kvrelay.common.certs import Authority, write_bundle, write_file
     out = Path(args.out)
     if args.revoke:  # services re-read the CRL at their next call: nothing restarts
         authority = Authority.load(out / "ca.pem", out / "ca-key.pem")

@@ -8,8 +8,8 @@ from typing import Unpack
 
 import grpc
 
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.client.types import (FINISH_REASONS, Choice, Completion, GenerationChunk,
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.client.types import (FINISH_REASONS, Choice, Completion, GenerationChunk,
                                    KvrelayError, ModelInfo, SamplingOptions, TokenLogprob, Usage)
 
 Messages = list[dict[str, str]]

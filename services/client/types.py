@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from services.api.kvrelay.v1 import common_pb2
+from kvrelay.api.kvrelay.v1 import common_pb2
 
 
 class SamplingOptions(TypedDict, total=False):

@@ -17,8 +17,8 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from services.common.certs import ROLES
-from services.common.tls import TlsFiles
+from kvrelay.common.certs import ROLES
+from kvrelay.common.tls import TlsFiles
 
 ANY_ROLE = frozenset(ROLES)
 # Full method name -> the roles that may call it. Methods not listed are refused.

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.tls import server_name
+from kvrelay.common.tls import server_name
 
 # gateway, tokenizer and scheduler are services; both worker kinds share "worker" (either may
 # push KV to the other); "admin" is for operators and tools: health and Stats, nothing else.

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from services.common import tls
-from services.common.log import get_logger
+from kvrelay.common import tls
+from kvrelay.common.log import get_logger
 
 # Internal messages (KV chunks, step batches) can be large; the KV connector chunks its own
 # messages under gRPC's 4 MiB default, the rest stays far below this.
@@ -63,7 +63,7 @@ class ServiceServer:
         internal_tls = None if public else tls.installed()
         interceptors = []
         if internal_tls is not None:
-            from services.common.authz import RoleInterceptor  # cryptography only with TLS on
+            from kvrelay.common.authz import RoleInterceptor  # cryptography only with TLS on
             interceptors.append(RoleInterceptor(internal_tls))
         # gRPC takes the first of repeated options: a service's own come first, to override.
         self.server = grpc.aio.server(options=list(extra_options or []) + SERVER_OPTIONS,

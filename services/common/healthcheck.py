@@ -1,4 +1,4 @@
-"""A gRPC health probe for containers: `python -m services.common.healthcheck HOST:PORT`.
+"""A gRPC health probe for containers: `python -m kvrelay.common.healthcheck HOST:PORT`.
 
 Exits 0 when the server answers SERVING for the service (default "": the whole server) and 1
 otherwise (NOT_SERVING while a model loads or the service drains, refused, timed out). Docker
@@ -34,8 +34,8 @@ def _channel(address: str) -> grpc.Channel:
     paths = [os.environ.get(f"KVRELAY_TLS_{name}") for name in ("CA", "CERT", "KEY")]
     if not all(paths):
         return grpc.insecure_channel(address)
-    from services.common.authz import peer_role_of_pem
-    from services.common.tls import TlsFiles, channel_credentials, target_options
+    from kvrelay.common.authz import peer_role_of_pem
+    from kvrelay.common.tls import TlsFiles, channel_credentials, target_options
     files = TlsFiles(*paths)
     with open(files.cert, "rb") as handle:
         own_role = peer_role_of_pem(handle.read())
@@ -44,7 +44,7 @@ def _channel(address: str) -> grpc.Channel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.common.healthcheck",
+    parser = argparse.ArgumentParser(prog="python -m kvrelay.common.healthcheck",
                                      description="exit 0 if a gRPC server reports SERVING")
     parser.add_argument("address", help="host:port of the gRPC server")
     parser.add_argument("--service", default="", help="health service name ('' = the server)")

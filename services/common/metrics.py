@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.common.metrics_http import start_metrics_server
+from kvrelay.common.metrics_http import start_metrics_server
 
 REGISTRY = CollectorRegistry()
 

@@ -7,7 +7,7 @@ import gc
 import os
 from collections.abc import Coroutine
 
-from services.common.log import setup_logging
+from kvrelay.common.log import setup_logging
 
 
 def run_service(name: str, main: Coroutine, log_level: str = "info") -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.flags import add_flag
+from kvrelay.common.flags import add_flag
 
 SERVER_NAME_SUFFIX = ".kvrelay.internal"
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "services.engine.llm",
-    "SamplingParams": "services.engine.sampling_params",
-    "EngineConfig": "services.engine.config",
-    "RequestOutput": "services.engine.outputs",
-    "CompletionOutput": "services.engine.outputs",
-    "Logprob": "services.engine.outputs",
+    "LLM": "kvrelay.engine.llm",
+    "SamplingParams": "kvrelay.engine.sampling_params",
+    "EngineConfig": "kvrelay.engine.config",
+    "RequestOutput": "kvrelay.engine.outputs",
+    "CompletionOutput": "kvrelay.engine.outputs",
+    "Logprob": "kvrelay.engine.outputs",
 }
 __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'services.engine' has no attribute {name!r}")
+        raise AttributeError(f"module 'kvrelay.engine' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

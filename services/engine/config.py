@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from services.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")

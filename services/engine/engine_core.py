@@ -9,18 +9,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig
 
-from services.engine.config import EngineConfig
-from services.engine.hardware import resolve_device, resolve_dtype
-from services.engine.model_loader import check_architecture, resolve_model_dir
-from services.engine.model_runner import ModelRunner
-from services.engine.prefill_chunks import attention_crossover
-from services.engine.request import Request
-from services.engine.sampler import Sampler
-from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.spec.drafter import Drafter
-from services.engine.spec.verify import EmittedRun, sample_items
-from services.engine.structured.backend import step_bitmasks
-from services.engine.structured.compiler import GrammarCompiler, make_backend
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.hardware import resolve_device, resolve_dtype
+from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.prefill_chunks import attention_crossover
+from kvrelay.engine.request import Request
+from kvrelay.engine.sampler import Sampler
+from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.spec.drafter import Drafter
+from kvrelay.engine.spec.verify import EmittedRun, sample_items
+from kvrelay.engine.structured.backend import step_bitmasks
+from kvrelay.engine.structured.compiler import GrammarCompiler, make_backend
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block
-from services.engine.request import Request
+from kvrelay.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from kvrelay.engine.request import Request
 
 
 @dataclass(slots=True)

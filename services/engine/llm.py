@@ -8,14 +8,14 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from services.engine.config import EngineConfig
-from services.engine.conversation import check_conversation
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.engine_core import EngineCore, RequestUpdate
-from services.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from services.engine.request import Request, RequestStatus
-from services.engine.sampler import make_generator
-from services.engine.sampling_params import SamplingParams
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.conversation import check_conversation
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.engine_core import EngineCore, RequestUpdate
+from kvrelay.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.sampler import make_generator
+from kvrelay.engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
 # Offline batches want throughput over first-token latency: a larger per-step budget admits the

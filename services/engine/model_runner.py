@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import build_attention_metadata
-from kernels.native_cpu import paged_decode_op
-from kernels.native_elementwise import elementwise_ops
-from services.engine import shared_pages
-from services.engine.models import gguf_int4, gguf_q8_head, small_steps
-from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.no_init import skip_weight_init
-from services.engine.models.packed_linear import onednn_min_rows, packing_supported
-from services.engine.models.weights import load_weights
-from services.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
+from kvrelay.kernels.metadata import build_attention_metadata
+from kvrelay.kernels.native_cpu import paged_decode_op
+from kvrelay.kernels.native_elementwise import elementwise_ops
+from kvrelay.engine import shared_pages
+from kvrelay.engine.models import gguf_int4, gguf_q8_head, small_steps
+from kvrelay.engine.models.llama import LlamaForCausalLM
+from kvrelay.engine.models.no_init import skip_weight_init
+from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
+from kvrelay.engine.models.weights import load_weights
+from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 
 
 # 0: steps keep their own row count on oneDNN (to compare; step_padding.py says why they do not)

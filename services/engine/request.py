@@ -5,13 +5,13 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from services.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only an annotation: the scheduler process imports this and never needs torch
     import torch
 
-    from services.engine.spec.state import DraftState
-    from services.engine.structured.backend import GrammarMatcher
+    from kvrelay.engine.spec.state import DraftState
+    from kvrelay.engine.structured.backend import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

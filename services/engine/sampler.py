@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_draw import (NUM_NUCLEUS_CANDIDATES, sample_from_probs,
+from kvrelay.engine.sampling_draw import (NUM_NUCLEUS_CANDIDATES, sample_from_probs,
                                            truncation_cutoffs)
-from services.engine.sampling_ops import (add_logit_bias_, apply_penalties_, ban_tokens_,
+from kvrelay.engine.sampling_ops import (add_logit_bias_, apply_penalties_, ban_tokens_,
                                           greedy_tokens, keep_only_, top_logprobs)
-from services.engine.sampling_params import SamplingParams
-from services.engine.spec.rejection import rejection_sample_any
-from services.engine.structured import bitmask as token_bitmask
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.spec.rejection import rejection_sample_any
+from kvrelay.engine.structured import bitmask as token_bitmask
 
 _MASK64 = (1 << 64) - 1
 

@@ -11,7 +11,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kernels import native_elementwise
+from kvrelay.kernels import native_elementwise
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from services.engine.structured.spec import StructuredOutputs, from_vllm_fields
+from kvrelay.engine.structured.spec import StructuredOutputs, from_vllm_fields
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024  # OpenAI takes 300; vLLM any number

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.config import EngineConfig
-from services.engine.block_pool import KVBlock
-from services.engine.kv_cache_manager import KVCacheManager
-from services.engine.prefill_chunks import long_prefill_chunk
-from services.engine.request import Request, RequestStatus
-from services.engine.spec.drafter import Drafter
-from services.engine.stop_checker import advance_grammar, check_stop
-from services.engine.waiting_queue import WaitingQueue
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.block_pool import KVBlock
+from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.prefill_chunks import long_prefill_chunk
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.spec.drafter import Drafter
+from kvrelay.engine.stop_checker import advance_grammar, check_stop
+from kvrelay.engine.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from services.engine.request import Request, RequestStatus
+from kvrelay.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from services.engine.request import Request
+from kvrelay.engine.request import Request
 
 
 class WaitingQueue:

@@ -17,16 +17,16 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.common.log import bind_request_id, get_logger
-from services.gateway.errors import KINDS, GatewayError, invalid
-from services.gateway.openai_chat import create_chat_completion
-from services.gateway.openai_completions import create_completion
-from services.gateway.openai_limits import check_body_limits, check_unparsed_text, read_body
-from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+from kvrelay.common.log import bind_request_id, get_logger
+from kvrelay.gateway.errors import KINDS, GatewayError, invalid
+from kvrelay.gateway.openai_chat import create_chat_completion
+from kvrelay.gateway.openai_completions import create_completion
+from kvrelay.gateway.openai_limits import check_body_limits, check_unparsed_text, read_body
+from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
-from services.gateway.openai_serving import ClientDisconnected, served_model
-from services.gateway.openai_tools import chat_messages
-from services.gateway.redaction import log_unexpected
+from kvrelay.gateway.openai_serving import ClientDisconnected, served_model
+from kvrelay.gateway.openai_tools import chat_messages
+from kvrelay.gateway.redaction import log_unexpected
 
 log = get_logger(__name__)
 REQUEST_ID_HEADER = "x-request-id"

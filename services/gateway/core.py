@@ -12,20 +12,20 @@ import uuid
 
 import grpc
 
-from services.api.kvrelay.v1 import scheduler_pb2
-from services.common.log import get_logger
-from services.wire import params_to_proto
-from services.engine.sampling_params import SamplingParams
-from services.gateway import metrics
-from services.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
-from services.gateway.errors import GatewayError
-from services.gateway.limits import RequestLimits
-from services.gateway.redaction import withhold_library_exception_messages
-from services.gateway.request_group import RequestGroup
-from services.gateway.request_state import RequestState
-from services.gateway.router import OutputRouter
-from services.gateway.scheduler_group import SchedulerGroup, least_loaded
-from services.gateway.upstream import Upstream
+from kvrelay.api.kvrelay.v1 import scheduler_pb2
+from kvrelay.common.log import get_logger
+from kvrelay.wire import params_to_proto
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.gateway import metrics
+from kvrelay.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
+from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.limits import RequestLimits
+from kvrelay.gateway.redaction import withhold_library_exception_messages
+from kvrelay.gateway.request_group import RequestGroup
+from kvrelay.gateway.request_state import RequestState
+from kvrelay.gateway.router import OutputRouter
+from kvrelay.gateway.scheduler_group import SchedulerGroup, least_loaded
+from kvrelay.gateway.upstream import Upstream
 
 log = get_logger(__name__)
 # Stats steer placement between scheduler groups, so with several groups they are polled often.

@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import grpc
 
-from services.api.kvrelay.v1 import tokenizer_pb2
-from services.common.log import get_logger
-from services.gateway import metrics
+from kvrelay.api.kvrelay.v1 import tokenizer_pb2
+from kvrelay.common.log import get_logger
+from kvrelay.gateway import metrics
 
 log = get_logger(__name__)
 # Between two tries at a new stream: doubled after each failed one, from the first to the last

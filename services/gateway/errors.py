@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import grpc
 
-from services.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 # kind -> (HTTP status, OpenAI error type, gRPC status code)
 KINDS = {

@@ -8,16 +8,16 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import DecodeError
 
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.common.log import bind_request_id, get_logger
-from services.wire import params_from_proto
-from services.gateway.errors import GatewayError, invalid, param_from_value_error
-from services.gateway.limits import RequestLimits
-from services.gateway.openai_serving import generation_model, served_model
-from services.gateway.request_group import RequestGroup
-from services.gateway.request_state import SampleDelta
-from services.gateway.text_fields import proto_texts, undecodable_string_field
-from services.tokenizer.tool_render import parse_tool_calls
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.common.log import bind_request_id, get_logger
+from kvrelay.wire import params_from_proto
+from kvrelay.gateway.errors import GatewayError, invalid, param_from_value_error
+from kvrelay.gateway.limits import RequestLimits
+from kvrelay.gateway.openai_serving import generation_model, served_model
+from kvrelay.gateway.request_group import RequestGroup
+from kvrelay.gateway.request_state import SampleDelta
+from kvrelay.gateway.text_fields import proto_texts, undecodable_string_field
+from kvrelay.tokenizer.tool_render import parse_tool_calls
 
 log = get_logger(__name__)
 

@@ -13,9 +13,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
-from services.common.flags import add_flag
-from services.engine.sampling_params import MAX_LOGPROBS
-from services.gateway.errors import GatewayError, invalid
+from kvrelay.common.flags import add_flag
+from kvrelay.engine.sampling_params import MAX_LOGPROBS
+from kvrelay.gateway.errors import GatewayError, invalid
 
 # Text the model may be given: any Unicode but the C0/C1 control characters (tab, newline and
 # carriage return excepted), which no client means to send and tokenizers treat differently.

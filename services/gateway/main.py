@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import uuid
 
-from services.api.kvrelay.v1 import generation_pb2
-from services.common.flags import add_flag
-from services.common.tls import add_tls_flags, install, tls_files_from_args
-from services.gateway.public_tls import add_public_tls_flags, public_tls_from_args
-from services.common.log import get_logger
-from services.common.runtime import run_service
-from services.gateway.limits import RequestLimits, add_limit_flags
+from kvrelay.api.kvrelay.v1 import generation_pb2
+from kvrelay.common.flags import add_flag
+from kvrelay.common.tls import add_tls_flags, install, tls_files_from_args
+from kvrelay.gateway.public_tls import add_public_tls_flags, public_tls_from_args
+from kvrelay.common.log import get_logger
+from kvrelay.common.runtime import run_service
+from kvrelay.gateway.limits import RequestLimits, add_limit_flags
 
 log = get_logger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -66,13 +66,13 @@ async def serve(args: argparse.Namespace) -> None:
                          f"got {args.tokenizer_wait_timeout}")
     install(tls_files_from_args(args))  # this process's identity on every internal hop
     public_tls = public_tls_from_args(args)
-    from services.common.grpc_server import ServiceServer
-    from services.common.metrics import serve_metrics
-    from services.gateway.app import build_app
-    from services.gateway.core import GatewayCore
-    from services.gateway.grpc_api import GenerationServicer, add_generation_service
-    from services.gateway.rest_server import RestServer
-    from services.gateway.upstream import Upstream
+    from kvrelay.common.grpc_server import ServiceServer
+    from kvrelay.common.metrics import serve_metrics
+    from kvrelay.gateway.app import build_app
+    from kvrelay.gateway.core import GatewayCore
+    from kvrelay.gateway.grpc_api import GenerationServicer, add_generation_service
+    from kvrelay.gateway.rest_server import RestServer
+    from kvrelay.gateway.upstream import Upstream
 
     gateway_id = args.gateway_id or f"gateway-{uuid.uuid4().hex[:12]}"
     schedulers = [address.strip() for address in args.scheduler_address.split(",")

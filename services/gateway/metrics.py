@@ -1,7 +1,7 @@
 """The gateway's request metrics, with vLLM's names under the `kvrelay:` prefix."""
 from __future__ import annotations
 
-from services.common.metrics import counter, gauge, histogram
+from kvrelay.common.metrics import counter, gauge, histogram
 
 REQUEST_SUCCESS = counter("request_success_total", "Finished samples, by finish reason",
                           ("finished_reason",))

@@ -6,17 +6,17 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from services.gateway.errors import GatewayError
-from services.gateway.openai_logprobs import chat_logprobs
-from services.gateway.openai_params import chat_params, with_bad_words
-from services.gateway.openai_protocol import ChatCompletionRequest
-from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
+from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.openai_logprobs import chat_logprobs
+from kvrelay.gateway.openai_params import chat_params, with_bad_words
+from kvrelay.gateway.openai_protocol import ChatCompletionRequest
+from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
                                              collect_choices, generation_model, sse, sse_error,
                                              unless_disconnected, usage)
-from services.gateway.openai_structured import blame_constraint
-from services.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
+from kvrelay.gateway.openai_structured import blame_constraint
+from kvrelay.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
                                            tool_choice_mode, tool_grammar, tools_in_play)
-from services.gateway.request_group import RequestGroup
+from kvrelay.gateway.request_group import RequestGroup
 
 
 async def create_chat_completion(core, http_request: Request, body: ChatCompletionRequest,

@@ -7,15 +7,15 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from services.gateway.errors import GatewayError, invalid
-from services.gateway.openai_logprobs import CompletionLogprobs
-from services.gateway.openai_params import completion_params, with_bad_words
-from services.gateway.openai_protocol import CompletionRequest
-from services.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
+from kvrelay.gateway.errors import GatewayError, invalid
+from kvrelay.gateway.openai_logprobs import CompletionLogprobs
+from kvrelay.gateway.openai_params import completion_params, with_bad_words
+from kvrelay.gateway.openai_protocol import CompletionRequest
+from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
                                              collect_choices, generation_model, sse, sse_error,
                                              unless_disconnected, usage)
-from services.gateway.openai_structured import blame_constraint
-from services.gateway.request_group import RequestGroup
+from kvrelay.gateway.openai_structured import blame_constraint
+from kvrelay.gateway.request_group import RequestGroup
 
 
 async def create_completion(core, http_request: Request, body: CompletionRequest,

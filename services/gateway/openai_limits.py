@@ -8,10 +8,10 @@ import re
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from services.gateway.limits import RequestLimits
-from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+from kvrelay.gateway.limits import RequestLimits
+from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               SamplingFields)
-from services.gateway.text_fields import json_texts
+from kvrelay.gateway.text_fields import json_texts
 
 # What a control character looks like in a JSON body: a raw byte (DEL; C0, which JSON forbids
 # unescaped in strings), C1 in UTF-8 (\xc2\x80-\xc2\x9f) or an escape (\u0001). A body without

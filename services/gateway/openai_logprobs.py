@@ -1,7 +1,7 @@
 """Logprobs in the two OpenAI shapes: chat's `content` list and completions' four lists."""
 from __future__ import annotations
 
-from services.gateway.request_state import TokenLogprob
+from kvrelay.gateway.request_state import TokenLogprob
 
 # JSON has no -inf; vLLM reports impossible tokens as this.
 LOGPROB_FLOOR = -9999.0

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from services.engine.structured.spec import StructuredOutputs
-from services.gateway.errors import invalid, param_from_value_error
-from services.gateway.openai_structured import logit_bias, structured_outputs
-from services.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+from kvrelay.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvrelay.engine.structured.spec import StructuredOutputs
+from kvrelay.gateway.errors import invalid, param_from_value_error
+from kvrelay.gateway.openai_structured import logit_bias, structured_outputs
+from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               SamplingFields)
 
 # Request fields passed through as they are unless null (null means the engine's default).

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from services.gateway.errors import GatewayError, invalid
-from services.gateway.request_group import RequestGroup
-from services.gateway.request_state import SampleDelta
+from kvrelay.gateway.errors import GatewayError, invalid
+from kvrelay.gateway.request_group import RequestGroup
+from kvrelay.gateway.request_state import SampleDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
 

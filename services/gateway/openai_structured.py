@@ -2,9 +2,9 @@
 structured_outputs and its older guided_* fields (one of them), and logit_bias."""
 from __future__ import annotations
 
-from services.engine.structured.spec import StructuredOutputs, from_vllm_fields
-from services.gateway.errors import GatewayError, invalid
-from services.gateway.openai_protocol import SamplingFields
+from kvrelay.engine.structured.spec import StructuredOutputs, from_vllm_fields
+from kvrelay.gateway.errors import GatewayError, invalid
+from kvrelay.gateway.openai_protocol import SamplingFields
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

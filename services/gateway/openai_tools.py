@@ -15,9 +15,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from services.engine.structured.spec import StructuredOutputs
-from services.gateway.errors import invalid
-from services.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY
+from kvrelay.engine.structured.spec import StructuredOutputs
+from kvrelay.gateway.errors import invalid
+from kvrelay.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}  # as for response_format (llguidance_backend.py)

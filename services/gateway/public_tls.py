@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.flags import add_flag
+from kvrelay.common.flags import add_flag
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from services.common.log import get_logger
-from services.gateway import metrics
-from services.gateway.request_state import RequestState, SampleDelta
+from kvrelay.common.log import get_logger
+from kvrelay.gateway import metrics
+from kvrelay.gateway.request_state import RequestState, SampleDelta
 
 log = get_logger(__name__)
 

@@ -7,10 +7,10 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2
-from services.engine.sampling_params import SamplingParams
-from services.gateway import metrics
-from services.gateway.stop_strings import StopStringMatcher
+from kvrelay.api.kvrelay.v1 import common_pb2, tokenizer_pb2
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.gateway import metrics
+from kvrelay.gateway.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,

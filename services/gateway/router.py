@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from services.api.kvrelay.v1 import tokenizer_pb2
-from services.gateway.request_state import RequestState, SampleDelta
+from kvrelay.api.kvrelay.v1 import tokenizer_pb2
+from kvrelay.gateway.request_state import RequestState, SampleDelta
 
 
 class OutputRouter:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import grpc
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.grpc_server import channel
-from services.common.log import get_logger, request_metadata
-from services.gateway.errors import from_rpc_error
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common.grpc_server import channel
+from kvrelay.common.log import get_logger, request_metadata
+from kvrelay.gateway.errors import from_rpc_error
 
 log = get_logger(__name__)
 

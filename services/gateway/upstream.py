@@ -9,12 +9,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.grpc_server import channel
-from services.common.log import request_metadata
-from services.gateway.errors import from_rpc_error
-from services.gateway.scheduler_group import CALL_TIMEOUT_S, SchedulerGroup
-from services.tokenizer.tool_render import KVRELAY
+from kvrelay.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from kvrelay.common.grpc_server import channel
+from kvrelay.common.log import request_metadata
+from kvrelay.gateway.errors import from_rpc_error
+from kvrelay.gateway.scheduler_group import CALL_TIMEOUT_S, SchedulerGroup
+from kvrelay.tokenizer.tool_render import KVRELAY
 
 WATCH_RETRY_S = 0.5
 # Requests in flight wait (--tokenizer-wait-timeout) for a lost tokenizer: gRPC's own reconnect

@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from services.common.log import get_logger
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.structured.backend import CompiledGrammar
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.deltas import finish_delta
-from services.scheduler.messages import BOTH, DECODE, PREFILL, Delta, FinishReason, WorkerInfo
-from services.scheduler.records import Phase, RequestRecord, SampleRecord
-from services.scheduler.registry import WorkerRecord, WorkerRegistry
-from services.scheduler.transfers import Transfer, TransferBook, TransferState
+from kvrelay.common.log import get_logger
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.structured.backend import CompiledGrammar
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.scheduler.deltas import finish_delta
+from kvrelay.scheduler.messages import BOTH, DECODE, PREFILL, Delta, FinishReason, WorkerInfo
+from kvrelay.scheduler.records import Phase, RequestRecord, SampleRecord
+from kvrelay.scheduler.registry import WorkerRecord, WorkerRegistry
+from kvrelay.scheduler.transfers import Transfer, TransferBook, TransferState
 
 log = get_logger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.config import GRAMMAR_BACKENDS, EngineConfig
+from kvrelay.engine.config import GRAMMAR_BACKENDS, EngineConfig
 
 SHARED_COMPUTE_MODES = ("serialize", "split", "overlap")
 

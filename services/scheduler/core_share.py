@@ -24,9 +24,9 @@ from collections.abc import Callable
 from itertools import chain
 from typing import AsyncIterator
 
-from services.scheduler.messages import DECODE
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.step_gate import OWN_CORES, StepGate
+from kvrelay.scheduler.messages import DECODE
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.step_gate import OWN_CORES, StepGate
 
 
 class CoreShare:

@@ -1,9 +1,9 @@
 """The deltas a sample's gateway receives: its new tokens, its end."""
 from __future__ import annotations
 
-from services.engine.request import Request, RequestStatus
-from services.scheduler.messages import Delta, FinishReason, TokenLogprob
-from services.scheduler.records import SampleRecord
+from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.scheduler.messages import Delta, FinishReason, TokenLogprob
+from kvrelay.scheduler.records import SampleRecord
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,

@@ -2,11 +2,11 @@
 back. Nothing past this module (and the gRPC handlers that call it) sees a `_pb2` type."""
 from __future__ import annotations
 
-from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
-from services.scheduler.messages import (Delta, FinishReason, NewSequence, Role, Sampled,
+from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
+from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, Role, Sampled,
                                          ScheduledSequence, SendOrder, SendResult, StepOrder,
                                          StepOutcome, TokenLogprob, WorkerInfo)
-from services.wire import params_to_proto
+from kvrelay.wire import params_to_proto
 
 ROLES = {scheduler_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
          scheduler_pb2.WORKER_ROLE_DECODE: Role.DECODE,

@@ -8,11 +8,11 @@ tokenizer of --model, sized to the registered workers' vocabulary.
 """
 from __future__ import annotations
 
-from services.engine.model_loader import resolve_model_dir
-from services.engine.structured.compiler import GrammarCompiler, make_backend
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.messages import BOTH, DECODE, PREFILL
-from services.scheduler.registry import WorkerRegistry
+from kvrelay.engine.model_loader import resolve_model_dir
+from kvrelay.engine.structured.compiler import GrammarCompiler, make_backend
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.scheduler.messages import BOTH, DECODE, PREFILL
+from kvrelay.scheduler.registry import WorkerRegistry
 
 
 def scheduler_grammars(config: SchedulerConfig, registry: WorkerRegistry) -> GrammarCompiler:

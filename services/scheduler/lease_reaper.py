@@ -13,9 +13,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from services.common.log import get_logger
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.registry import WorkerRecord
+from kvrelay.common.log import get_logger
+from kvrelay.scheduler.cluster import ClusterScheduler
+from kvrelay.scheduler.registry import WorkerRecord
 
 log = get_logger(__name__)
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common import metrics
-from services.common.flags import add_flag
-from services.common.tls import add_tls_flags, install, tls_files_from_args
-from services.common.grpc_server import ServiceServer
-from services.common.log import get_logger
-from services.common.runtime import run_service
-from services.engine.config import GRAMMAR_BACKENDS, EngineConfig
-from services.engine.spec.config import SpeculativeConfig
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common import metrics
+from kvrelay.common.flags import add_flag
+from kvrelay.common.tls import add_tls_flags, install, tls_files_from_args
+from kvrelay.common.grpc_server import ServiceServer
+from kvrelay.common.log import get_logger
+from kvrelay.common.runtime import run_service
+from kvrelay.engine.config import GRAMMAR_BACKENDS, EngineConfig
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.scheduler.service import SchedulerService
 
 log = get_logger(__name__)
 

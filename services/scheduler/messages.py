@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.engine.sampling_params import SamplingParams
+from kvrelay.engine.sampling_params import SamplingParams
 
 
 class Role(enum.Enum):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
-from services.api.kvrelay.v1 import scheduler_pb2
-from services.scheduler.edge import delta_to_proto
-from services.scheduler.messages import Delta
+from kvrelay.api.kvrelay.v1 import scheduler_pb2
+from kvrelay.scheduler.edge import delta_to_proto
+from kvrelay.scheduler.messages import Delta
 
 
 class DeltaSink:

@@ -17,10 +17,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.transfers import Transfer, TransferState
+from kvrelay.engine.request import Request
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.transfers import Transfer, TransferState
 
 
 class Phase(enum.Enum):

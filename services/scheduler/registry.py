@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from services.engine.scheduler import Scheduler
-from services.engine.spec.drafter import Drafter
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.messages import BOTH, DECODE, PREFILL, Role, WorkerInfo
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.spec.drafter import Drafter
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.scheduler.messages import BOTH, DECODE, PREFILL, Role, WorkerInfo
 
 
 @dataclass(slots=True, eq=False)

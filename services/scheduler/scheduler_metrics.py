@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import time
 
-from services.common import metrics
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.step_plan import StepPlan
+from kvrelay.common import metrics
+from kvrelay.scheduler.cluster import ClusterScheduler
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.step_plan import StepPlan
 
 RUNNING = metrics.gauge("num_requests_running", "Requests computing on a worker", ("worker",))
 WAITING = metrics.gauge("num_requests_waiting", "Requests queued for a worker", ("worker",))

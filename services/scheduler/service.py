@@ -6,19 +6,19 @@ import asyncio
 
 import grpc
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.log import bind_request_id, get_logger, request_id_from
-from services.scheduler import lease_reaper, scheduler_metrics
-from services.scheduler.cluster import ClusterScheduler, Overloaded, Unavailable
-from services.scheduler.config import SchedulerConfig
-from services.engine.structured.backend import GrammarError
-from services.scheduler.core_share import DomainGates
-from services.scheduler.grammars import scheduler_grammars
-from services.scheduler.edge import ROLE_TO_PROTO, worker_info_from_proto
-from services.scheduler.outputs import DeltaSink
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.worker_link import WorkerLink
-from services.wire import params_from_proto
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common.log import bind_request_id, get_logger, request_id_from
+from kvrelay.scheduler import lease_reaper, scheduler_metrics
+from kvrelay.scheduler.cluster import ClusterScheduler, Overloaded, Unavailable
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.engine.structured.backend import GrammarError
+from kvrelay.scheduler.core_share import DomainGates
+from kvrelay.scheduler.grammars import scheduler_grammars
+from kvrelay.scheduler.edge import ROLE_TO_PROTO, worker_info_from_proto
+from kvrelay.scheduler.outputs import DeltaSink
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.worker_link import WorkerLink
+from kvrelay.wire import params_from_proto
 
 log = get_logger(__name__)
 

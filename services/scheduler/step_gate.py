@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncContextManager, AsyncIterator, Protocol
 
-from services.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.registry import WorkerRecord
 
 
 class StepGate(Protocol):

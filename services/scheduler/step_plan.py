@@ -6,15 +6,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from services.engine.scheduler import ScheduledRequest, SchedulerOutput
-from services.engine.structured.backend import step_bitmasks
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.deltas import token_deltas
-from services.scheduler.messages import (PREFILL, NewSequence, ScheduledSequence, StepOrder,
+from kvrelay.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvrelay.engine.structured.backend import step_bitmasks
+from kvrelay.scheduler.cluster import ClusterScheduler
+from kvrelay.scheduler.deltas import token_deltas
+from kvrelay.scheduler.messages import (PREFILL, NewSequence, ScheduledSequence, StepOrder,
                                          StepOutcome)
-from services.scheduler.records import Phase
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.transfers import Transfer
+from kvrelay.scheduler.records import Phase
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.transfers import Transfer
 
 _step_ids = itertools.count(1)  # 0 marks results that are not a step's (KV send results)
 

@@ -30,10 +30,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from services.engine.block_pool import KVBlock
-from services.engine.request import Request
-from services.scheduler.messages import SendOrder
-from services.scheduler.registry import WorkerRecord
+from kvrelay.engine.block_pool import KVBlock
+from kvrelay.engine.request import Request
+from kvrelay.scheduler.messages import SendOrder
+from kvrelay.scheduler.registry import WorkerRecord
 
 
 class TransferState(enum.Enum):

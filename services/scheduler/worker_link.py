@@ -8,14 +8,14 @@ import asyncio
 
 import grpc
 
-from services.api.kvrelay.v1 import worker_pb2_grpc
-from services.common.grpc_server import channel
-from services.common.log import get_logger
-from services.scheduler import edge, scheduler_metrics
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.step_gate import StepGate
-from services.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
+from kvrelay.api.kvrelay.v1 import worker_pb2_grpc
+from kvrelay.common.grpc_server import channel
+from kvrelay.common.log import get_logger
+from kvrelay.scheduler import edge, scheduler_metrics
+from kvrelay.scheduler.cluster import ClusterScheduler
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.step_gate import StepGate
+from kvrelay.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
 
 log = get_logger(__name__)
 

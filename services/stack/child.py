@@ -13,7 +13,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from services.stack.plan import ServiceSpec
+from kvrelay.stack.plan import ServiceSpec
 
 LOG_TAIL_LINES = 40
 
@@ -39,7 +39,7 @@ class Child:
             # No preexec_fn (see child_entry.py): the child sets its own death signal, then
             # execs the service's own command line.
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.stack.child_entry", str(os.getpid()),
+                [sys.executable, "-m", "kvrelay.stack.child_entry", str(os.getpid()),
                  *self.spec.command()],
                 env=env, stdin=subprocess.DEVNULL, stdout=log or sys.stderr,
                 stderr=subprocess.STDOUT if log else sys.stderr, start_new_session=True)

@@ -5,7 +5,7 @@ a plain fork(), whose gRPC fork handlers can crash the child before it execs whi
 channels (grpc/grpc#43055, grpcio >= 1.80). Without one, Popen uses vfork and no handler runs.
 
 The service itself is then exec'd from its own command line (ServiceSpec.command()) rather than
-imported, so the stack knows the services only as commands and never imports services.cli (which
+imported, so the stack knows the services only as commands and never imports kvrelay.cli (which
 imports the stack for `up`). The death signal survives the exec; the pid stays the same.
 """
 from __future__ import annotations

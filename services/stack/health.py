@@ -7,7 +7,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.tls import TlsFiles, channel_credentials, target_options
+from kvrelay.common.tls import TlsFiles, channel_credentials, target_options
 
 PROBE_TIMEOUT_S = 1.0
 # Loopback health checks must not go through an HTTP proxy from the environment.

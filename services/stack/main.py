@@ -13,12 +13,12 @@ import os
 import tempfile
 from pathlib import Path
 
-from services.common.flags import add_flag, flag_env_names
-from services.engine.spec.config import SpeculativeConfig
-from services.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
-from services.stack.ports import busy_ports
-from services.stack.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
-from services.stack.supervisor import Supervisor, say
+from kvrelay.common.flags import add_flag, flag_env_names
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
+from kvrelay.stack.ports import busy_ports
+from kvrelay.stack.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
+from kvrelay.stack.supervisor import Supervisor, say
 
 STATE_FILE_NAME = "stack.json"
 
@@ -150,7 +150,7 @@ def _tls_directory(args: argparse.Namespace, log_dir: Path | None):
     if not (args.tls or args.tls_dir):
         yield None
         return
-    from services.common.certs import write_bundle
+    from kvrelay.common.certs import write_bundle
     if args.tls_dir or log_dir:
         directory = Path(args.tls_dir) if args.tls_dir else log_dir / "tls"
         if not (directory / "ca.pem").exists():

@@ -21,7 +21,7 @@ TOPOLOGIES = ("pd", "colocated")
 class ServiceSpec:
     name: str  # unique within the stack: tokenizer, scheduler, prefill-0, decode-0, gateway
     kind: str  # the `kvrelay` subcommand
-    argv: list[str]  # everything after `python -m services.cli`
+    argv: list[str]  # everything after `python -m kvrelay.cli`
     address: str  # host:port of its gRPC server (health lives there)
     metrics_url: str
     role: str = ""  # workers only
@@ -38,8 +38,8 @@ class ServiceSpec:
 
     def command(self) -> list[str]:
         """The service as one would start it by hand: `up` runs exactly this, after a
-        parent-death guard (child_entry.py), and so never imports services.cli itself."""
-        return [sys.executable, "-m", "services.cli", self.kind, *self.argv]
+        parent-death guard (child_entry.py), and so never imports kvrelay.cli itself."""
+        return [sys.executable, "-m", "kvrelay.cli", self.kind, *self.argv]
 
 
 def connect_host(host: str) -> str:

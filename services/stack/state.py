@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from services.stack.child import Child
+from kvrelay.stack.child import Child
 
 
 def stack_state(status: str, topology: str, children: list[Child], ready: set[str],

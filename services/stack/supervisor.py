@@ -11,11 +11,11 @@ import signal
 import time
 from pathlib import Path
 
-from services.stack.child import Child
-from services.stack.health import HealthProbe
-from services.stack.plan import ServiceSpec
-from services.stack.restarts import RestartPolicy, RestartState
-from services.stack.state import stack_state, write_state
+from kvrelay.stack.child import Child
+from kvrelay.stack.health import HealthProbe
+from kvrelay.stack.plan import ServiceSpec
+from kvrelay.stack.restarts import RestartPolicy, RestartState
+from kvrelay.stack.state import stack_state, write_state
 
 POLL_S = 0.2
 RESTART_PROBE_EVERY_S = 1.0  # how often a restarted child's health is asked until it serves

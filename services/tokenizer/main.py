@@ -5,13 +5,13 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from services.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.flags import add_flag
-from services.common.tls import add_tls_flags, install, tls_files_from_args
-from services.common.grpc_server import ServiceServer
-from services.common.log import get_logger
-from services.common.metrics import serve_metrics
-from services.common.runtime import run_service
+from kvrelay.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from kvrelay.common.flags import add_flag
+from kvrelay.common.tls import add_tls_flags, install, tls_files_from_args
+from kvrelay.common.grpc_server import ServiceServer
+from kvrelay.common.log import get_logger
+from kvrelay.common.metrics import serve_metrics
+from kvrelay.common.runtime import run_service
 
 log = get_logger(__name__)
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
@@ -41,7 +41,7 @@ def load_tokenizer(model: str | None, chat_template: str | None = None):
     """The model's tokenizer; chat_template: a Jinja file that replaces its chat template."""
     from transformers import AutoTokenizer
 
-    from services.engine.model_loader import resolve_model_dir
+    from kvrelay.engine.model_loader import resolve_model_dir
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text()
@@ -50,7 +50,7 @@ def load_tokenizer(model: str | None, chat_template: str | None = None):
 
 async def serve(args: argparse.Namespace) -> None:
     install(tls_files_from_args(args))  # this process's identity on every internal hop
-    from services.tokenizer.servicer import TokenizerServicer
+    from kvrelay.tokenizer.servicer import TokenizerServicer
 
     server = ServiceServer(args.host, args.port, [SERVICE_NAME])
     servicer = TokenizerServicer()

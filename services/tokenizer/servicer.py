@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import grpc
 
-from services.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.common.log import bind_request_id, get_logger, request_id_from
-from services.common.metrics import counter, gauge
-from services.tokenizer.text import DetokenizeSession, check_token_ids, render_chat, token_pieces
-from services.tokenizer.tool_render import (KVRELAY, parse_tool_calls, parse_tools,
+from kvrelay.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from kvrelay.common.log import bind_request_id, get_logger, request_id_from
+from kvrelay.common.metrics import counter, gauge
+from kvrelay.tokenizer.text import DetokenizeSession, check_token_ids, render_chat, token_pieces
+from kvrelay.tokenizer.tool_render import (KVRELAY, parse_tool_calls, parse_tools,
                                             template_inputs, tool_call_format)
 
 log = get_logger(__name__)

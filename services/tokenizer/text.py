@@ -2,8 +2,8 @@
 and the detokenizer states of one Detokenize stream."""
 from __future__ import annotations
 
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.conversation import check_conversation
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.engine.conversation import check_conversation
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,

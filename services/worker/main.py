@@ -9,23 +9,23 @@ import socket
 import uuid
 from pathlib import Path
 
-from services.api.kvrelay.v1 import kv_transfer_pb2, scheduler_pb2, worker_pb2
-from services.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
-from services.common import metrics
-from services.common.flags import add_flag
-from services.common.tls import add_tls_flags, install, tls_files_from_args
-from services.common.grpc_server import ServiceServer
-from services.common.log import get_logger
-from services.common.runtime import freeze_heap, run_service
-from services.engine.omp_threads import run_torch_ops_inline
-from services.worker.compute_domain import boot_id, compute_domain
-from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
+from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, scheduler_pb2, worker_pb2
+from kvrelay.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
+from kvrelay.common import metrics
+from kvrelay.common.flags import add_flag
+from kvrelay.common.tls import add_tls_flags, install, tls_files_from_args
+from kvrelay.common.grpc_server import ServiceServer
+from kvrelay.common.log import get_logger
+from kvrelay.common.runtime import freeze_heap, run_service
+from kvrelay.engine.omp_threads import run_torch_ops_inline
+from kvrelay.worker.compute_domain import boot_id, compute_domain
+from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           ShmKvTransport)
-from services.worker.model_setup import load_worker_model
-from services.worker.registration import Registration
-from services.worker.step_executor import StepExecutor
-from services.worker.step_service import WorkerService
-from services.worker.warmup import needs_warm_up, warm_up
+from kvrelay.worker.model_setup import load_worker_model
+from kvrelay.worker.registration import Registration
+from kvrelay.worker.step_executor import StepExecutor
+from kvrelay.worker.step_service import WorkerService
+from kvrelay.worker.warmup import needs_warm_up, warm_up
 
 log = get_logger(__name__)
 ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.WORKER_ROLE_DECODE,

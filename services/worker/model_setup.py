@@ -6,12 +6,12 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from services.engine.engine_core import max_model_len_for
-from services.engine.hardware import resolve_device, resolve_dtype
-from services.engine.llm import eos_token_ids
-from services.engine.model_loader import check_architecture, resolve_model_dir
-from services.engine.model_runner import ModelRunner
-from services.engine.prefill_chunks import attention_crossover
+from kvrelay.engine.engine_core import max_model_len_for
+from kvrelay.engine.hardware import resolve_device, resolve_dtype
+from kvrelay.engine.llm import eos_token_ids
+from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.prefill_chunks import attention_crossover
 
 
 @dataclass(slots=True)

@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.grpc_server import channel
-from services.common.log import get_logger
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common.grpc_server import channel
+from kvrelay.common.log import get_logger
 
 log = get_logger(__name__)
 RETRY_S = 1.0

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from services.api.kvrelay.v1 import worker_pb2
-from services.wire import params_from_proto
-from services.engine.request import Request
-from services.engine.sampler import make_generator
+from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.wire import params_from_proto
+from kvrelay.engine.request import Request
+from kvrelay.engine.sampler import make_generator
 
 
 class SequenceTable:

@@ -5,15 +5,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.api.kvrelay.v1 import worker_pb2
-from services.wire import logprob_to_proto
-from services.engine.model_runner import ModelRunner
-from services.engine.sampler import Sampler
-from services.engine.scheduler import ScheduledRequest
-from services.engine.spec.verify import EmittedRun, sample_items
-from services.engine.structured.backend import bitmask_words
-from services.worker.sequences import SequenceTable
-from services.worker.step_threads import StepThreads
+from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.wire import logprob_to_proto
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.sampler import Sampler
+from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.engine.spec.verify import EmittedRun, sample_items
+from kvrelay.engine.structured.backend import bitmask_words
+from kvrelay.worker.sequences import SequenceTable
+from kvrelay.worker.step_threads import StepThreads
 
 
 @dataclass(slots=True)

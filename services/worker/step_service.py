@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
-from services.common import metrics
-from services.common.log import get_logger
-from services.worker.kv_connector import KvSender, LayerFeed
-from services.worker.sequences import SequenceTable
-from services.worker.step_executor import StepExecutor
+from kvrelay.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
+from kvrelay.common import metrics
+from kvrelay.common.log import get_logger
+from kvrelay.worker.kv_connector import KvSender, LayerFeed
+from kvrelay.worker.sequences import SequenceTable
+from kvrelay.worker.step_executor import StepExecutor
 
 log = get_logger(__name__)
 STEP_SECONDS = metrics.histogram("worker_step_seconds", "Forward pass + sampling per step")

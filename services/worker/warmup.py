@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.model_runner import ModelRunner
-from services.engine.models.packed_linear import warm_onednn_rows
-from services.engine.sampling_ops import greedy_tokens
-from services.engine.step_padding import bucket_sizes
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.models.packed_linear import warm_onednn_rows
+from kvrelay.engine.sampling_ops import greedy_tokens
+from kvrelay.engine.step_padding import bucket_sizes
 
 DECODE_BATCHES = (1, 8, 64)  # the int4 path (<= 8 tokens) and the packed bf16 one
 DECODE_CONTEXT = 64

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from services.bench.client import ServerOptions, _on_line, request_body
-from services.bench.records import RequestRecord
-from services.bench.workloads import BenchRequest
+from kvrelay.bench.client import ServerOptions, _on_line, request_body
+from kvrelay.bench.records import RequestRecord
+from kvrelay.bench.workloads import BenchRequest
 
 CHAT = BenchRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=16)
 

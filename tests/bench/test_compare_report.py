@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from benchmarks import compare, compare_report
-from services.bench.metrics import Slo, summarize
-from services.bench.records import RequestRecord
+from kvrelay.bench.metrics import Slo, summarize
+from kvrelay.bench.records import RequestRecord
 
 BODY_ONE = "| a | 1 |\n"
 BODY_TWO = "| b | 2 |\n"

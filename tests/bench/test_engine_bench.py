@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from services.cli import main
+from kvrelay.cli import main
 
 
 def test_latency_sweeps_batch_sizes(tmp_path, capsys):

@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from services.bench.metrics import Slo, distribution, max_rate_meeting, percentile, summarize
-from services.bench.records import RequestRecord
+from kvrelay.bench.metrics import Slo, distribution, max_rate_meeting, percentile, summarize
+from kvrelay.bench.records import RequestRecord
 
 
 def record(index, token_times, done=None, tokens=None, prompt=10, error=None, tag=""):

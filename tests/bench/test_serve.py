@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.cli import main
+from kvrelay.cli import main
 from tests.bench.fake_server import FakeBehaviour, FakeServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from services.bench import spec_metrics
-from services.bench.workloads import build
+from kvrelay.bench import spec_metrics
+from kvrelay.bench.workloads import build
 
 PAGES = {
     "/kvrelay": "kvrelay:spec_decode_num_drafts_total 10.0\n"

@@ -1,6 +1,6 @@
 """benchmarks/spec_replay.py replays greedy outputs through the scheduler's own Drafter."""
 from benchmarks.spec_replay import parse_step_ms, replay
-from services.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.config import SpeculativeConfig
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
                           prompt_lookup_max=5)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from benchmarks import workloads as legacy
-from services.bench import workloads
-from services.bench.prompts import chat64, shared_prefix
+from kvrelay.bench import workloads
+from kvrelay.bench.prompts import chat64, shared_prefix
 
 
 def _digest(value) -> str:

@@ -49,8 +49,8 @@ CONTAINER_UID = 10001
 
 STATS_SCRIPT = """
 import json, os, grpc
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.tls import TlsFiles, channel_credentials, target_options
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common.tls import TlsFiles, channel_credentials, target_options
 paths = [os.environ.get("KVRELAY_TLS_" + name) for name in ("CA", "CERT", "KEY")]
 if all(paths):
     channel = grpc.secure_channel("scheduler:50052", channel_credentials(TlsFiles(*paths)),
@@ -114,14 +114,14 @@ def compose_command() -> list[str]:
 def make_certs(out: Path) -> bool:
     """`kvrelay certs` into `out`, the keys readable by the containers' user. False where this
     checkout has no `kvrelay certs` yet: then the stack runs in plaintext."""
-    from services.cli import COMMANDS
+    from kvrelay.cli import COMMANDS
     if "certs" not in COMMANDS or os.environ.get("KVRELAY_COMPOSE_TLS") == "0":
         for name in ("ca", "crl", *(f"{role}{suffix}" for role in
                                     ("gateway", "tokenizer", "scheduler", "worker")
                                     for suffix in ("", "-key"))):
             (out / f"{name}.pem").write_text("")  # compose still mounts every secret
         return False
-    sh([sys.executable, "-m", "services.cli", "certs", "--out", str(out)], timeout=120)
+    sh([sys.executable, "-m", "kvrelay.cli", "certs", "--out", str(out)], timeout=120)
     for key in out.glob("*-key.pem"):
         if os.geteuid() == 0:  # what the compose file's header tells an operator to do
             os.chown(key, CONTAINER_UID, CONTAINER_UID)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.cli import COMMANDS
+from kvrelay.cli import COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
@@ -26,8 +26,8 @@ ENV_NAME = re.compile(r"^KVRELAY_[A-Z0-9_]+$")
 # so importing every service here would break other tests in the same pytest process.
 _FLAGS_SCRIPT = """
 import json
-from services.cli import build_parser
-from services.common.flags import flag_env_names
+from kvrelay.cli import build_parser
+from kvrelay.common.flags import flag_env_names
 result = {}
 for command in ("gateway", "tokenizer", "scheduler", "worker"):
     parser = build_parser(only=command)
@@ -107,7 +107,7 @@ _KINDS = ("counter", "gauge", "histogram")
 @functools.cache
 def metric_families() -> dict[str, tuple[str, frozenset[str]]]:
     """{"kvrelay:<name>": (kind, label names)} for every metric defined through
-    services.common.metrics' counter/gauge/histogram helpers."""
+    kvrelay.common.metrics' counter/gauge/histogram helpers."""
     families = {}
     for path in (REPO / "services").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -62,7 +62,7 @@ def compose_problems(compose: dict) -> list[str]:
                 problems.append(f"{name}: healthcheck does not probe HTTP /health ({probe})")
         else:
             probe = f"127.0.0.1:{grpc_port(command, service)}"
-            if test[:4] != ["CMD", "python", "-m", "services.common.healthcheck"] or \
+            if test[:4] != ["CMD", "python", "-m", "kvrelay.common.healthcheck"] or \
                     probe not in test:
                 problems.append(f"{name}: healthcheck does not probe gRPC health on {probe}")
         for key, value in env(service).items():
@@ -109,7 +109,7 @@ def test_start_order_waits_for_health():
      "KVRELAY_ROLE is not a flag of `kvrelay tokenizer`"),
     (lambda c: c["services"]["decode-worker"].update(container_name="decode"), "--scale"),
     (lambda c: c["services"]["scheduler"]["healthcheck"].update(
-        test=["CMD", "python", "-m", "services.common.healthcheck", "127.0.0.1:50051"]),
+        test=["CMD", "python", "-m", "kvrelay.common.healthcheck", "127.0.0.1:50051"]),
      "scheduler: healthcheck"),
     (lambda c: c["services"]["gateway"]["environment"].update(
         KVRELAY_TOKENIZER_ADDRESS="tokenizer:50052"), "tokenizer:50052 is no service's gRPC"),

@@ -59,14 +59,14 @@ def test_query_check_catches(expr, legend, expected):
     assert any(expected in problem for problem in query_problems(expr, legend))
 
 
-@pytest.mark.parametrize("module", ["services.gateway.metrics",
-                                    "services.scheduler.scheduler_metrics"])
+@pytest.mark.parametrize("module", ["kvrelay.gateway.metrics",
+                                    "kvrelay.scheduler.scheduler_metrics"])
 def test_metric_scan_agrees_with_prometheus_client(module):
     """The AST scan names series exactly as prometheus_client exposes them. Each light metric
     module is imported in a child process (the gateway and the scheduler both define
     generation_tokens, so one registry cannot hold both); unlabeled metrics have samples."""
     script = (f"import json, {module}\n"
-              "from services.common.metrics import REGISTRY\n"
+              "from kvrelay.common.metrics import REGISTRY\n"
               "print(json.dumps([s.name for f in REGISTRY.collect() for s in f.samples]))")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=60)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import healthcheck
+from kvrelay.common import healthcheck
 
 
 @pytest.fixture
@@ -53,6 +53,6 @@ def test_runs_as_module(health_server):
     # The exact command the compose healthchecks run.
     servicer, address = health_server
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    done = subprocess.run([sys.executable, "-m", "services.common.healthcheck", address],
+    done = subprocess.run([sys.executable, "-m", "kvrelay.common.healthcheck", address],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

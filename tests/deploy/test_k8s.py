@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.certs import write_bundle
+from kvrelay.common.certs import write_bundle
 from tests.deploy import cli_facts
 from tests.deploy.k8s_checks import (all_problems, containers, ingress_sources, kubectl, of_kind,
                                      pod_templates, raw_resources, render, schema_problems)

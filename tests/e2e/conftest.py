@@ -77,13 +77,13 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 @pytest.fixture(scope="package")
 def offline_llm():
-    from services.engine import LLM
+    from kvrelay.engine import LLM
     return LLM(dtype="float32", num_kv_blocks=512)
 
 
 @pytest.fixture(scope="package")
 def greedy_cases(tokenizer, hf_model, offline_llm) -> list[GreedyCase]:
-    from services.engine import SamplingParams
+    from kvrelay.engine import SamplingParams
     cases = []
     for message in (USER_MESSAGES[0], USER_MESSAGES[2]):
         messages = [{"role": "user", "content": message}]

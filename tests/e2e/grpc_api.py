@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 @dataclass

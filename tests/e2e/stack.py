@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import httpx
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.tls import target_options
-from services.stack.health import admin_credentials
-from services.stack.ports import busy_ports
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common.tls import target_options
+from kvrelay.stack.health import admin_credentials
+from kvrelay.stack.ports import busy_ports
 
 STARTUP_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 90
@@ -104,7 +104,7 @@ def start_stack(topology: str, log_dir: Path, *extra: str, num_internal_ports: i
     # The internal block: gRPC and metrics of each service, then each gateway's metrics.
     num_internal = (num_internal_ports or 2 * (2 + num_workers)) + num_gateways
     base = free_port_block(num_internal + 2 * num_gateways)
-    command = [sys.executable, "-m", "services.cli", "up", "--topology", topology,
+    command = [sys.executable, "-m", "kvrelay.cli", "up", "--topology", topology,
                "--base-port", str(base), "--port", str(base + num_internal),
                "--grpc-port", str(base + num_internal + num_gateways), "--dtype", "float32",
                "--num-kv-blocks", str(num_kv_blocks), "--log-dir", str(log_dir),

@@ -7,7 +7,7 @@ import time
 
 import openai
 
-from services.engine import SamplingParams
+from kvrelay.engine import SamplingParams
 from tests.e2e.stack import metric_values
 from tests.e2e.test_disconnect import all_blocks_free, describe
 from tests.prompts import USER_MESSAGES

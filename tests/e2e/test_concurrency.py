@@ -5,7 +5,7 @@ import asyncio
 
 import openai
 
-from services.engine import SamplingParams
+from kvrelay.engine import SamplingParams
 from tests.prompts import USER_MESSAGES
 
 NUM_REQUESTS = 32

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from services.client import KvrelayClient
+from kvrelay.client import KvrelayClient
 
 ABORT_DEADLINE_S = 1.0
 

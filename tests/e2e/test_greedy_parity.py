@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.client import KvrelayClient
+from kvrelay.client import KvrelayClient
 from tests.e2e.conftest import MAX_NEW_TOKENS, openai_client
 from tests.e2e.grpc_api import chat_request, generate, token_ids_request
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from services.engine.config import EngineConfig
+from kvrelay.engine.config import EngineConfig
 from tests.e2e.stack import NUM_KV_BLOCKS, metric_values
 
 GAUGES = ("kvrelay:kv_cache_usage_perc", "kvrelay:num_requests_running",

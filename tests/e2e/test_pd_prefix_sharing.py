@@ -24,7 +24,7 @@ QUESTIONS = ("Where is the lighthouse lens?", "Who built the oldest rowing boat 
 @pytest.fixture(scope="module")
 def cases(tokenizer, offline_llm) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, the offline engine's greedy tokens) per question."""
-    from services.engine import SamplingParams
+    from kvrelay.engine import SamplingParams
     prompts = [chat_prompt_ids(tokenizer, [{"role": "system", "content": SYSTEM * 3},
                                             {"role": "user", "content": question}])
                for question in QUESTIONS]

@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.grpc_api import generate
 from tests.e2e.stack import RunningStack, free_port_block
 
@@ -123,7 +123,7 @@ def test_the_flag_logs_prompts_and_outputs_in_the_gateway(pd_stack, tmp_path):
 def start_debug_gateway(stack: RunningStack, log_path: Path) -> tuple[str, subprocess.Popen]:
     """A second gateway on the stack's tokenizer and scheduler, with --log-request-text."""
     port = free_port_block(2)
-    command = [sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "kvrelay.cli", "gateway", "--host", "127.0.0.1",
                "--port", str(port), "--grpc-port", str(port + 1), "--metrics-port", "0",
                "--tokenizer-address", stack.service("tokenizer")["address"],
                "--scheduler-address", stack.service("scheduler")["address"],

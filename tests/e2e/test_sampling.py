@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.engine import SamplingParams
+from kvrelay.engine import SamplingParams
 from tests.e2e.conftest import MAX_NEW_TOKENS, chat_prompt_ids
 from tests.e2e.grpc_api import generate, token_ids_request
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from services.engine import SamplingParams
+from kvrelay.engine import SamplingParams
 from tests.e2e.conftest import chat_prompt_ids, openai_client
 from tests.e2e.grpc_api import generate, token_ids_request
 from tests.e2e.stack import metric_values, start_stack, stop_and_check

@@ -9,8 +9,8 @@ import time
 import openai
 import pytest
 
-from services.engine import SamplingParams
-from services.stack.plan import usable_cpus
+from kvrelay.engine import SamplingParams
+from kvrelay.stack.plan import usable_cpus
 from tests.e2e.stack import metric_values
 from tests.e2e.test_disconnect import all_blocks_free, describe
 from tests.prompts import USER_MESSAGES, long_text

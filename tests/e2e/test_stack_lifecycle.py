@@ -15,7 +15,7 @@ from tests.e2e.stack import process_running, free_port_block
 
 def up_command(log_dir, *extra: str) -> list[str]:
     base = free_port_block(11)  # 4 services' gRPC and metrics ports, the gateway's metrics
-    return [sys.executable, "-m", "services.cli", "up", "--base-port", str(base),
+    return [sys.executable, "-m", "kvrelay.cli", "up", "--base-port", str(base),
             "--port", str(base + 9), "--grpc-port", str(base + 10), "--log-dir", str(log_dir),
             *extra]
 

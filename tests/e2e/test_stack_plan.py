@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from services.stack import main as stack_main
-from services.stack.plan import num_internal_ports, plan_stack
+from kvrelay.stack import main as stack_main
+from kvrelay.stack.plan import num_internal_ports, plan_stack
 
 
 def parse(*argv: str, env: dict[str, str] | None = None, monkeypatch=None) -> argparse.Namespace:

@@ -12,9 +12,9 @@ import openai
 import pydantic
 import pytest
 
-from services.api.kvrelay.v1 import common_pb2
-from services.engine import SamplingParams
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.api.kvrelay.v1 import common_pb2
+from kvrelay.engine import SamplingParams
+from kvrelay.engine.structured.spec import StructuredOutputs
 from tests.e2e.grpc_api import chat_request, generate
 from tests.e2e.test_disconnect import wait_until_all_free
 from tests.structured_schemas import SCHEMAS, validate
@@ -72,7 +72,7 @@ def test_constrained_greedy_output_equals_the_offline_engine(pd_stack, offline_l
 
 
 def _spec_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs:
-    from services.wire import structured_to_proto
+    from kvrelay.wire import structured_to_proto
     return structured_to_proto(spec)
 
 
@@ -185,7 +185,7 @@ def test_an_aborted_constrained_stream_frees_everything(pd_stack, model_id):
 def test_the_grpc_client_takes_constraints(pd_stack):
     import asyncio
 
-    from services.client import KvrelayClient
+    from kvrelay.client import KvrelayClient
 
     async def ask_client():
         async with KvrelayClient(pd_stack.grpc_address) as client:

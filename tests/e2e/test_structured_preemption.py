@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.engine import SamplingParams
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine import SamplingParams
+from kvrelay.engine.structured.spec import StructuredOutputs
 from tests.e2e.conftest import openai_client
 from tests.e2e.stack import start_stack, stop_and_check
 from tests.e2e.test_disconnect import wait_until_all_free

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tokenizer.tool_render import HERMES, template_inputs
+from kvrelay.tokenizer.tool_render import HERMES, template_inputs
 from tests.e2e.conftest import openai_client
 from tests.e2e.stack import start_stack, stop_and_check
 from tests.e2e.test_tool_calls import SCHEMAS, TOOLS, ask, check_calls, streamed_calls

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.certs import Authority, write_bundle, write_file
-from services.common.tls import target_options
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.common.certs import Authority, write_bundle, write_file
+from kvrelay.common.tls import target_options
 from tests.e2e.conftest import MAX_NEW_TOKENS
 from tests.e2e.grpc_api import generate, token_ids_request
 

@@ -73,7 +73,7 @@ def run_requests(stack, count: int, max_tokens: int, first_index: int = 0) -> li
 def start_extra_worker(stack, scheduler: str, log_path) -> tuple[subprocess.Popen, str]:
     port = free_port_block(1)
     worker_id = "g0-decode-late"
-    command = [sys.executable, "-m", "services.cli", "worker", "--role", "decode",
+    command = [sys.executable, "-m", "kvrelay.cli", "worker", "--role", "decode",
                "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),
                "--advertise-address", f"127.0.0.1:{port}", "--metrics-port", "0",
                "--scheduler-address", stack.service(scheduler)["address"],

@@ -67,7 +67,7 @@ def start_fuzz_stack(log_dir: Path) -> RunningStack:
     # gateway's metrics port
     num_internal = 7
     base = free_port_block(num_internal + 2)
-    command = [sys.executable, "-m", "services.cli", "up", "--topology", "colocated",
+    command = [sys.executable, "-m", "kvrelay.cli", "up", "--topology", "colocated",
                "--base-port", str(base), "--port", str(base + num_internal),
                "--grpc-port", str(base + num_internal + 1), "--dtype", "float32",
                "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-dir", str(log_dir),

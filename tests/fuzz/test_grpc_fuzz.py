@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.fuzz.conftest import (REQUEST_TIMEOUT_S, SECONDS, TALLIES, assert_stack_fine,
                                  service_pids)
 

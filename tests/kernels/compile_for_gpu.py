@@ -5,9 +5,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton_paged_attention import _paged_attention_kernel
-from kernels.triton_rejection import _rejection_kernel
-from kernels.triton_store_kv import _store_kv_kernel, store_kv_triton
+from kvrelay.kernels.triton_paged_attention import _paged_attention_kernel
+from kvrelay.kernels.triton_rejection import _rejection_kernel
+from kvrelay.kernels.triton_store_kv import _store_kv_kernel, store_kv_triton
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

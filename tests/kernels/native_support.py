@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import native_cpu
+from kvrelay.kernels import native_cpu
 
 
 def require_native_decode():

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, build_attention_metadata, store_kv_reference
+from kvrelay.kernels.metadata import AttentionMetadata, build_attention_metadata
+from kvrelay.kernels.store_kv_torch import store_kv_reference
 
 
 @dataclass(slots=True)

@@ -2,7 +2,10 @@ import torch
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kernels import cpu_decode_torch, native_cpu, paged_attention, paged_attention_cpu, paged_attention_reference
+from kvrelay.kernels import cpu_decode_torch, native_cpu
+from kvrelay.kernels.dispatch import paged_attention
+from kvrelay.kernels.attention_cpu import paged_attention_cpu
+from kvrelay.kernels.attention_reference import paged_attention_reference
 from tests.kernels.attention_cases import ATTENTION_ARGS, ATTENTION_CASES, case_seed
 from tests.kernels.native_support import require_native_decode
 from tests.kernels.paged_batch import make_paged_batch

@@ -2,7 +2,8 @@ import torch
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from kernels import paged_attention_reference, paged_attention_triton
+from kvrelay.kernels.attention_reference import paged_attention_reference
+from kvrelay.kernels.triton_paged_attention import paged_attention_triton
 from tests.kernels.attention_cases import ATTENTION_ARGS, ATTENTION_CASES, case_seed
 from tests.kernels.paged_batch import make_paged_batch
 

@@ -5,7 +5,8 @@ from pathlib import Path
 import torch
 import pytest
 
-from kernels import build_attention_metadata, cpu_decode_torch
+from kvrelay.kernels import cpu_decode_torch
+from kvrelay.kernels.metadata import build_attention_metadata
 
 
 def _int32(values):
@@ -83,12 +84,14 @@ def test_metadata_rejects_mismatched_shapes_and_short_sequences():
 def test_kernels_import_and_run_on_cpu_without_triton():
     script = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "import torch, kernels\n"
-        "meta = kernels.build_attention_metadata(torch.tensor([0, 1], dtype=torch.int32),"
+        "import torch\n"
+        "from kvrelay.kernels.dispatch import paged_attention, store_kv\n"
+        "from kvrelay.kernels.metadata import build_attention_metadata\n"
+        "meta = build_attention_metadata(torch.tensor([0, 1], dtype=torch.int32),"
         " torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 16)\n"
         "cache = torch.zeros(1, 16, 1, 64)\n"
-        "kernels.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))\n"
-        "out = kernels.paged_attention(torch.ones(1, 1, 64), cache, cache, meta, 0.125)\n"
+        "store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))\n"
+        "out = paged_attention(torch.ones(1, 1, 64), cache, cache, meta, 0.125)\n"
         "assert torch.allclose(out, torch.ones(1, 1, 64))\n"
     )
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parents[2])
+    subprocess.run([sys.executable, "-c", script], check=True)

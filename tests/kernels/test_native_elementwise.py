@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native_elementwise as fused
+from kvrelay.kernels import native_elementwise as fused
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_bad_shapes_are_rejected(ops):
 
 @pytest.mark.parametrize("vocab", [64, 100, 49152])  # 100: a word cut by the vocabulary's end
 def test_token_bitmask_matches_the_torch_unpacking(ops, vocab):
-    from services.engine.structured import bitmask
+    from kvrelay.engine.structured import bitmask
     words = (vocab + 31) // 32
     masks = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32)
     masks[1] = -1  # everything allowed

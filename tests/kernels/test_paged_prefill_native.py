@@ -8,7 +8,9 @@ where it does not."""
 import pytest
 import torch
 
-from kernels import native_cpu, paged_attention_cpu, paged_attention_reference
+from kvrelay.kernels import native_cpu
+from kvrelay.kernels.attention_cpu import paged_attention_cpu
+from kvrelay.kernels.attention_reference import paged_attention_reference
 from tests.kernels.native_support import on_one_thread_and_more, require_native_decode
 from tests.kernels.paged_batch import make_paged_batch
 

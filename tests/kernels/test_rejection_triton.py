@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.spec.rejection import rejection_sample
+from kvrelay.engine.spec.rejection import rejection_sample
 
 
 def _case(num_rows: int, vocab_size: int, seed: int):
@@ -23,7 +23,7 @@ def _case(num_rows: int, vocab_size: int, seed: int):
 
 @pytest.mark.parametrize("num_rows, vocab_size", [(1, 5), (9, 64), (24, 1500), (7, 3000)])
 def test_kernel_matches_the_reference(num_rows, vocab_size):
-    from kernels.triton_rejection import rejection_sample_triton
+    from kvrelay.kernels.triton_rejection import rejection_sample_triton
 
     seed = int(torch.randint(0, 2**31, ()).item())  # fresh inputs every run; the seed is shown
     probs, drafts, uniforms = _case(num_rows, vocab_size, seed)

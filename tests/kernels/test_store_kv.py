@@ -1,7 +1,10 @@
 import torch
 import pytest
 
-from kernels import native_cpu, store_kv, store_kv_cpu, store_kv_reference, store_kv_triton
+from kvrelay.kernels import native_cpu
+from kvrelay.kernels.dispatch import store_kv
+from kvrelay.kernels.store_kv_torch import store_kv_cpu, store_kv_reference
+from kvrelay.kernels.triton_store_kv import store_kv_triton
 from tests.kernels.native_support import require_native_decode
 
 STORE_CASES = [

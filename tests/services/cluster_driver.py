@@ -8,22 +8,22 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.api.kvrelay.v1 import common_pb2, scheduler_pb2
-from services.engine.config import EngineConfig
-from services.engine.request import RequestStatus
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
-from services.engine.stop_checker import banned_token_ids
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.messages import (BOTH, DECODE, PREFILL, Role, Sampled, SendOrder,
+from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.request import RequestStatus
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.engine.stop_checker import banned_token_ids
+from kvrelay.scheduler.cluster import ClusterScheduler
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.scheduler.messages import (BOTH, DECODE, PREFILL, Role, Sampled, SendOrder,
                                          StepOutcome, WorkerInfo)
-from services.scheduler.outputs import DeltaSink
-from services.scheduler.records import Phase
-from services.scheduler.registry import WorkerRecord
-from services.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
-from services.scheduler.transfers import SetAside, TransferState
-from services.wire import params_from_proto, params_to_proto
+from kvrelay.scheduler.outputs import DeltaSink
+from kvrelay.scheduler.records import Phase
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
+from kvrelay.scheduler.transfers import SetAside, TransferState
+from kvrelay.wire import params_from_proto, params_to_proto
 
 BLOCK_SIZE = 16
 EOS, STOP_ID, FILLER = 2, 3, 7  # FILLER: what the fake model samples unless told otherwise

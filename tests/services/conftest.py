@@ -41,7 +41,7 @@ class ServiceProcess:
         self.log_path = log_path
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.log_file = log_path.open("wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "services.cli", command, *args],
+        self.process = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", command, *args],
                                         cwd=REPO, env=env, stdout=self.log_file,
                                         stderr=subprocess.STDOUT)
 

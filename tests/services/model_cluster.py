@@ -10,12 +10,12 @@ import dataclasses
 
 import torch
 
-from services.api.kvrelay.v1 import worker_pb2
-from services.engine.model_runner import ModelRunner
-from services.scheduler import edge
-from services.scheduler.messages import Role, Sampled, SendOrder, WorkerInfo
-from services.scheduler.registry import WorkerRecord
-from services.worker.step_executor import StepExecutor
+from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.scheduler import edge
+from kvrelay.scheduler.messages import Role, Sampled, SendOrder, WorkerInfo
+from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.worker.step_executor import StepExecutor
 from tests.services.cluster_driver import BLOCK_SIZE, ClusterDriver, InFlightStep, worker_info
 
 

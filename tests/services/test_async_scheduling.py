@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.messages import DECODE, PREFILL
+from kvrelay.scheduler.messages import DECODE, PREFILL
 from tests.services.cluster_driver import (ABORT, EOS, FILLER, LENGTH, STOP, ClusterDriver,
                                            RecordingGrammar, colocated_driver, pd_driver, prompt, worker_info)
 

@@ -2,8 +2,8 @@
 worker of its role, the ones it computes finish there, and then it holds nothing."""
 from __future__ import annotations
 
-from services.engine.request import RequestStatus
-from services.scheduler.messages import BOTH, DECODE, PREFILL
+from kvrelay.engine.request import RequestStatus
+from kvrelay.scheduler.messages import BOTH, DECODE, PREFILL
 from tests.services.cluster_driver import LENGTH, ClusterDriver, prompt, worker_info
 
 

@@ -3,7 +3,7 @@ even, a burst spreads over the prefill workers, and decode reservations go to th
 the most free blocks."""
 from __future__ import annotations
 
-from services.scheduler.messages import DECODE, PREFILL
+from kvrelay.scheduler.messages import DECODE, PREFILL
 from tests.services.cluster_driver import ClusterDriver, prompt, worker_info
 
 

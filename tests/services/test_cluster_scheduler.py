@@ -9,9 +9,9 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.engine.request import RequestStatus
-from services.scheduler.messages import BOTH, DECODE, PREFILL
-from services.scheduler.records import Phase
+from kvrelay.engine.request import RequestStatus
+from kvrelay.scheduler.messages import BOTH, DECODE, PREFILL
+from kvrelay.scheduler.records import Phase
 from tests.services.cluster_driver import (ABORT, EOS, ERROR, FILLER, LENGTH, STOP, STOP_ID,
                                            ClusterDriver, RecordingGrammar, colocated_driver,
                                            pd_driver, prompt, worker_info)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.scheduler.core_share import domain_cpus
-from services.worker import compute_domain as domains
+from kvrelay.scheduler.core_share import domain_cpus
+from kvrelay.worker import compute_domain as domains
 
 
 def _write(path: Path, text: str) -> None:

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from hypothesis import given, settings, strategies as st
 
-from services.scheduler.core_share import CoreShare, domain_cpus
+from kvrelay.scheduler.core_share import CoreShare, domain_cpus
 from tests.services.cluster_driver import DECODE, PREFILL, ClusterDriver, prompt, worker_info
 
 DOMAIN = "host-a/cpus:0,1"
@@ -85,8 +85,8 @@ def test_split_steps_run_side_by_side_on_a_core_each_while_both_workers_have_wor
 
 
 def test_a_decode_worker_that_speculates_is_not_split_off():
-    from services.engine.spec.config import SpeculativeConfig
-    from services.engine.spec.drafter import Drafter
+    from kvrelay.engine.spec.config import SpeculativeConfig
+    from kvrelay.engine.spec.drafter import Drafter
 
     driver = _decoding_pair()
     driver.worker("d0").core.drafter = Drafter(SpeculativeConfig(disable_by_batch_size=4))

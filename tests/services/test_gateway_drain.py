@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from services.engine.sampling_params import SamplingParams
-from services.gateway.core import GatewayCore
-from services.gateway.errors import GatewayError
-from services.gateway.upstream import Upstream
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.gateway.core import GatewayCore
+from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.upstream import Upstream
 
 
 def test_generate_is_refused_once_the_core_drains():
@@ -31,7 +31,7 @@ def test_generate_is_refused_once_the_core_drains():
 
 
 def test_a_new_request_waits_a_bounded_time_for_a_ready_scheduler_group():
-    from services.api.kvrelay.v1 import scheduler_pb2
+    from kvrelay.api.kvrelay.v1 import scheduler_pb2
 
     async def scenario():
         upstream = Upstream("127.0.0.1:9", ["127.0.0.1:9"])
@@ -66,8 +66,8 @@ def test_a_generation_waits_for_the_model_while_its_scheduler_group_restarts():
     """The model is known from a ready scheduler group. A generation that arrives while the only
     group is restarting waits for it, as its submit would, rather than a 503 at the model
     check (the kill series caught that: requests 30 ms before the group was ready again)."""
-    from services.api.kvrelay.v1 import scheduler_pb2
-    from services.gateway.openai_serving import generation_model
+    from kvrelay.api.kvrelay.v1 import scheduler_pb2
+    from kvrelay.gateway.openai_serving import generation_model
 
     async def scenario():
         upstream = Upstream("127.0.0.1:9", ["127.0.0.1:9"])

@@ -13,9 +13,9 @@ import grpc
 import httpx
 import pytest
 
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.gateway.limits import LIMITS, RequestLimits
-from services.gateway.text_fields import json_texts, proto_texts, undecodable_string_field
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.gateway.limits import LIMITS, RequestLimits
+from kvrelay.gateway.text_fields import json_texts, proto_texts, undecodable_string_field
 from tests.services.conftest import ServiceProcess, free_port, grpc_health
 from tests.services.test_gateway_service import assert_openai_error
 
@@ -314,7 +314,7 @@ def test_every_limit_is_a_flag_with_a_positive_default():
 
 
 def test_text_field_paths():
-    from services.gateway.openai_protocol import ChatCompletionRequest
+    from kvrelay.gateway.openai_protocol import ChatCompletionRequest
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "t"}]}],
          "stop": ["s"], "guided_json": {"k": ["v"]}})

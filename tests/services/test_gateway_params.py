@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.openai_params import chat_params, completion_params
-from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.openai_serving import ChunkEncoder, sse
+from kvrelay.gateway.openai_params import chat_params, completion_params
+from kvrelay.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvrelay.gateway.openai_serving import ChunkEncoder, sse
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

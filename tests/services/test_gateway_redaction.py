@@ -7,7 +7,7 @@ import logging
 
 import structlog
 
-from services.gateway.redaction import (LIBRARY_LOGGERS, WithholdExceptionMessages,
+from kvrelay.gateway.redaction import (LIBRARY_LOGGERS, WithholdExceptionMessages,
                                         log_unexpected, withhold_library_exception_messages)
 
 SECRET = "prompt text Quokka"

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from services.api.kvrelay.v1 import scheduler_pb2
-from services.engine.sampling_params import SamplingParams
-from services.gateway.core import GatewayCore
-from services.gateway.errors import GatewayError
-from services.gateway.upstream import Upstream
+from kvrelay.api.kvrelay.v1 import scheduler_pb2
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.gateway.core import GatewayCore
+from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.upstream import Upstream
 
 
 def test_client_ids_never_reach_the_scheduler_as_its_ids():

@@ -9,12 +9,12 @@ import asyncio
 
 import grpc
 
-from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, tokenizer_pb2_grpc
-from services.engine.sampling_params import SamplingParams
-from services.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
-from services.gateway.request_state import RequestState
-from services.gateway.router import OutputRouter
-from services.gateway.upstream import TOKENIZER_RECONNECT_OPTIONS
+from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, tokenizer_pb2_grpc
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
+from kvrelay.gateway.request_state import RequestState
+from kvrelay.gateway.router import OutputRouter
+from kvrelay.gateway.upstream import TOKENIZER_RECONNECT_OPTIONS
 from tests.services.tcp_proxy import TcpProxy
 
 OPEN_STATES = "kvrelay:tokenizer_detokenize_states"

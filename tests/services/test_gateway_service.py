@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.services.conftest import ServiceProcess, free_port, grpc_health
-from services.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 API_KEY = "test-key"
 MODEL = "smol-test"

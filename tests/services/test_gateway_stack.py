@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from services.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.client import KvrelayClient, KvrelayError
+from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
+from kvrelay.client import KvrelayClient, KvrelayError
 from tests.services.conftest import ServiceProcess, free_port, grpc_health, stop_all
 from tests.services.tcp_proxy import TcpProxy
 

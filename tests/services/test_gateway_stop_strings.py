@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.detokenizer import IncrementalDetokenizer
-from services.gateway.stop_strings import StopStringMatcher
+from kvrelay.engine.detokenizer import IncrementalDetokenizer
+from kvrelay.gateway.stop_strings import StopStringMatcher
 
 CASES = [
     ("The capital of France is Paris. It is lovely.", ["Paris"]),

@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from services.engine.structured.backend import GrammarError
-from services.engine.structured.llguidance_backend import LlguidanceBackend
-from services.engine.model_loader import resolve_model_dir
-from services.gateway.errors import GatewayError
-from services.gateway.openai_protocol import ChatCompletionRequest
-from services.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
+from kvrelay.engine.structured.backend import GrammarError
+from kvrelay.engine.structured.llguidance_backend import LlguidanceBackend
+from kvrelay.engine.model_loader import resolve_model_dir
+from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.openai_protocol import ChatCompletionRequest
+from kvrelay.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
                                            tool_choice_mode, tool_grammar, tools_in_play)
-from services.tokenizer.tool_render import HERMES, KVRELAY, template_inputs
+from kvrelay.tokenizer.tool_render import HERMES, KVRELAY, template_inputs
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -13,9 +13,9 @@ import grpc
 import pytest
 import torch
 
-from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
-from services.engine.model_runner import allocate_kv_cache, map_kv_cache_file
-from services.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender, LayerFeed,
+from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
+from kvrelay.engine.model_runner import allocate_kv_cache, map_kv_cache_file
+from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender, LayerFeed,
                                           ShmKvTransport, TransferFailed)
 
 GRPC_LIMIT = 4 << 20  # gRPC's default receive limit, which the test server keeps

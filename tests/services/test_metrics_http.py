@@ -3,8 +3,8 @@ import asyncio
 import urllib.error
 import urllib.request
 
-from services.common.metrics import counter, render_metrics
-from services.common.metrics_http import start_metrics_server
+from kvrelay.common.metrics import counter, render_metrics
+from kvrelay.common.metrics_http import start_metrics_server
 
 SCRAPED = counter("test_scrape_marker", "A counter the scrape must show")
 

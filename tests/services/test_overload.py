@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.gateway.errors import from_rpc_error
-from services.scheduler.cluster import Overloaded
+from kvrelay.gateway.errors import from_rpc_error
+from kvrelay.scheduler.cluster import Overloaded
 from tests.services.cluster_driver import LENGTH, pd_driver, colocated_driver, prompt
 
 TOPOLOGIES = {"pd": pd_driver, "colocated": colocated_driver}

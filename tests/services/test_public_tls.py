@@ -1,5 +1,5 @@
 """The gateway's public ports with TLS and client certificates (--public-tls-*): REST over HTTPS
-and the public gRPC API through services.client, each refusing clients without a certificate of
+and the public gRPC API through kvrelay.client, each refusing clients without a certificate of
 the users' CA; a real gateway process on a real tokenizer."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import ssl
 import httpx
 import pytest
 
-from services.client import KvrelayClient
-from services.client.types import KvrelayError
-from services.common.certs import Authority, write_file
+from kvrelay.client import KvrelayClient
+from kvrelay.client.types import KvrelayError
+from kvrelay.common.certs import Authority, write_file
 from tests.services.conftest import ServiceProcess, free_port
 
 

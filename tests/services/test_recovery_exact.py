@@ -19,13 +19,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from services.engine.llm import eos_token_ids
-from services.engine.model_runner import ModelRunner
-from services.engine.spec.config import SpeculativeConfig
-from services.engine.structured.compiler import make_backend
-from services.engine.structured.spec import StructuredOutputs
-from services.scheduler.messages import BOTH, DECODE, PREFILL
-from services.scheduler.records import Phase
+from kvrelay.engine.llm import eos_token_ids
+from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.structured.compiler import make_backend
+from kvrelay.engine.structured.spec import StructuredOutputs
+from kvrelay.scheduler.messages import BOTH, DECODE, PREFILL
+from kvrelay.scheduler.records import Phase
 from tests.services.cluster_driver import BLOCK_SIZE, LENGTH, STOP
 from tests.services.model_cluster import ModelClusterDriver, model_worker_info
 

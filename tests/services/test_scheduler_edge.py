@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
-from services.engine.sampling_params import SamplingParams
-from services.scheduler import edge
-from services.scheduler.messages import (DECODE, Delta, FinishReason, NewSequence,
+from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.scheduler import edge
+from kvrelay.scheduler.messages import (DECODE, Delta, FinishReason, NewSequence,
                                          ScheduledSequence, SendOrder, StepOrder, TokenLogprob)
 
 

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.scheduler.config import SchedulerConfig
+from kvrelay.engine.config import EngineConfig
+from kvrelay.scheduler.config import SchedulerConfig
 
 PARSE = """
 import argparse, sys
-from services.scheduler import main
+from kvrelay.scheduler import main
 parser = argparse.ArgumentParser()
 main.add_arguments(parser)
 args = parser.parse_args(sys.argv[1:])

@@ -6,12 +6,12 @@ cannot be imported beside the gateway's in one process (both define kvrelay:prom
 import asyncio
 import time
 
-from services.engine.config import EngineConfig
-from services.scheduler.cluster import ClusterScheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.messages import BOTH
-from services.scheduler.outputs import DeltaSink
-from services.scheduler.lease_reaper import reap_leases
+from kvrelay.engine.config import EngineConfig
+from kvrelay.scheduler.cluster import ClusterScheduler
+from kvrelay.scheduler.config import SchedulerConfig
+from kvrelay.scheduler.messages import BOTH
+from kvrelay.scheduler.outputs import DeltaSink
+from kvrelay.scheduler.lease_reaper import reap_leases
 from tests.services.cluster_driver import worker_info
 
 LEASE_MS = 400

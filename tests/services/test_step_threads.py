@@ -1,7 +1,7 @@
 """StepThreads: a step's thread count reaches torch on the compute thread, and only there."""
 import torch
 
-from services.worker.step_threads import StepThreads
+from kvrelay.worker.step_threads import StepThreads
 from tests.threads import on_a_thread
 
 

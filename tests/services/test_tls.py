@@ -18,9 +18,9 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import tls
-from services.common.certs import ROLES, Authority, write_bundle, write_file
-from services.common.grpc_server import ServiceServer
+from kvrelay.common import tls
+from kvrelay.common.certs import ROLES, Authority, write_bundle, write_file
+from kvrelay.common.grpc_server import ServiceServer
 
 SCHEDULER = "kvrelay.v1.Scheduler"
 RPC_OK = b"ok"
@@ -154,7 +154,7 @@ def test_a_revoked_certificate_is_refused_once_the_crl_names_it(bundle):
         async with Server(files(bundle, "scheduler")) as server:
             admin = tls.channel_credentials(files(bundle, "admin"))
             assert await call(server.address, admin) == grpc.StatusCode.OK
-            revoke = subprocess.run([sys.executable, "-m", "services.cli", "certs", "--out",
+            revoke = subprocess.run([sys.executable, "-m", "kvrelay.cli", "certs", "--out",
                                      str(bundle), "--revoke", str(bundle / "admin.pem")],
                                     capture_output=True, text=True, timeout=60)
             assert revoke.returncode == 0, revoke.stderr
@@ -196,7 +196,7 @@ def test_tls_flags_need_all_three_files(bundle, tmp_path):
 def test_certs_command_rotates_under_the_same_ca_with_extra_names(bundle):
     ca_before = (bundle / "ca.pem").read_bytes()
     worker_before = (bundle / "worker.pem").read_bytes()
-    done = subprocess.run([sys.executable, "-m", "services.cli", "certs", "--out", str(bundle),
+    done = subprocess.run([sys.executable, "-m", "kvrelay.cli", "certs", "--out", str(bundle),
                            "--reuse-ca", "--roles", "worker", "--san", "10.0.0.7",
                            "--san", "decode.example", "--days", "30"],
                           capture_output=True, text=True, timeout=60)

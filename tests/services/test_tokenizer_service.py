@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from kvrelay.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 TEXTS = ["Hello, world! Plain ASCII text.", "你好，世界！今天天气很好。",
          "Rockets 🚀, coders 👩‍💻 and flags 🇫🇷.", "Ünïcödé àccents, Ελληνικά, русский."]

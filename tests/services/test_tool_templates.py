@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from services.tokenizer.tool_render import (HERMES, KVRELAY, parse_tool_calls, template_inputs,
+from kvrelay.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from kvrelay.tokenizer.tool_render import (HERMES, KVRELAY, parse_tool_calls, template_inputs,
                                             tool_call_format)
 from tests.services.conftest import ServiceProcess, free_port, grpc_health
 

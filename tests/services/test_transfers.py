@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.records import IllegalPhase, Phase
-from services.scheduler.transfers import IllegalTransition, TransferState
-from services.scheduler.messages import DECODE
+from kvrelay.scheduler.records import IllegalPhase, Phase
+from kvrelay.scheduler.transfers import IllegalTransition, TransferState
+from kvrelay.scheduler.messages import DECODE
 from tests.services.cluster_driver import (ABORT, ERROR, FILLER, LENGTH, pd_driver, prompt,
                                           worker_info)
 

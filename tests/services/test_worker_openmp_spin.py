@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.worker.openmp_spin import SPIN_COUNT
+from kvrelay.worker.openmp_spin import SPIN_COUNT
 
 REPO = Path(__file__).resolve().parents[2]
 # Records the variable at the moment torch starts loading, then imports the worker's entry
@@ -18,7 +18,7 @@ class Probe:
             seen["at_torch_import"] = os.environ.get("GOMP_SPINCOUNT")
         return None
 sys.meta_path.insert(0, Probe())
-import services.worker.main
+import kvrelay.worker.main
 print(seen.get("at_torch_import", "torch not imported"))
 """
 

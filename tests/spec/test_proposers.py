@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
-from services.engine.spec.config import SpeculativeConfig
-from services.engine.spec.drafter import Drafter
-from services.engine.spec.ngram import NgramProposer
-from services.engine.spec.state import DraftState
-from services.engine.spec.suffix import SuffixProposer
-from services.engine.spec.suffix_tree import SuffixTree, likeliest_path
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.request import Request
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.drafter import Drafter
+from kvrelay.engine.spec.ngram import NgramProposer
+from kvrelay.engine.spec.state import DraftState
+from kvrelay.engine.spec.suffix import SuffixProposer
+from kvrelay.engine.spec.suffix_tree import SuffixTree, likeliest_path
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.request import Request
-from services.engine.sampler import Sampler
-from services.engine.sampling_draw import sample_from_probs
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest
-from services.engine.spec.rejection import rejection_sample
-from services.engine.spec.verify import sample_items
+from kvrelay.engine.request import Request
+from kvrelay.engine.sampler import Sampler
+from kvrelay.engine.sampling_draw import sample_from_probs
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.engine.spec.rejection import rejection_sample
+from kvrelay.engine.spec.verify import sample_items
 
 VOCAB = 8
 # chi-square critical values at significance 0.001, by degrees of freedom

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine.structured.spec import StructuredOutputs
 
 COPY_PROMPT = ("Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, "
                "grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya.")

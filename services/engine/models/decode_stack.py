@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native_cpu
-from kernels.metadata import AttentionMetadata
-from services.engine.models.gguf_int4 import FUSED
+from kvrelay.kernels import native_cpu
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.engine.models.gguf_int4 import FUSED
 
 MATMULS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj: the kernel's order
 

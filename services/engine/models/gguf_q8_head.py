@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.models.gguf_int4 import GROUP
+from kvrelay.engine.models.gguf_int4 import GROUP
 
 _Q8_BLOCK_BYTES = 2 + GROUP
 HEAD_TENSORS = ("output.weight", "token_embd.weight")  # an untied head, else the tied one

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, paged_attention, store_kv
-from kernels import native_elementwise as fused
-from services.engine.models.decode_stack import DecodeStack
-from services.engine.models.packed_linear import PackedLinear, pack_linears_
-from services.engine.models.rope import RotaryEmbedding, apply_rope
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.dispatch import paged_attention, store_kv
+from kvrelay.kernels import native_elementwise as fused
+from kvrelay.engine.models.decode_stack import DecodeStack
+from kvrelay.engine.models.packed_linear import PackedLinear, pack_linears_
+from kvrelay.engine.models.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):

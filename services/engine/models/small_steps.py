@@ -24,11 +24,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from kernels import native_amx, native_gemv, native_q4a8, native_stack
-from services.engine.models import gguf_int4
-from services.engine.models.decode_stack import DecodeStack
-from services.engine.models.gguf_q8_head import Q8Blocks
-from services.engine.models.packed_linear import EVERY_STEP
+from kvrelay.kernels import native_amx, native_gemv, native_q4a8, native_stack
+from kvrelay.engine.models import gguf_int4
+from kvrelay.engine.models.decode_stack import DecodeStack
+from kvrelay.engine.models.gguf_q8_head import Q8Blocks
+from kvrelay.engine.models.packed_linear import EVERY_STEP
 
 # 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
 Q8_HEAD_SWITCH = "KVRELAY_Q8_HEAD"

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.engine.models.llama import LlamaForCausalLM
+from kvrelay.engine.models.llama import LlamaForCausalLM
 
 # HF name piece -> (our fused parameter, index of the shard inside it)
 _FUSED = {

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engine.request import Request
-from services.engine.spec.config import SpeculativeConfig
-from services.engine.spec.ngram import NgramProposer
-from services.engine.spec.state import DraftState
-from services.engine.spec.suffix import SuffixProposer
+from kvrelay.engine.request import Request
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.ngram import NgramProposer
+from kvrelay.engine.spec.state import DraftState
+from kvrelay.engine.spec.suffix import SuffixProposer
 
 
 @dataclass(slots=True)

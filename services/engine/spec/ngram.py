@@ -7,8 +7,8 @@ grows with the sequence, so a step costs a few dictionary lookups, not a scan of
 """
 from __future__ import annotations
 
-from services.engine.request import Request
-from services.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.request import Request
+from kvrelay.engine.spec.config import SpeculativeConfig
 
 # Occurrences of one short n-gram examined for a longer match, latest first.
 _MAX_CANDIDATES = 8

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.sampling_draw import sample_from_probs
+from kvrelay.engine.sampling_draw import sample_from_probs
 
 
 def rejection_sample(
@@ -42,7 +42,7 @@ def rejection_sample_any(probs: torch.Tensor, draft_token_ids: torch.Tensor,
                          uniforms: torch.Tensor) -> torch.Tensor:
     """The Triton kernel for CUDA tensors, the reference elsewhere."""
     if probs.is_cuda:
-        from kernels.triton_rejection import rejection_sample_triton
+        from kvrelay.kernels.triton_rejection import rejection_sample_triton
 
         return rejection_sample_triton(probs, draft_token_ids, uniforms)
     return rejection_sample(probs, draft_token_ids, uniforms)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from services.engine.request import Request
-from services.engine.spec.config import SpeculativeConfig
-from services.engine.spec.suffix_tree import SuffixTree, likeliest_path
+from kvrelay.engine.request import Request
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.suffix_tree import SuffixTree, likeliest_path
 
 
 class SuffixProposer:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampler import Sampler, SamplingRow
-from services.engine.scheduler import ScheduledRequest
-from services.engine.stop_checker import banned_token_ids
+from kvrelay.engine.sampler import Sampler, SamplingRow
+from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.engine.stop_checker import banned_token_ids
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine.structured.spec import StructuredOutputs
 
 
 class GrammarError(ValueError):

@@ -33,5 +33,5 @@ def apply_(logits: torch.Tensor, row_ids: list[int], bitmask: torch.Tensor) -> N
 
 
 def _native_ops():
-    from kernels.native_elementwise import elementwise_ops
+    from kvrelay.kernels.native_elementwise import elementwise_ops
     return elementwise_ops()

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from services.engine.structured.backend import CompiledGrammar, GrammarBackend, GrammarError
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine.structured.backend import CompiledGrammar, GrammarBackend, GrammarError
+from kvrelay.engine.structured.spec import StructuredOutputs
 
 DEFAULT_CACHE_SIZE = 256
 
@@ -22,10 +22,10 @@ DEFAULT_CACHE_SIZE = 256
 def make_backend(name: str, tokenizer_json_path: Path, vocab_size: int,
                  eos_token_ids: list[int]) -> GrammarBackend:
     if name == "llguidance":
-        from services.engine.structured.llguidance_backend import LlguidanceBackend
+        from kvrelay.engine.structured.llguidance_backend import LlguidanceBackend
         return LlguidanceBackend(tokenizer_json_path.read_text(), vocab_size, eos_token_ids)
     if name == "xgrammar":
-        from services.engine.structured.xgrammar_backend import XgrammarBackend
+        from kvrelay.engine.structured.xgrammar_backend import XgrammarBackend
         return XgrammarBackend(tokenizer_json_path, vocab_size, eos_token_ids)
     raise ValueError(f"grammar backend must be llguidance or xgrammar, got {name!r}")
 

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from services.engine.structured.backend import GrammarError, check_bitmask_row
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine.structured.backend import GrammarError, check_bitmask_row
+from kvrelay.engine.structured.spec import StructuredOutputs
 
 # Compact JSON: a flexible-whitespace grammar lets a small model emit whitespace until
 # max_tokens runs out (no space after "," or ":" either).

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.engine.structured.backend import GrammarError, check_bitmask_row
-from services.engine.structured.spec import StructuredOutputs
+from kvrelay.engine.structured.backend import GrammarError, check_bitmask_row
+from kvrelay.engine.structured.spec import StructuredOutputs
 
 
 class XgrammarMatcher:

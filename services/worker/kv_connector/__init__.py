@@ -4,12 +4,12 @@ Control goes through the scheduler (it orders a send in a step message and hears
 data goes worker to worker through a `KvTransport`. Pages are fed layer by layer (`LayerFeed`),
 as each layer's KV becomes final during the forward pass when the order rides on that step.
 """
-from services.worker.kv_connector.base import KvTransport, TransferFailed
-from services.worker.kv_connector.feed import LayerFeed
-from services.worker.kv_connector.grpc_transport import GrpcKvTransport
-from services.worker.kv_connector.receiver import KvReceiver
-from services.worker.kv_connector.sender import KvSender
-from services.worker.kv_connector.shm_transport import ShmKvTransport
+from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed
+from kvrelay.worker.kv_connector.feed import LayerFeed
+from kvrelay.worker.kv_connector.grpc_transport import GrpcKvTransport
+from kvrelay.worker.kv_connector.receiver import KvReceiver
+from kvrelay.worker.kv_connector.sender import KvSender
+from kvrelay.worker.kv_connector.shm_transport import ShmKvTransport
 
 __all__ = ["KvTransport", "TransferFailed", "LayerFeed", "GrpcKvTransport", "KvReceiver",
            "KvSender", "ShmKvTransport"]

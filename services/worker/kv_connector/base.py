@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from services.api.kvrelay.v1 import worker_pb2
-from services.worker.kv_connector.feed import Lander, LayerFeed
+from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
 
 
 class TransferFailed(Exception):

@@ -9,10 +9,10 @@ import asyncio
 
 import grpc
 
-from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
-from services.common.grpc_server import channel
-from services.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
-from services.worker.kv_connector.feed import LayerFeed
+from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
+from kvrelay.common.grpc_server import channel
+from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
+from kvrelay.worker.kv_connector.feed import LayerFeed
 
 MAX_CHUNK_BYTES = 3 << 20  # K and V together, leaving room for the message's other fields
 

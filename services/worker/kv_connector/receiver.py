@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from services.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from services.common.log import get_logger
+from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from kvrelay.common.log import get_logger
 
 log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

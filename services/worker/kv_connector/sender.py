@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.api.kvrelay.v1 import worker_pb2
-from services.common import metrics
-from services.common.log import get_logger
-from services.worker.kv_connector.base import KvTransport, TransferFailed, seconds_left
-from services.worker.kv_connector.feed import Lander, LayerFeed
+from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.common import metrics
+from kvrelay.common.log import get_logger
+from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, seconds_left
+from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
 
 log = get_logger(__name__)
 

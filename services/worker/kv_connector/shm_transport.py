@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from services.api.kvrelay.v1 import worker_pb2
-from services.engine.model_runner import map_kv_cache_file
-from services.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
-from services.worker.kv_connector.feed import Lander, LayerFeed
+from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.engine.model_runner import map_kv_cache_file
+from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
+from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
 
 
 class ShmKvTransport(KvTransport):

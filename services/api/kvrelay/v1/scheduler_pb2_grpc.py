@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.api.kvrelay.v1 import scheduler_pb2 as kvrelay_dot_v1_dot_scheduler__pb2
+from kvrelay.api.kvrelay.v1 import scheduler_pb2 as kvrelay_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
