@@ -54,7 +54,7 @@ fuzz: $(LAYOUT)
 	KVRELAY_FUZZ=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/fuzz
 
 bench: $(LAYOUT)
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/offline.py
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.offline
 
 protos: $(LAYOUT)
 	$(PY) -m kvrelay.common.protogen

@@ -29,13 +29,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks import kv_capacity  # noqa: E402
-from benchmarks.memory import tree_memory  # noqa: E402
-from benchmarks import compare_report  # noqa: E402
-from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server, vllm_cpu  # noqa: E402
-from benchmarks.peers.common import Server, log_tail, stop  # noqa: E402
+from benchmarks import kv_capacity
+from benchmarks.memory import tree_memory
+from benchmarks import compare_report
+from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server, vllm_cpu
+from benchmarks.peers.common import Server, log_tail, stop
 
 SERVER_SYSTEMS = ("kvrelay-pd", "kvrelay-colocated", "vllm-cpu", "llama-server",
                   "transformers-serve")

@@ -2,6 +2,7 @@
 they replace (everything outside the markers stays as written by hand)."""
 from __future__ import annotations
 
+from benchmarks.summary import markdown_table
 from kvrelay.bench.report import HEADER, RULE, summary_row, tagged_subsets
 
 BEGIN = "<!-- kvrelay-compare:begin (written by `python -m benchmarks.compare`) -->"
@@ -19,24 +20,21 @@ def refresh_section(document: str, body: str) -> str:
 
 
 def systems_table(systems: list[dict]) -> str:
-    lines = ["| system | version | dtype | threads | command | status |",
-             "|---|---|---|---|---|---|"]
+    rows = []
     for system in systems:
         info = system.get("info", {})
-        command = " ".join(system.get("command", [])).replace("|", "\\|")
+        command = " ".join(system.get("command", []))
         command = f"`{command}`" if command else "-"
         status = system.get("error", "ok").splitlines()[0][:120] if system.get("error") else "ok"
-        lines.append(f"| {system['name']} | {info.get('version', '-')} | "
-                     f"{info.get('dtype', '-')} | {info.get('threads', '-')} | "
-                     f"{command} | {status} |")
-    return "\n".join(lines)
+        rows.append([system["name"], info.get("version", "-"), info.get("dtype", "-"),
+                     info.get("threads", "-"), command, status])
+    return markdown_table(["system", "version", "dtype", "threads", "command", "status"], rows)
 
 
 def memory_table(systems: list[dict]) -> str:
     """Each system's processes by peak resident memory (VmHWM), after its workloads, and how
     many tokens of KV it holds in all (benchmarks/kv_capacity.py; "-" where not read)."""
-    lines = ["| system | peak RSS, all processes (MiB) | KV capacity (tokens) "
-             "| processes (peak MiB) |", "|---|---|---|---|"]
+    rows = []
     for system in systems:
         memory = system.get("memory")
         if not memory:
@@ -46,8 +44,10 @@ def memory_table(systems: list[dict]) -> str:
         total = sum(item["peak_mib"] for item in memory)
         kv_tokens = system.get("kv_capacity_tokens")
         kv_text = "-" if kv_tokens is None else f"{kv_tokens:,}"
-        lines.append(f"| {system['name']} | {total:.0f} | {kv_text} | {processes} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+        rows.append([system["name"], f"{total:.0f}", kv_text, processes])
+    header = ["system", "peak RSS, all processes (MiB)", "KV capacity (tokens)",
+              "processes (peak MiB)"]
+    return markdown_table(header, rows) if rows else ""
 
 
 def workload_table(results: list[tuple[str, dict]]) -> str:
@@ -63,34 +63,30 @@ def workload_table(results: list[tuple[str, dict]]) -> str:
 
 
 def static_row_table(static: list[dict]) -> str:
-    lines = ["| system | dtype | threads | requests | output tok/s | wall s |",
-             "|---|---|---|---|---|---|"]
-    for item in static:
-        lines.append(f"| {item['system']} | {item['dtype']} | {item['threads']} | "
-                     f"{item['requests']} | {item['output_tokens_per_s']:.1f} | "
-                     f"{item['wall_s']:.1f} |")
-    return "\n".join(lines)
+    rows = [[item["system"], item["dtype"], item["threads"], item["requests"],
+             f"{item['output_tokens_per_s']:.1f}", f"{item['wall_s']:.1f}"] for item in static]
+    return markdown_table(["system", "dtype", "threads", "requests", "output tok/s", "wall s"],
+                          rows)
 
 
 def poisson_summary(results: list[tuple[str, dict]]) -> str:
-    lines = ["| system | highest rate with goodput >= 90% |", "|---|---|"]
+    rows = []
     for system, result in results:
         best = (result.get("sweep") or {}).get("max_rate_goodput_90")
-        lines.append(f"| {system} | {'none' if best is None else f'{best:g} req/s'} |")
-    return "\n".join(lines)
+        rows.append([system, "none" if best is None else f"{best:g} req/s"])
+    return markdown_table(["system", "highest rate with goodput >= 90%"], rows)
 
 
 def long_short_summary(results: list[tuple[str, dict]]) -> str:
-    lines = ["| system | short ITL p99 without long, ms | with long, ms | ratio |",
-             "|---|---|---|---|"]
+    rows = []
     for system, result in results:
         p99 = {run["phase"]: run["by_tag"].get("short", {}).get("itl_s", {}).get("p99")
                for run in result["runs"]}
         ratio = result.get("long_short_itl_p99_ratio")
-        lines.append(f"| {system} | {_ms(p99.get('without long'))} | "
-                     f"{_ms(p99.get('with long'))} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
-    return "\n".join(lines)
+        rows.append([system, _ms(p99.get("without long")), _ms(p99.get("with long")),
+                     "-" if ratio is None else f"{ratio:.2f}x"])
+    return markdown_table(["system", "short ITL p99 without long, ms", "with long, ms", "ratio"],
+                          rows)
 
 
 def _ms(seconds) -> str:

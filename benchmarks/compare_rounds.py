@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.summary import markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -154,21 +156,20 @@ def knee_ratios(comparisons: list[dict], first_name: str) -> list[dict]:
 def knee_report(rows: list[dict], first: str) -> str:
     if not rows:
         return ""
-    lines = ["", f"Knees: the highest swept rate with >= {GOODPUT_KNEE:.0%} goodput, {first} / "
-             "the other, per round. A ratio marked >= or <= is a bound (a system held at its "
-             "highest rate, or at none, where its lowest rate stands in); the median is over "
-             "the exact ones.", "",
-             "| workload | against | knees per round | ratio per round | median |",
-             "|---|---|---|---|---|"]
+    table = []
     for row in rows:
         knees = ", ".join(f"{_rate(r['mine'])} / {_rate(r['theirs'])}" for r in row["rounds"])
         ratios = ", ".join("-" if r["ratio"] is None else
                            f"{'' if r['kind'] == '=' else r['kind'] + ' '}{r['ratio']:.2f}x"
                            for r in row["rounds"])
         exact = [r["ratio"] for r in row["rounds"] if r["kind"] == "="]
-        lines.append(f"| {row['workload']} | {row['against']} | {knees} | {ratios} | "
-                     f"{_median(exact)} |")
-    return "\n".join(lines) + "\n"
+        table.append([row["workload"], row["against"], knees, ratios, _median(exact)])
+    header = ["workload", "against", "knees per round", "ratio per round", "median"]
+    return "\n".join(["", f"Knees: the highest swept rate with >= {GOODPUT_KNEE:.0%} goodput, "
+                      f"{first} / the other, per round. A ratio marked >= or <= is a bound (a "
+                      "system held at its highest rate, or at none, where its lowest rate stands "
+                      "in); the median is over the exact ones.", "",
+                      markdown_table(header, table)]) + "\n"
 
 
 def _rate(rate: float | None) -> str:
@@ -176,15 +177,14 @@ def _rate(rate: float | None) -> str:
 
 
 def report(rows: list[dict], first: str) -> str:
-    lines = [f"Ratios for {first}: its output tok/s over the other's, and the other's TTFT p50 "
-             f"over its own (above 1: {first} better), per round and the median.", "",
-             "| workload / run | against | tok/s ratio per round | median | TTFT p50 ratio per "
-             "round | median |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['run']} | {row['against']} | {_values(row['throughput'])} | "
-                     f"{_median(row['throughput'])} | {_values(row['ttft_p50'])} | "
-                     f"{_median(row['ttft_p50'])} |")
-    return "\n".join(lines) + "\n"
+    table = [[row["run"], row["against"], _values(row["throughput"]),
+              _median(row["throughput"]), _values(row["ttft_p50"]), _median(row["ttft_p50"])]
+             for row in rows]
+    header = ["workload / run", "against", "tok/s ratio per round", "median",
+              "TTFT p50 ratio per round", "median"]
+    return "\n".join([f"Ratios for {first}: its output tok/s over the other's, and the other's "
+                      f"TTFT p50 over its own (above 1: {first} better), per round and the "
+                      "median.", "", markdown_table(header, table)]) + "\n"
 
 
 def _values(values: list[float]) -> str:

@@ -2,8 +2,8 @@
 CUDA, then speed against the device's own copy bandwidth, with random weights and
 Llama-3-8B's config (bfloat16; no checkpoint is read or downloaded).
 
-    python benchmarks/cuda_check.py --out cuda_check.json     # on a CUDA machine (~5 min)
-    python benchmarks/cuda_check.py --smoke                   # the same code on a CPU, tiny
+    python -m benchmarks.cuda_check --out cuda_check.json     # on a CUDA machine (~5 min)
+    python -m benchmarks.cuda_check --smoke                   # the same code on a CPU, tiny
 
 Measures, in order:
 1. paged attention (decode, whole prompts, chunked prefill, mixed; bf16, fp16, fp32; Llama-3-8B
@@ -28,11 +28,10 @@ from pathlib import Path
 if "--smoke" in sys.argv:  # read when the Triton kernels are decorated, so before any import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import cuda_engine, cuda_kernels  # noqa: E402
+from benchmarks import cuda_engine, cuda_kernels
+from benchmarks.summary import markdown_table
 
 
 def run(device: torch.device, smoke: bool, max_kv_gib: float) -> dict:
@@ -63,31 +62,29 @@ def run(device: torch.device, smoke: bool, max_kv_gib: float) -> dict:
 
 def markdown(report: dict) -> str:
     gb = lambda value: f"{value / 1e9:.0f}"  # noqa: E731
-    lines = [f"Run {report['date']} on {report['device']} (torch {report['torch']}"
-             f"{', smoke test' if report['smoke'] else ''}).", "",
-             "| kernel | heads | dtype | case | max abs error vs reference | ok |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['kernel']} | {r['heads']} | {r['dtype']} | {r['case']} | "
-              f"{r['max_abs_error']:.2e} | {'yes' if r['ok'] else '**no**'} |"
-              for r in report["checks"]]
-    lines += ["", f"Copy bandwidth: {gb(report['copy_bytes_per_s'])} GB/s (read + write).", "",
-              "| decode attention: batch | context | µs | GB/s | of copy bandwidth |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['seconds'] * 1e6:.0f} | "
-              f"{gb(r['bytes_per_s'])} | {r['of_copy_bandwidth']:.0%} |"
-              for r in report["attention"]]
-    lines += ["", f"Weights: {report['weight_bytes'] / 1e9:.1f} GB.", "",
-              "| decode step: batch | context | ms | roofline ms | of roofline |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['seconds'] * 1e3:.2f} | "
-              f"{r['roofline_seconds'] * 1e3:.2f} | {r['of_roofline']:.0%} |"
-              for r in report["decode_steps"]]
+    checks = [[r["kernel"], r["heads"], r["dtype"], r["case"], f"{r['max_abs_error']:.2e}",
+               "yes" if r["ok"] else "**no**"] for r in report["checks"]]
+    attention = [[r["batch"], r["context"], f"{r['seconds'] * 1e6:.0f}", gb(r["bytes_per_s"]),
+                  f"{r['of_copy_bandwidth']:.0%}"] for r in report["attention"]]
+    steps = [[r["batch"], r["context"], f"{r['seconds'] * 1e3:.2f}",
+              f"{r['roofline_seconds'] * 1e3:.2f}", f"{r['of_roofline']:.0%}"]
+             for r in report["decode_steps"]]
     offline = report["offline"]
-    lines += ["", f"Offline: {offline['requests']} requests x {offline['prompt_len']} prompt "
-              f"tokens, {offline['max_tokens']} greedy output tokens each: "
-              f"{offline['output_tokens_per_s']:.0f} output tok/s ({offline['steps']} steps, "
-              f"{offline['seconds']:.1f} s)."]
-    return "\n".join(lines)
+    return "\n".join([
+        f"Run {report['date']} on {report['device']} (torch {report['torch']}"
+        f"{', smoke test' if report['smoke'] else ''}).", "",
+        markdown_table(["kernel", "heads", "dtype", "case", "max abs error vs reference", "ok"],
+                       checks), "",
+        f"Copy bandwidth: {gb(report['copy_bytes_per_s'])} GB/s (read + write).", "",
+        markdown_table(["decode attention: batch", "context", "µs", "GB/s", "of copy bandwidth"],
+                       attention), "",
+        f"Weights: {report['weight_bytes'] / 1e9:.1f} GB.", "",
+        markdown_table(["decode step: batch", "context", "ms", "roofline ms", "of roofline"],
+                       steps), "",
+        f"Offline: {offline['requests']} requests x {offline['prompt_len']} prompt "
+        f"tokens, {offline['max_tokens']} greedy output tokens each: "
+        f"{offline['output_tokens_per_s']:.0f} output tok/s ({offline['steps']} steps, "
+        f"{offline['seconds']:.1f} s)."])
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """chat-64 through the in-process engine beside HF transformers, in one run.
 
-    python benchmarks/offline.py [--dtype auto] [--hf-dtypes bfloat16,float32] [--sequential 8]
+    python -m benchmarks.offline [--dtype auto] [--hf-dtypes bfloat16,float32] [--sequential 8]
 
 Reports output tokens/s, wall time, and TTFT / ITL where they are measurable: for kvrelay from
 the step at which each request's tokens appear; for HF sequential from a streamer; HF static
@@ -11,19 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.workloads import chat64  # noqa: E402
-from benchmarks.peers.hf_static import generate_all  # noqa: E402
-from kvrelay.engine import LLM, SamplingParams  # noqa: E402
+from benchmarks.peers.hf_static import generate_all
+from benchmarks.summary import markdown_table, percentile
+from benchmarks.workloads import chat64
+from kvrelay import LLM, SamplingParams
 
 MAX_TOKENS = 128
 
@@ -46,13 +43,6 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run_kvrelay(conversations, dtype: str, warmup_conversations=None,
@@ -102,8 +92,8 @@ class OfflineEngine:
         ttfts = list(first.values())
         return Result("kvrelay LLM.generate", str(engine.dtype).removeprefix("torch."),
                       torch.get_num_threads(), len(requests), output_tokens, wall,
-                      _pct(ttfts, 0.5), _pct(ttfts, 0.9),
-                      _ms(_pct(gaps, 0.5)), _ms(_pct(gaps, 0.9)),
+                      percentile(ttfts, 50), percentile(ttfts, 90),
+                      _ms(percentile(gaps, 50)), _ms(percentile(gaps, 90)),
                       notes=f"{num_steps} steps, max_num_batched_tokens="
                             f"{engine.config.max_num_batched_tokens}",
                       extra={"load_s": round(engine.load_info.seconds, 2)})
@@ -165,22 +155,20 @@ def run_hf_sequential(conversations, model_dir, dtype: torch.dtype) -> Result:
     wall = time.perf_counter() - start
     return Result("HF sequential generate", str(dtype).removeprefix("torch."),
                   torch.get_num_threads(), len(conversations), output_tokens, wall,
-                  _pct(ttfts, 0.5), _pct(ttfts, 0.9), _ms(_pct(gaps, 0.5)), _ms(_pct(gaps, 0.9)),
+                  percentile(ttfts, 50), percentile(ttfts, 90), _ms(percentile(gaps, 50)),
+                  _ms(percentile(gaps, 90)),
                   notes="subset of chat-64 (sequential is slow); tok/s is comparable")
 
 
 def markdown(results: list[Result], baseline: str) -> str:
     base = next((r for r in results if r.system.startswith(baseline)), None)
-    lines = ["| system | dtype | threads | requests | output tok/s | vs HF static | wall s | "
-             "TTFT p50 s | TTFT p90 s | ITL p50 ms | ITL p90 ms | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
-        cells = [r.system, r.dtype, r.threads, r.requests, f"{r.tokens_per_s:.1f}", ratio,
-                 f"{r.wall_s:.1f}", _fmt(r.ttft_p50_s), _fmt(r.ttft_p90_s), _fmt(r.itl_p50_ms),
-                 _fmt(r.itl_p90_ms), r.notes]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+    rows = [[r.system, r.dtype, r.threads, r.requests, f"{r.tokens_per_s:.1f}",
+             f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-", f"{r.wall_s:.1f}",
+             _fmt(r.ttft_p50_s), _fmt(r.ttft_p90_s), _fmt(r.itl_p50_ms), _fmt(r.itl_p90_ms),
+             r.notes] for r in results]
+    return markdown_table(["system", "dtype", "threads", "requests", "output tok/s",
+                           "vs HF static", "wall s", "TTFT p50 s", "TTFT p90 s", "ITL p50 ms",
+                           "ITL p90 ms", "notes"], rows)
 
 
 def _fmt(value: float | None) -> str:

@@ -1,7 +1,7 @@
 """shared-prefix with prefix caching on and off, through the PD and colocated stacks, one run.
 
-    python benchmarks/prefix_cache.py [--topologies pd,colocated] [--rounds 1]
-    python benchmarks/prefix_cache.py --topologies pd --no-off --rounds 2 --checkouts .,/tmp/old
+    python -m benchmarks.prefix_cache [--topologies pd,colocated] [--rounds 1]
+    python -m benchmarks.prefix_cache --topologies pd --no-off --rounds 2 --checkouts .,/tmp/old
 
 Each stack is started by `kvrelay up` (with `--no-prefix-caching` for "off") and sent the
 shared-prefix workload by `kvrelay bench serve` (64 requests at once, no warm-up: the first
@@ -14,7 +14,8 @@ step pushed them).
 
 `--checkouts` runs the stacks from other source trees too (e.g. a `git worktree` of an older
 commit), the variants taking turns in each of `--rounds` rounds: a before/after on one machine
-state.
+state. Each other tree runs on its own `.venv` (`make venv` there), whose kvrelay is installed
+from that tree; trees from before the `kvrelay` package (commit 1a9a61d) cannot be run this way.
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks.peers.kvrelay_stack import up_command  # noqa: E402
-from kvrelay.bench.prompts import shared_prefix  # noqa: E402
+from benchmarks.peers.kvrelay_stack import up_command
+from benchmarks.summary import markdown_table
+from kvrelay.bench.prompts import shared_prefix
 
 BLOCK_SIZE = 16
 
@@ -58,6 +59,18 @@ def shared_prompt_tokens(rest_url: str, model: str) -> int:
     return common // BLOCK_SIZE * BLOCK_SIZE
 
 
+def checkout_python(checkout: Path) -> str:
+    """The interpreter whose kvrelay is that tree's code: ours for this repository, the tree's
+    own .venv for another (kvrelay is an installed package, so the working directory alone
+    would run this venv's kvrelay)."""
+    if checkout == REPO:
+        return sys.executable
+    python = checkout / ".venv" / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{checkout}: no .venv/bin/python (run `make venv` there)")
+    return str(python)
+
+
 def run_one(topology: str, caching: bool, checkout: Path, workdir: Path, port: int,
             count: int) -> dict:
     name = f"{topology}-{'on' if caching else 'off'}-{port}"
@@ -66,7 +79,7 @@ def run_one(topology: str, caching: bool, checkout: Path, workdir: Path, port: i
     command = up_command(topology, port, log_dir, "bfloat16", None)
     if not caching:
         command.append("--no-prefix-caching")
-    # `python -m kvrelay.cli` from the checkout runs that tree's code.
+    command[0] = checkout_python(checkout)
     stack = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                              cwd=checkout)
     try:
@@ -123,18 +136,18 @@ def _wait_ready(stack: subprocess.Popen, state_file: Path, timeout_s: float = 60
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| stack | code | prefix caching | TTFT p50 s | e2e p90 s | output tok/s | cache hits "
-             "/ prompt tokens looked up | hits / shared prompt tokens | KV pushed GB | shared "
-             "prefix tokens not pushed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    table = []
     for row in rows:
         share = row["hit_share_of_shared"]
-        lines.append(f"| {row['topology']} | {row['checkout']} | "
-                     f"{'on' if row['caching'] else 'off'} | {row['ttft_p50_s']:.2f} | "
-                     f"{row['e2e_p90_s']:.2f} | {row['output_tok_s']:.1f} | "
-                     f"{row['hits']:.0f} / {row['queries']:.0f} | "
-                     f"{'-' if share is None else f'{share:.1%}'} | "
-                     f"{row['pushed_bytes'] / 1e9:.2f} | {row['not_pushed']:.0f} |")
-    return "\n".join(lines)
+        table.append([row["topology"], row["checkout"], "on" if row["caching"] else "off",
+                      f"{row['ttft_p50_s']:.2f}", f"{row['e2e_p90_s']:.2f}",
+                      f"{row['output_tok_s']:.1f}", f"{row['hits']:.0f} / {row['queries']:.0f}",
+                      "-" if share is None else f"{share:.1%}",
+                      f"{row['pushed_bytes'] / 1e9:.2f}", f"{row['not_pushed']:.0f}"])
+    return markdown_table(["stack", "code", "prefix caching", "TTFT p50 s", "e2e p90 s",
+                           "output tok/s", "cache hits / prompt tokens looked up",
+                           "hits / shared prompt tokens", "KV pushed GB",
+                           "shared prefix tokens not pushed"], table)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What speculation can gain on a workload: its greedy outputs replayed through the proposers.
 
-    python benchmarks/spec_replay.py [--workload grounded] [--requests 32] [--max-tokens 128]
+    python -m benchmarks.spec_replay [--workload grounded] [--requests 32] [--max-tokens 128]
         [--outputs FILE] [--configs JSON;JSON...] [--step-ms 1:6.0,2:7.4,...]
         [--measure-rows 5] [engine flags, as in `kvrelay bench latency`]
 
@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvrelay.bench.engine_args import add_engine_arguments, make_llm  # noqa: E402
-from kvrelay.engine import SamplingParams  # noqa: E402
-from kvrelay.engine.request import Request  # noqa: E402
-from kvrelay.engine.spec.config import SpeculativeConfig  # noqa: E402
-from kvrelay.engine.spec.drafter import Drafter  # noqa: E402
+from benchmarks.forced_drafts import ForcedDrafts, distinct_prompt
+from kvrelay.bench.engine_args import add_engine_arguments, make_llm
+from kvrelay.engine import SamplingParams
+from kvrelay.engine.request import Request
+from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.engine.spec.drafter import Drafter
 
 DEFAULT_CONFIGS = (
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
@@ -106,9 +104,7 @@ def generate_outputs(args) -> list[dict]:
 
 def measure_step_ms(args, max_rows: int) -> dict[int, float]:
     """The median model step of one sequence at 1 .. max_rows query rows, shapes alternating
-    over rounds in one process (benchmarks/verify_step.py's forced drafts)."""
-    from benchmarks.verify_step import ForcedDrafts, _prompt
-
+    over rounds in one process (benchmarks/forced_drafts.py)."""
     llm = make_llm(args, speculative_config={
         "method": "ngram", "num_speculative_tokens": max_rows - 1, "disable_by_batch_size": 0})
     forced = ForcedDrafts(llm)
@@ -116,7 +112,7 @@ def measure_step_ms(args, max_rows: int) -> dict[int, float]:
     samples: dict[int, list[float]] = {rows: [] for rows in range(1, max_rows + 1)}
     for round_index in range(3):
         for rows in samples:
-            prompt = {"prompt_token_ids": _prompt(args.context, 0, round_index)}
+            prompt = {"prompt_token_ids": distinct_prompt(args.context, 0, round_index)}
             samples[rows].append(forced.time_steps([prompt], params, rows - 1))
     return {rows: statistics.median(times) for rows, times in samples.items()}
 

@@ -1,6 +1,6 @@
 """chat-64 through the service stack (PD and colocated) beside the in-process engine, one run.
 
-    python benchmarks/stack.py [--topologies pd,colocated] [--dtype auto] [--threads-per-worker 2]
+    python -m benchmarks.stack [--topologies pd,colocated] [--dtype auto] [--threads-per-worker 2]
 
 A topology may carry environment variables for its stack's services after `@`, to compare
 variants in one run: `--topologies pd,pd@KVRELAY_SHARED_COMPUTE_STEPS=overlap@OMP_WAIT_POLICY=PASSIVE`.
@@ -35,15 +35,15 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from benchmarks.offline import MAX_TOKENS, OfflineEngine, _pct  # noqa: E402
-from benchmarks.workloads import chat64  # noqa: E402
-from kvrelay.bench.client import ServerOptions  # noqa: E402
-from kvrelay.bench.runner import Limits  # noqa: E402
-from kvrelay.bench.runner import run as run_workload  # noqa: E402
-from kvrelay.bench.workloads import chat_requests  # noqa: E402
-from kvrelay.common.runtime import run_loop  # noqa: E402
+from benchmarks.offline import MAX_TOKENS, OfflineEngine
+from benchmarks.summary import markdown_table, percentile
+from benchmarks.workloads import chat64
+from kvrelay.bench.client import ServerOptions
+from kvrelay.bench.runner import Limits
+from kvrelay.bench.runner import run as run_workload
+from kvrelay.bench.workloads import chat_requests
+from kvrelay.common.runtime import run_loop
 
 FRONT_SERVICES = ("gateway", "tokenizer", "scheduler")
 WARMUP_SEED = 1  # the timed pass uses chat64's default seed 0
@@ -165,9 +165,10 @@ class StackSystem:
         # Not front CPU, but where the rest of the machine went: the workers and this client.
         others = {name: sec for name, sec in cpu.items() if name not in front}
         others["client"] = client_cpu
-        return StackResult(self.name, tokens, wall, _pct(record["ttft"], 0.5),
-                           _pct(record["ttft"], 0.9), _ms(_pct(record["gaps"], 0.5)),
-                           _ms(_pct(record["gaps"], 0.9)), per_token,
+        return StackResult(self.name, tokens, wall, percentile(record["ttft"], 50),
+                           percentile(record["ttft"], 90),
+                           _ms(percentile(record["gaps"], 50)),
+                           _ms(percentile(record["gaps"], 90)), per_token,
                            {name: round(sec / tokens * 1e6) for name, sec in others.items()},
                            steps)
 
@@ -200,26 +201,27 @@ def markdown(rounds: list[list[StackResult]]) -> str:
     ratios (each round ran every system back to back, so a ratio shares the machine's phase)."""
     names = [result.system for result in rounds[0]]
     offline = next((name for name in names if name.startswith("kvrelay offline")), names[0])
-    lines = ["| system | output tok/s (median; each round) | vs offline | TTFT p50 s | "
-             "ITL p50 ms | ITL p90 ms | front CPU µs/token (gateway, tokenizer, scheduler) | "
-             "workers and client CPU µs/token | worker steps: count, s in steps / wall s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name in names:
-        runs = [next(r for r in results if r.system == name) for results in rounds]
-        bases = [next(r for r in results if r.system == offline) for results in rounds]
-        ratios = [r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, bases)]
-        middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
-        each = ", ".join(f"{r.tokens_per_s:.0f}" for r in runs)
-        cpu = ", ".join(f"{k} {v}" for k, v in middle.cpu_us_per_token.items()) or "-"
-        other = ", ".join(f"{k} {v}" for k, v in middle.other_cpu_us_per_token.items()) or "-"
-        steps = ", ".join(f"{k} {n:.0f}, {sec:.2f}" for k, (n, sec) in
-                          middle.worker_steps.items())
-        steps = f"{steps} / {middle.wall_s:.2f}" if steps else "-"
-        lines.append(f"| {name} | {middle.tokens_per_s:.1f} ({each}) | "
-                     f"{statistics.median(ratios):.2f}x | {_f(middle.ttft_p50_s)} | "
-                     f"{_f(middle.itl_p50_ms)} | {_f(middle.itl_p90_ms)} | {cpu} | {other} | "
-                     f"{steps} |")
-    return "\n".join(lines)
+    bases = [next(r for r in results if r.system == offline) for results in rounds]
+    rows = [_system_row(name, [next(r for r in results if r.system == name)
+                               for results in rounds], bases) for name in names]
+    return markdown_table(["system", "output tok/s (median; each round)", "vs offline",
+                           "TTFT p50 s", "ITL p50 ms", "ITL p90 ms",
+                           "front CPU µs/token (gateway, tokenizer, scheduler)",
+                           "workers and client CPU µs/token",
+                           "worker steps: count, s in steps / wall s"], rows)
+
+
+def _system_row(name: str, runs: list[StackResult], bases: list[StackResult]) -> list:
+    ratios = [r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, bases)]
+    middle = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+    each = ", ".join(f"{r.tokens_per_s:.0f}" for r in runs)
+    cpu = ", ".join(f"{k} {v}" for k, v in middle.cpu_us_per_token.items()) or "-"
+    other = ", ".join(f"{k} {v}" for k, v in middle.other_cpu_us_per_token.items()) or "-"
+    steps = ", ".join(f"{k} {n:.0f}, {sec:.2f}" for k, (n, sec) in middle.worker_steps.items())
+    steps = f"{steps} / {middle.wall_s:.2f}" if steps else "-"
+    return [name, f"{middle.tokens_per_s:.1f} ({each})", f"{statistics.median(ratios):.2f}x",
+            _f(middle.ttft_p50_s), _f(middle.itl_p50_ms), _f(middle.itl_p90_ms), cpu, other,
+            steps]
 
 
 def _f(value) -> str:

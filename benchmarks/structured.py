@@ -2,32 +2,25 @@
 corpus of JSON schemas (each compiled fresh, no cache) and the time to compute the allowed-token
 bitmasks of a step at batch 64, as the scheduler does before each step.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/structured.py [--backend llguidance|xgrammar]
+    .venv/bin/python -m benchmarks.structured [--backend llguidance|xgrammar]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvrelay.bench.workloads import CHAT_JSON_SCHEMA  # noqa: E402
-from kvrelay.engine.model_loader import resolve_model_dir  # noqa: E402
-from kvrelay.engine.structured.backend import next_token_bitmask  # noqa: E402
-from kvrelay.engine.structured.compiler import make_backend  # noqa: E402
-from kvrelay.engine.structured.spec import StructuredOutputs  # noqa: E402
-from tests.structured_schemas import SCHEMAS  # noqa: E402
+from benchmarks.summary import percentile
+from kvrelay.bench.workloads import CHAT_JSON_SCHEMA
+from kvrelay.engine.model_loader import resolve_model_dir
+from kvrelay.engine.structured.backend import next_token_bitmask
+from kvrelay.engine.structured.compiler import make_backend
+from kvrelay.engine.structured.spec import StructuredOutputs
+from tests.structured_schemas import SCHEMAS
 
 VOCAB, EOS = 49152, [2]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def compile_times(backend_name: str, tokenizer_json: Path) -> list[float]:
@@ -84,12 +77,12 @@ def main() -> None:
     masks = mask_times(args.backend, tokenizer_json, args.batch, args.steps)
     print(json.dumps({
         "backend": args.backend, "schemas": len(compiles),
-        "compile_ms": {"p50": round(percentile(compiles, 0.5) * 1e3, 2),
-                       "p99": round(percentile(compiles, 0.99) * 1e3, 2),
+        "compile_ms": {"p50": round(percentile(compiles, 50) * 1e3, 2),
+                       "p99": round(percentile(compiles, 99) * 1e3, 2),
                        "max": round(max(compiles) * 1e3, 2)},
         "mask_ms_per_step": {"batch": args.batch, "steps": len(masks),
-                             "p50": round(percentile(masks, 0.5) * 1e3, 2),
-                             "p99": round(percentile(masks, 0.99) * 1e3, 2),
+                             "p50": round(percentile(masks, 50) * 1e3, 2),
+                             "p99": round(percentile(masks, 99) * 1e3, 2),
                              "mean": round(statistics.mean(masks) * 1e3, 2)}}, indent=1))
 
 

@@ -1,8 +1,10 @@
 """HF transformers static batching on chat-64: `model.generate` on batches of left-padded
-prompts, each batch finishing together. Runs in the transformers peer's own venv (torch and
-transformers only, plus the workload's pure-Python prompt generator from this repo).
+prompts, each batch finishing together. Runs in the transformers peer's own venv, which has
+torch and transformers but not kvrelay: the conversations come in a JSON file that the caller
+writes (hf_transformers.static_command does, from kvrelay's chat-64 prompts).
 
-    <peer venv>/bin/python benchmarks/peers/hf_static.py --model-dir DIR [--batch-size 16]
+    <peer venv>/bin/python benchmarks/peers/hf_static.py --model-dir DIR \
+        --conversations FILE [--batch-size 16]
 
 Prints and writes (--json) output tokens/s and wall time; static batching has no per-request
 TTFT or ITL (the whole batch returns at once).
@@ -11,17 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for kvrelay.bench.prompts
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from kvrelay.bench.prompts import chat64  # noqa: E402
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def generate_all(model, tokenizer, texts: list[str], batch_size: int, max_tokens: int) -> int:
@@ -44,8 +41,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-requests", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--conversations", type=Path, required=True,
+                        help="JSON: a list of chat conversations (lists of messages)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -53,7 +50,7 @@ def main() -> None:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model_dir,
                                                  dtype=getattr(torch, args.dtype)).eval()
-    conversations = chat64(args.seed)[:args.max_requests]
+    conversations = json.loads(args.conversations.read_text())
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
              for c in conversations]
     generate_all(model, tokenizer, texts[:args.batch_size], args.batch_size, 4)  # warm-up

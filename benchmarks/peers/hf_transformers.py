@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks.peers.common import (Server, ensure_venv, install_or_serve, peers_home, run,
                                      start_process, wait_until_serving)
+from kvrelay.bench.prompts import chat64
 
 TORCH = "torch==2.13.0"
 # The model types kvrelay serves, and their transformers class.
@@ -97,11 +98,14 @@ def launch_serve(port: int, log_path: Path, home=None, dtype: str = "bfloat16",
 
 def static_command(python: Path, dtype: str, threads: int, batch_size: int, out: Path,
                    max_requests: int | None, max_tokens: int) -> list[str]:
-    command = [str(python), str(REPO / "benchmarks" / "peers" / "hf_static.py"),
-               "--model-dir", str(model_dir()), "--dtype", dtype, "--threads", str(threads),
-               "--batch-size", str(batch_size), "--max-tokens", str(max_tokens),
-               "--json", str(out)]
-    return command + (["--max-requests", str(max_requests)] if max_requests else [])
+    """hf_static.py's command; chat-64's conversations are written beside `out` first, since
+    the peer's venv cannot import kvrelay to generate them."""
+    conversations = out.with_name("conversations.json")
+    conversations.write_text(json.dumps(chat64(0)[:max_requests]))
+    return [str(python), str(REPO / "benchmarks" / "peers" / "hf_static.py"),
+            "--model-dir", str(model_dir()), "--dtype", dtype, "--threads", str(threads),
+            "--batch-size", str(batch_size), "--max-tokens", str(max_tokens),
+            "--conversations", str(conversations), "--json", str(out)]
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_smoke_run_checks_the_kernels_and_reports_every_part(tmp_path):
     out = tmp_path / "report.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "benchmarks/cuda_check.py", "--smoke", "--out",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.cuda_check", "--smoke", "--out",
                              str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
