@@ -4,8 +4,9 @@ libgomp gives every thread that starts a parallel region a pool of its own and c
 their threads together. Once that count exceeds the CPUs, it throttles every pool: threads that
 wait at a barrier spin about 100 times instead of about 300,000 and then sleep in the kernel,
 so each of a forward pass's hundreds of parallel regions waits for futex wake-ups. Measured
-here (benchmarks/omp_pools.py): a 64-sequence decode step took 77.7 ms while one thread had run
-torch ops, and 116.3 ms once a second thread had.
+here (benchmarks/HISTORY.md, 2026-11-29; the script is at commit fdc9dff): a 64-sequence
+decode step took 77.7 ms while one thread had run torch ops, and 116.3 ms once a second
+thread had.
 
 A worker runs its forward passes on one compute thread; its event loop also copies KV pages
 (sends and receives). `run_torch_ops_inline` makes the loop's torch ops single-threaded, so no
