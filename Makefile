@@ -9,7 +9,7 @@ LAYOUT := .venv/.layout
 # redone, which happens whenever a package folder's listing changes (its mtime).
 PKG_DIRS := $(shell find services kernels -type d -not -name __pycache__)
 
-.PHONY: test chaos soak compose-test fuzz up bench protos venv clean
+.PHONY: test chaos soak compose-test fuzz up bench protos docs venv clean
 
 venv: $(LAYOUT)
 
@@ -58,6 +58,11 @@ bench: $(LAYOUT)
 
 protos: $(LAYOUT)
 	$(PY) -m kvrelay.common.protogen
+
+# docs/configuration.md from the flags' declarations and the environment switches' registry
+# (tests/test_config_doc.py fails when it is stale)
+docs: $(LAYOUT)
+	$(PY) -m kvrelay.config_doc --out docs/configuration.md
 
 # Flags pass through: make up ARGS="--topology colocated --log-dir logs" (or KVRELAY_* variables).
 up: $(LAYOUT)

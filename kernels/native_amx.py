@@ -4,24 +4,20 @@ The weights are laid out once at load time, in bf16 (`pack_bf16`) or as the chec
 4-bit blocks (`pack_q4`); `matmul_bf16` / `matmul_q4` then multiply a step's rows by them.
 Both forms give the same bits for the same weights (the 4-bit tiles are widened to exactly
 the bf16 copy's values). Same build, cache and fallback rules as the other native kernels
-(kernels/native_cpu.py); only built where the CPU has AMX-BF16.
+(kernels/native_build.py); only built where the CPU has AMX-BF16.
 """
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
+from kvrelay.common.env_switches import NATIVE_AMX
+from kvrelay.kernels.native_build import CFLAGS, cpu_flags, load_extension
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_amx_gemm.cpp", "cpu_amx_gemm_binding.cpp")]
-ENV_SWITCH = "KVRELAY_NATIVE_AMX"  # 0: keep oneDNN and torch's int4 kernel
+SOURCES = ("cpu_amx_gemm.cpp", "cpu_amx_gemm_binding.cpp")
 # (The widening of 4-bit weights rounds a multiply and an add apart, as the float32
 # dequantization did, through explicit-rounding intrinsics that no flag fuses.)
 AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
@@ -36,25 +32,19 @@ def cpu_has_amx() -> bool:
 def amx_ops():
     """The built extension (gemm_bf16, gemm_q4), or None where off, unsupported or unbuildable.
     A first tiny multiply checks that the OS grants the tile state before anyone relies on it."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has_amx():
+    if not NATIVE_AMX.enabled() or not cpu_has_amx():
         return None
-    try:
-        from torch.utils import cpp_extension
+    return load_extension("kvrelay_amx_gemm", SOURCES, _AMX_CFLAGS, "AMX matmuls",
+                          "using oneDNN", check=_probe_tiles)
 
-        _put_pip_ninja_on_path()
-        ops = cpp_extension.load(name=f"kvrelay_amx_gemm_{_machine_tag()}",
-                                 sources=[str(source) for source in SOURCES], extra_cflags=_AMX_CFLAGS,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
-        probe = torch.ones(1, 32, dtype=torch.bfloat16)
-        out = torch.empty(1, 32, dtype=torch.bfloat16)
-        ops.gemm_bf16(out, probe, pack_bf16(torch.ones(32, 32, dtype=torch.bfloat16)))
-        if not torch.all(out == 32):
-            raise RuntimeError(f"AMX probe multiply gave {out.tolist()}")
-        return ops
-    except Exception as error:  # no compiler, no AMX permission: oneDNN stays
-        warnings.warn(f"AMX matmuls unavailable ({type(error).__name__}: {str(error)[-2000:]}); "
-                      "using oneDNN", RuntimeWarning, stacklevel=2)
-        return None
+
+def _probe_tiles(ops) -> None:
+    """Raises where the OS does not grant the tile state (the multiply faults or is wrong)."""
+    probe = torch.ones(1, 32, dtype=torch.bfloat16)
+    out = torch.empty(1, 32, dtype=torch.bfloat16)
+    ops.gemm_bf16(out, probe, pack_bf16(torch.ones(32, 32, dtype=torch.bfloat16)))
+    if not torch.all(out == 32):
+        raise RuntimeError(f"AMX probe multiply gave {out.tolist()}")
 
 
 def shape_supported(out_features: int, in_features: int) -> bool:

@@ -1,39 +1,26 @@
 """Fused CPU elementwise ops (kernels/csrc/cpu_elementwise.cpp): built on first use, or None.
 
-Same build, cache and fallback rules as the native decode kernel (kernels/native_cpu.py).
+Same build, cache and fallback rules as every native kernel (kernels/native_build.py).
 """
 from __future__ import annotations
 
 import functools
-import os
-import warnings
-from pathlib import Path
 
 import torch
 
-from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path
+from kvrelay.common.env_switches import NATIVE_CPU_ELEMENTWISE
+from kvrelay.kernels.native_build import CFLAGS, load_extension
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_elementwise.cpp", "cpu_elementwise_binding.cpp")]
-ENV_SWITCH = "KVRELAY_NATIVE_CPU_ELEMENTWISE"  # 0: keep the torch ops
+SOURCES = ("cpu_elementwise.cpp", "cpu_elementwise_binding.cpp")
 
 
 @functools.cache
 def elementwise_ops():
     """Module with rms_norm, add_rms_norm, rope and silu_and_mul, or None where unavailable."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not NATIVE_CPU_ELEMENTWISE.enabled():
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        _put_pip_ninja_on_path()
-        return cpp_extension.load(name=f"kvrelay_elementwise_{_machine_tag()}",
-                                  sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # no compiler or ninja: the torch ops stay
-        warnings.warn(f"native CPU elementwise ops unavailable ({type(error).__name__}: "
-                      f"{str(error)[-2000:]}); using torch ops", RuntimeWarning, stacklevel=2)
-        return None
+    return load_extension("kvrelay_elementwise", SOURCES, CFLAGS,
+                          "native CPU elementwise ops", "using torch ops")
 
 
 def rms_norm(ops, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,26 +6,22 @@ For decode steps of 1 to a few tokens, which are bound by reading the weights on
 bf16 forms take the AMX kernel's weight layouts (kernels/native_amx.py: `pack_q4`,
 `pack_bf16`), so one copy of the weights serves both kernels; the 8-bit one is its own
 (`pack_q8`). Same build, cache and fallback rules as the other native kernels
-(kernels/native_cpu.py); built where the CPU has AVX512-BF16 (AMX is not needed).
+(kernels/native_build.py); built where the CPU has AVX512-BF16 (AMX is not needed).
 """
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvrelay.common.env_switches import NATIVE_GEMV
 from kvrelay.kernels.native_amx import Q4Tiles
-from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
+from kvrelay.kernels.native_build import CFLAGS, cpu_flags, load_extension
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_gemv.cpp", "cpu_gemv_q8.cpp",
-                                                             "cpu_gemv_binding.cpp")]
-ENV_SWITCH = "KVRELAY_NATIVE_GEMV"  # 0: keep torch's int4 kernel for the smallest steps
-_GEMV_CFLAGS = CFLAGS + ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
+SOURCES = ("cpu_gemv.cpp", "cpu_gemv_q8.cpp", "cpu_gemv_binding.cpp")
+GEMV_CFLAGS = CFLAGS + ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -36,21 +32,10 @@ def cpu_has_avx512_bf16() -> bool:
 def gemv_ops():
     """The built extension (gemv_q4, gemv_q8, gemv_bf16), or None where off, unsupported or
     unbuildable."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has_avx512_bf16():
+    if not NATIVE_GEMV.enabled() or not cpu_has_avx512_bf16():
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        _put_pip_ninja_on_path()
-        return cpp_extension.load(name=f"kvrelay_gemv_{_machine_tag()}",
-                                  sources=[str(source) for source in SOURCES],
-                                  extra_cflags=_GEMV_CFLAGS, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
-    except Exception as error:  # no compiler: torch's int4 kernel stays
-        warnings.warn(f"native small-step matmuls unavailable ({type(error).__name__}: "
-                      f"{str(error)[-2000:]}); using torch's int4 kernel", RuntimeWarning,
-                      stacklevel=2)
-        return None
+    return load_extension("kvrelay_gemv", SOURCES, GEMV_CFLAGS,
+                          "native small-step matmuls", "using torch's int4 kernel")
 
 
 def matmul_q4(ops, x: torch.Tensor, tiles: Q4Tiles) -> torch.Tensor:

@@ -8,26 +8,21 @@ activations are finer than bf16's and steps of a few rows beat both bf16 kernels
 (llama.cpp's Q8 activations) every step, prefill included, multiplies faster than oneDNN's bf16,
 at a cost in accuracy (models/small_steps.py routes). The weights are the checkpoint's own
 blocks in this kernel's tile order (`pack`). Same build, cache and fallback rules as the other
-native kernels (kernels/native_cpu.py).
+native kernels (kernels/native_build.py).
 """
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvrelay.common.env_switches import Q4A8
 from kvrelay.kernels.native_amx import Q4_TILE_BYTES, q4_scales_as_float16, tile_scales
-from kvrelay.kernels.native_cpu import CFLAGS, _machine_tag, _put_pip_ninja_on_path, cpu_flags
+from kvrelay.kernels.native_build import CFLAGS, cpu_flags, load_extension
 
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("cpu_gemm_q4a8.cpp", "cpu_gemm_q4a8_binding.cpp")]
-# 0: keep the bf16 kernels (the native gemv for few rows, oneDNN above) where this one would run
-ENV_SWITCH = "KVRELAY_Q4A8"
+SOURCES = ("cpu_gemm_q4a8.cpp", "cpu_gemm_q4a8_binding.cpp")
 _CFLAGS = CFLAGS + ["-mavx512vnni", "-mavx512bw", "-mavx512vl", "-mf16c"]
 
 
@@ -38,21 +33,10 @@ def cpu_has_avx512_vnni() -> bool:
 @functools.cache
 def q4a8_ops():
     """The built extension (gemm_q4a8), or None where off, unsupported or unbuildable."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not cpu_has_avx512_vnni():
+    if not Q4A8.enabled() or not cpu_has_avx512_vnni():
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        _put_pip_ninja_on_path()
-        return cpp_extension.load(name=f"kvrelay_q4a8_{_machine_tag()}",
-                                  sources=[str(source) for source in SOURCES],
-                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                                  verbose=False)
-    except Exception as error:  # no compiler: the bf16 kernels stay
-        warnings.warn(f"int8-activation 4-bit matmuls unavailable ({type(error).__name__}: "
-                      f"{str(error)[-2000:]}); using the bf16 kernels", RuntimeWarning,
-                      stacklevel=2)
-        return None
+    return load_extension("kvrelay_q4a8", SOURCES, _CFLAGS,
+                          "int8-activation 4-bit matmuls", "using the bf16 kernels")
 
 
 @dataclass(frozen=True, slots=True)

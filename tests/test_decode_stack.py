@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvrelay.common import env_switches
 from kvrelay.kernels import native_stack
 from kvrelay.engine import LLM
 
@@ -163,7 +164,7 @@ def test_layer_callbacks_run_once_each_in_order_after_the_stack(runner):
 
 
 def test_the_switch_turns_the_stack_off(monkeypatch):
-    monkeypatch.setenv(native_stack.ENV_SWITCH, "0")
+    monkeypatch.setenv(env_switches.NATIVE_DECODE_STACK.name, "0")
     native_stack.stack_ops.cache_clear()
     try:
         assert native_stack.stack_ops() is None

@@ -7,8 +7,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 ENV_PREFIX = "KVRELAY_"
+
+
+@dataclass(frozen=True)
+class FlagDeclaration:
+    """A flag as its service's code declares it: `kwargs` hold the default as written, before
+    any KVRELAY_* variable, so other parsers (`kvrelay up`) and the generated docs can reuse it."""
+    flag: str
+    aliases: tuple[str, ...] = ()
+    kwargs: dict = field(default_factory=dict)
 
 
 def env_name(flag: str) -> str:
@@ -18,6 +29,7 @@ def env_name(flag: str) -> str:
 def add_flag(parser: argparse.ArgumentParser, flag: str, *aliases: str, **kwargs) -> None:
     """Like `parser.add_argument`, with the default taken from the flag's environment variable
     (that of `flag`; `aliases` are other spellings on the command line only)."""
+    declaration = FlagDeclaration(flag, aliases, dict(kwargs))
     name = env_name(flag)
     raw = os.environ.get(name)
     if raw is not None:
@@ -25,7 +37,8 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *aliases: str, **kwargs
         kwargs.pop("required", None)
     help_text = kwargs.get("help", "")
     kwargs["help"] = f"{help_text} [env {name}]".strip()
-    parser.add_argument(flag, *aliases, **kwargs)
+    action = parser.add_argument(flag, *aliases, **kwargs)
+    action.declaration = declaration
 
 
 def _parse_env(raw: str, kwargs: dict, name: str):
@@ -55,3 +68,19 @@ def flag_env_names(parser: argparse.ArgumentParser) -> dict[str, str]:
         if options and options[0] != "--help":
             names[options[0]] = env_name(options[0])
     return names
+
+
+def flag_from_env(flag: str) -> str | None:
+    """The raw value of a flag's variable, for code that runs without the flag's parser (the
+    container health check reads the service's TLS flags this way)."""
+    return os.environ.get(env_name(flag))
+
+
+def declared_flags(add_arguments: Callable[[argparse.ArgumentParser], None]
+                   ) -> dict[str, FlagDeclaration]:
+    """{flag: declaration} of every flag that `add_arguments` adds through `add_flag`, read
+    from a throwaway parser."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return {action.declaration.flag: action.declaration for action in parser._actions
+            if hasattr(action, "declaration")}

@@ -12,11 +12,12 @@ to hold the same role: a probe runs in the container of the service it checks.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvrelay.common.flags import flag_from_env
 
 
 def check(address: str, service: str = "", timeout_s: float = 3.0) -> bool:
@@ -31,7 +32,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> bool:
 
 
 def _channel(address: str) -> grpc.Channel:
-    paths = [os.environ.get(f"KVRELAY_TLS_{name}") for name in ("CA", "CERT", "KEY")]
+    paths = [flag_from_env(flag) for flag in ("--tls-ca", "--tls-cert", "--tls-key")]
     if not all(paths):
         return grpc.insecure_channel(address)
     from kvrelay.common.authz import peer_role_of_pem

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 from collections.abc import Coroutine
 
+from kvrelay.common.env_switches import EVENT_LOOP
 from kvrelay.common.log import setup_logging
 
 
@@ -18,7 +18,7 @@ def run_service(name: str, main: Coroutine, log_level: str = "info") -> None:
 
 def run_loop(main: Coroutine):
     """Run `main` to completion on uvloop where it is installed; returns its result."""
-    if os.environ.get("KVRELAY_EVENT_LOOP", "uvloop") == "uvloop":
+    if EVENT_LOOP.value() == "uvloop":
         try:
             import uvloop
         except ImportError:  # uvloop is Linux/macOS only; asyncio's loop works everywhere

@@ -16,13 +16,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvrelay.common.env_switches import CACHE_DIR
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVRELAY_CACHE_DIR", Path.home() / ".cache" / "kvrelay"))
+    return CACHE_DIR.path()
 
 
 def default_gguf_path() -> Path:

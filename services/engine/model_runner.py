@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvrelay.common.env_switches import PAD_STEPS
 from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
@@ -19,10 +19,6 @@ from kvrelay.engine.models.no_init import skip_weight_init
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
 from kvrelay.engine.models.weights import load_weights
 from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
-
-
-# 0: steps keep their own row count on oneDNN (to compare; step_padding.py says why they do not)
-PAD_SWITCH = "KVRELAY_PAD_STEPS"
 
 
 @dataclass(slots=True)
@@ -66,7 +62,7 @@ class ModelRunner:
         self.model = self._load_model(hf_config, model_dir)
         # Steps of this many rows or more reach oneDNN and are padded to a bucket; None: none.
         self.pad_from_rows = (onednn_min_rows(self.model.layers)
-                              if os.environ.get(PAD_SWITCH, "1") != "0" else None)
+                              if PAD_STEPS.enabled() else None)
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = (getattr(hf_config, "head_dim", None)
                          or hf_config.hidden_size // hf_config.num_attention_heads)

@@ -14,22 +14,13 @@ import tempfile
 from pathlib import Path
 
 from kvrelay.common.flags import add_flag, flag_env_names
-from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.stack.passthrough import add_service_flags
 from kvrelay.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
 from kvrelay.stack.ports import busy_ports
 from kvrelay.stack.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from kvrelay.stack.supervisor import Supervisor, say
 
 STATE_FILE_NAME = "stack.json"
-
-
-def _checked_speculative_config(text: str) -> str:
-    """Refused here, before any child starts, rather than by the scheduler's child."""
-    try:
-        SpeculativeConfig.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,69 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--gateways", type=int, default=1,
              help="gateway replicas; gateway i serves REST on --port + i, gRPC on --grpc-port + i")
     add_flag(parser, "--tokenizers", type=int, default=1, help="tokenizer replicas")
+    # up's own: a local stack binds loopback, where a service alone binds every interface
     add_flag(parser, "--host", default="127.0.0.1", help="interface every service binds")
-    add_flag(parser, "--port", type=int, default=8000, help="the gateway's OpenAI REST port")
-    add_flag(parser, "--grpc-port", type=int, default=50050, help="the gateway's public gRPC port")
     add_flag(parser, "--base-port", type=int, default=50051,
              help="first of the internal gRPC ports, then the metrics ports")
-    add_flag(parser, "--model", default=None, help="model for tokenizer and workers")
-    add_flag(parser, "--chat-template", default=None,
-             help="a Jinja chat template file for the tokenizers, instead of the model's own "
-                  "(`kvrelay tokenizer --help`)")
-    add_flag(parser, "--served-model-name", default=None, help="model id the API shows")
-    add_flag(parser, "--dtype", choices=("auto", "float32", "bfloat16"), default=None)
-    add_flag(parser, "--kv-cache-memory", type=int, default=None, help="bytes per worker")
-    add_flag(parser, "--num-kv-blocks", type=int, default=None, help="per worker")
-    add_flag(parser, "--int4-max-tokens", type=int, default=None,
-             help="workers' steps of at most this many tokens use the checkpoint's 4-bit "
-                  "weights (default: the worker's, 4; 0: never)")
-    add_flag(parser, "--amx-max-tokens", type=int, default=None,
-             help="workers' steps up to this many tokens run on AMX tiles (default: the "
-                  "worker's, 32; 0: never)")
-    add_flag(parser, "--q4a8-max-tokens", type=int, default=None,
-             help="workers' steps up to this many tokens on the VNNI kernel where the CPU has "
-                  "AVX512-VNNI (default: the worker's, 11; 0: never)")
-    add_flag(parser, "--int8-activations", action="store_true", default=False,
-             help="workers run every layer step on the VNNI kernel with int8 activations "
-                  "(faster, less accurate)")
-    add_flag(parser, "--max-num-batched-tokens", type=int, default=None)
-    add_flag(parser, "--prefill-max-num-batched-tokens", type=int, default=None,
-             help="a prefill worker's step budget (default: the scheduler's, "
-                  "--max-num-batched-tokens)")
-    add_flag(parser, "--no-prefix-caching", action="store_true", default=False)
-    add_flag(parser, "--no-async-scheduling", action="store_true", default=False,
-             help="the scheduler plans each step after the previous one's result "
-                  "(`kvrelay scheduler --help`)")
-    add_flag(parser, "--kv-transport", choices=("grpc", "shm"), default=None)
-    add_flag(parser, "--shared-compute-steps", choices=("serialize", "split", "overlap"),
-             default=None, help="how workers on the same cores step: serialize, split "
-                                "(the scheduler's default) or overlap (`kvrelay scheduler --help`)")
-    add_flag(parser, "--structured-outputs-backend", choices=("llguidance", "xgrammar"),
-             default=None, help="grammar backend for structured output (default: llguidance)")
-    add_flag(parser, "--speculative-config", type=_checked_speculative_config, default=None,
-             help="speculative decoding, as vLLM takes it (JSON; `kvrelay scheduler --help`)")
-    add_flag(parser, "--max-queued-requests", type=int, default=None,
-             help="requests waiting for a first step before new ones get 503 with Retry-After "
-                  "(default: the scheduler's, 1024; 0: no limit)")
-    add_flag(parser, "--request-timeout", type=float, default=None,
-             help="the gateways' per-request deadline in seconds (default: none)")
-    add_flag(parser, "--tokenizer-wait-timeout", type=float, default=None,
-             help="seconds the gateways' requests in flight wait for a lost tokenizer to come "
-                  "back (default: the gateway's, 30)")
-    add_flag(parser, "--worker-wait-timeout", type=float, default=None,
-             help="seconds a request whose worker died waits for a live one (default: the "
-                  "scheduler's, 60)")
     add_flag(parser, "--threads-per-worker", type=int, default=None,
              help="torch threads per worker (default: every core for up to two workers, "
                   "else the cores split between them)")
-    add_flag(parser, "--api-key", default=None, help="required bearer token for the API")
     add_flag(parser, "--tls", action="store_true", default=False,
              help="mutual TLS on every internal hop, with a throwaway CA and certificates made "
                   "at start (in <log-dir>/tls, else a temporary directory removed at exit)")
     add_flag(parser, "--tls-dir", default=None,
              help="mutual TLS with the certificates in this directory (`kvrelay certs "
                   "--out DIR` names them); made there if it has no ca.pem")
-    add_flag(parser, "--log-level", default="info")
     add_flag(parser, "--log-dir", default=None,
              help="each service logs to <dir>/<name>.log (default: this terminal)")
     add_flag(parser, "--state-file", default=None,
@@ -121,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="a crashed service is restarted with exponential backoff (1 s, 2 s, ... up "
                   "to 30 s) this many times in a row; a service that serves for 60 s has its "
                   "count reset; 0: a crash stops the whole stack")
+    add_service_flags(parser)  # the services' own flags (passthrough.py)
     parser.set_defaults(env_names=list(flag_env_names(parser).values()))
 
 

@@ -12,7 +12,8 @@ import os
 import sys
 from argparse import Namespace
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from kvrelay.stack.passthrough import passed_on_argv
 
 TOPOLOGIES = ("pd", "colocated")
 
@@ -126,9 +127,9 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
     one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     tokenizers = [_numbered("tokenizer", i, args.tokenizers) for i in range(args.tokenizers)]
     schedulers = [_numbered("scheduler", g, args.groups) for g in range(args.groups)]
-    services = [spec(name, "tokenizer", internal(name) + _optional(args, "--model")
-                     + _chat_template(args), env=dict(one_thread)) for name in tokenizers]
-    services += [spec(name, "scheduler", internal(name) + _scheduler_flags(args),
+    services = [spec(name, "tokenizer", internal(name) + passed_on_argv(args, "tokenizer"),
+                     env=dict(one_thread)) for name in tokenizers]
+    services += [spec(name, "scheduler", internal(name) + passed_on_argv(args, "scheduler"),
                       env=dict(one_thread)) for name in schedulers]
     num_threads = threads_per_worker(args, len(roles) * args.groups)
     for group, scheduler in enumerate(schedulers):
@@ -138,10 +139,7 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
                 "--role", role, "--worker-id", name,
                 "--advertise-address", f"{dial}:{grpc_ports[name]}",
                 "--scheduler-address", f"{dial}:{grpc_ports[scheduler]}",
-                "--num-threads", str(num_threads),
-                *_optional(args, "--model", "--dtype", "--kv-cache-memory", "--num-kv-blocks",
-                           "--int4-max-tokens", "--amx-max-tokens", "--q4a8-max-tokens"),
-                *(["--int8-activations"] if args.int8_activations else [])]
+                "--num-threads", str(num_threads), *passed_on_argv(args, "worker")]
             # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
             # fresh machine the GGUF is converted once rather than by every process at once.
             services.append(spec(name, "worker", argv, role=role,
@@ -165,8 +163,7 @@ def _gateway(args: Namespace, index: int, dial: str, tokenizer_address: str,
             "--port", str(rest_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port),
             "--tokenizer-address", tokenizer_address, "--scheduler-address", scheduler_addresses,
-            *_optional(args, "--served-model-name", "--api-key", "--request-timeout",
-                       "--tokenizer-wait-timeout"),
+            *passed_on_argv(args, "gateway"),
             *tls_flags(args, "gateway")]
     rest_url = f"http://{dial}:{rest_port}"
     return ServiceSpec(name=_numbered("gateway", index, args.gateways), kind="gateway",
@@ -186,31 +183,3 @@ def tls_flags(args: Namespace, role: str) -> list[str]:
              "--tls-key", os.path.join(args.tls_dir, f"{role}-key.pem")]
     crl = getattr(args, "tls_crl_file", None)  # set by `up` when the directory has crl.pem
     return flags + (["--tls-crl", crl] if crl else [])
-
-
-def _scheduler_flags(args: Namespace) -> list[str]:
-    flags = _optional(args, "--max-num-batched-tokens", "--kv-transport",
-                      "--shared-compute-steps", "--model", "--structured-outputs-backend",
-                      "--speculative-config", "--max-queued-requests",
-                      "--prefill-max-num-batched-tokens", "--worker-wait-timeout")
-    if args.no_prefix_caching:
-        flags.append("--no-prefix-caching")
-    if args.no_async_scheduling:
-        flags.append("--no-async-scheduling")
-    return flags
-
-
-def _chat_template(args: Namespace) -> list[str]:
-    """The tokenizers' --chat-template, as an absolute path: they may start in another folder."""
-    path = getattr(args, "chat_template", None)
-    return [] if path is None else ["--chat-template", str(Path(path).resolve())]
-
-
-def _optional(args: Namespace, *flags: str) -> list[str]:
-    """`--flag value` for each flag the user set; unset ones keep the service's own default."""
-    argv = []
-    for flag in flags:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv

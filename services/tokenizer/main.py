@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 from kvrelay.api.kvrelay.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from kvrelay.common.flags import add_flag
-from kvrelay.common.tls import add_tls_flags, install, tls_files_from_args
+from kvrelay.common.tls import install, tls_files_from_args
+from kvrelay.tokenizer.flags import add_arguments  # `kvrelay tokenizer`'s flags (cli.py)
 from kvrelay.common.grpc_server import ServiceServer
 from kvrelay.common.log import get_logger
 from kvrelay.common.metrics import serve_metrics
@@ -15,21 +15,6 @@ from kvrelay.common.runtime import run_service
 
 log = get_logger(__name__)
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--host", default="0.0.0.0", help="address to bind")
-    add_flag(parser, "--port", type=int, default=50051, help="gRPC port")
-    add_flag(parser, "--metrics-port", type=int, default=9101,
-             help="Prometheus port (0: off)")
-    add_flag(parser, "--model", default=None,
-             help="model directory, .gguf file or cached HF repo id (default: SmolLM2-135M)")
-    add_flag(parser, "--chat-template", default=None,
-             help="a Jinja chat template file to use instead of the model's own (one with "
-                  "Hermes-style tool support makes tool calls use it: services/tokenizer/"
-                  "tool_render.py)")
-    add_tls_flags(parser)
-    add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,3 @@
-"""The model worker. Its package import limits OpenMP spinning (openmp_spin.py) first, because
-that only takes effect if it happens before anything here imports torch."""
-from kvrelay.worker.openmp_spin import limit_openmp_spinning
-
-limit_openmp_spinning()
+"""The model worker. Its entry module (main.py) limits OpenMP spinning (openmp_spin.py) before
+anything else it imports loads torch; the package itself has no side effect, so `kvrelay up` can
+read the worker's flags (flags.py) without touching its own environment."""

@@ -9,15 +9,19 @@ import socket
 import uuid
 from pathlib import Path
 
+from kvrelay.worker.openmp_spin import limit_openmp_spinning
+
+limit_openmp_spinning()  # only takes effect before torch loads (openmp_spin.py says why)
+
 from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, scheduler_pb2, worker_pb2
 from kvrelay.api.kvrelay.v1 import kv_transfer_pb2_grpc, worker_pb2_grpc
 from kvrelay.common import metrics
-from kvrelay.common.flags import add_flag
-from kvrelay.common.tls import add_tls_flags, install, tls_files_from_args
+from kvrelay.common.tls import install, tls_files_from_args
 from kvrelay.common.grpc_server import ServiceServer
 from kvrelay.common.log import get_logger
 from kvrelay.common.runtime import freeze_heap, run_service
 from kvrelay.engine.omp_threads import run_torch_ops_inline
+from kvrelay.worker.flags import add_arguments  # `kvrelay worker`'s flags (cli.py)
 from kvrelay.worker.compute_domain import boot_id, compute_domain
 from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           ShmKvTransport)
@@ -30,56 +34,6 @@ from kvrelay.worker.warmup import needs_warm_up, warm_up
 log = get_logger(__name__)
 ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.WORKER_ROLE_DECODE,
          "both": scheduler_pb2.WORKER_ROLE_BOTH}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--role", choices=sorted(ROLES), default="both")
-    add_flag(parser, "--host", default="0.0.0.0")
-    add_flag(parser, "--port", type=int, default=50060, help="Worker + KvTransfer gRPC port")
-    add_flag(parser, "--advertise-address", default=None,
-             help="host:port the scheduler and other workers dial (default 127.0.0.1:PORT)")
-    add_flag(parser, "--kv-advertise-address", default=None,
-             help="host:port other workers push KV pages to over gRPC, where that traffic "
-                  "takes another network or path (default: --advertise-address)")
-    add_flag(parser, "--metrics-port", type=int, default=9110, help="0: no metrics endpoint")
-    add_flag(parser, "--scheduler-address", default="127.0.0.1:50052")
-    add_flag(parser, "--worker-id", default=None, help="default: role-hostname-random")
-    add_flag(parser, "--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    add_flag(parser, "--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    add_flag(parser, "--device", choices=["auto", "cpu", "cuda"], default="auto")
-    add_flag(parser, "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
-    add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
-    add_flag(parser, "--int4-max-tokens", type=int, default=4,
-             help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
-                  "weights (GGUF Q4_0/Q4_1, bf16 on CPU) with torch's int4 kernel, a quarter "
-                  "of the bytes (0: never; 8 where the CPU has no AMX)")
-    add_flag(parser, "--amx-max-tokens", type=int, default=64,
-             help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
-                  "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
-                  "AMX-BF16 (0: never)")
-    add_flag(parser, "--q4a8-max-tokens", type=int, default=11,
-             help="where the CPU has AVX512-VNNI, steps above "
-                  "--int4-max-tokens up to this many tokens multiply the 4-bit weights on "
-                  "integer dot products, activations coded finer than bf16 (0: never)")
-    add_flag(parser, "--int8-activations", action="store_true", default=False,
-             help="there, every layer step (prefill included) on that kernel with activations "
-                  "coded as int8 per 32 values, as llama.cpp does: faster, less accurate")
-    add_flag(parser, "--block-size", type=int, default=16)
-    add_flag(parser, "--no-warmup", action="store_true", default=False,
-             help="register as soon as the model is loaded, without first running each step "
-                  "shape of the role once (bf16 on CPU; services/worker/warmup.py)")
-    add_flag(parser, "--max-model-len", type=int, default=None)
-    add_flag(parser, "--num-threads", type=int, default=None, help="torch threads")
-    add_flag(parser, "--kv-transports", default="grpc,shm",
-             help="comma list of KV transports this worker can use (grpc, shm)")
-    add_flag(parser, "--layerwise-kv-push", choices=["auto", "on", "off"], default="auto",
-             help="push KV pages layer by layer during the forward pass (auto: on CUDA only)")
-    add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0, help="seconds")
-    add_flag(parser, "--shm-dir", default="/dev/shm",
-             help="where a decode worker maps its KV cache for the shm transport")
-    add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
-    add_tls_flags(parser)
-    add_flag(parser, "--log-level", default="info")
 
 
 def run(args: argparse.Namespace) -> int:

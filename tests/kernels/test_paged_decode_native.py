@@ -6,7 +6,8 @@ import warnings
 import pytest
 import torch
 
-from kvrelay.kernels import native_cpu
+from kvrelay.common import env_switches
+from kvrelay.kernels import native_build, native_cpu
 from kvrelay.kernels.attention_reference import paged_attention_reference
 from tests.kernels.native_support import on_one_thread_and_more, require_native_decode
 from tests.kernels.paged_batch import make_paged_batch
@@ -104,10 +105,10 @@ def test_native_decode_rejects_indices_that_would_read_out_of_bounds():
 
 
 def test_failed_build_falls_back_once_with_one_warning(monkeypatch):
-    def no_compiler():
+    def no_compiler(name, sources, cflags):
         raise OSError("c++: not found")
 
-    monkeypatch.setattr(native_cpu, "_build", no_compiler)
+    monkeypatch.setattr(native_build, "_build", no_compiler)
     native_cpu.paged_decode_op.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -115,12 +116,13 @@ def test_failed_build_falls_back_once_with_one_warning(monkeypatch):
             assert native_cpu.paged_decode_op() is None
             assert native_cpu.paged_decode_op() is None  # decided once: no second build or warning
         assert len(caught) == 1 and "torch path" in str(caught[0].message)
+        assert caught[0].filename == __file__  # the warning names the code that asked
     finally:
         native_cpu.paged_decode_op.cache_clear()
 
 
 def test_environment_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
+    monkeypatch.setenv(env_switches.NATIVE_CPU_ATTENTION.name, "0")
     native_cpu.paged_decode_op.cache_clear()
     try:
         assert native_cpu.paged_decode_op() is None

@@ -8,6 +8,7 @@ where it does not."""
 import pytest
 import torch
 
+from kvrelay.common import env_switches
 from kvrelay.kernels import native_cpu
 from kvrelay.kernels.attention_cpu import paged_attention_cpu
 from kvrelay.kernels.attention_reference import paged_attention_reference
@@ -150,7 +151,7 @@ def test_decode_and_prefill_rows_of_one_step_with_the_switch_on_and_off(switch, 
     """The environment switch sends prefill sequences back to SDPA; either way a step mixing
     decode rows, draft rows and prefills writes every row right."""
     _prefill_op()
-    monkeypatch.setenv(native_cpu.PREFILL_SWITCH, switch)
+    monkeypatch.setenv(env_switches.NATIVE_CPU_PREFILL.name, switch)
     assert (native_cpu.paged_prefill_op() is None) == (switch == "0")
     batch = _batch([1, 64, 3, 1, 21], [40, 0, 17, 0, 80], dtype=torch.bfloat16)
     out = torch.full_like(batch.query, float("nan"))

@@ -21,17 +21,15 @@ the VNNI kernel's rows were unrolled, the layers of 9-11-row steps too: 8.9-10.3
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from kvrelay.common.env_switches import Q8_HEAD
 from kvrelay.kernels import native_amx, native_gemv, native_q4a8, native_stack
 from kvrelay.engine.models import gguf_int4
 from kvrelay.engine.models.decode_stack import DecodeStack
 from kvrelay.engine.models.gguf_q8_head import Q8Blocks
 from kvrelay.engine.models.packed_linear import EVERY_STEP
 
-# 0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks
-Q8_HEAD_SWITCH = "KVRELAY_Q8_HEAD"
 Q8_HEAD_MAX_ROWS_BESIDE_AMX = 3  # the head's 8-bit gemv steps where AMX takes the larger ones
 
 
@@ -64,7 +62,7 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
         model.packed_head.out_features, model.config.hidden_size)
     q8_tiles = None
     if gemv is not None and head_fits and q8_head is not None and \
-            os.environ.get(Q8_HEAD_SWITCH, "1") != "0":
+            Q8_HEAD.enabled():
         q8_tiles = native_gemv.pack_q8(q8_head.q, q8_head.d)
     head = None
     if head_fits and (amx is not None or (gemv is not None and q8_tiles is None)):

@@ -1,0 +1,60 @@
+"""`kvrelay worker`'s flags, apart from its entry module so that `kvrelay up` and the
+configuration docs read them without loading torch."""
+from __future__ import annotations
+
+import argparse
+
+from kvrelay.common.flags import add_flag
+from kvrelay.common.tls import add_tls_flags
+
+ROLE_NAMES = ("both", "decode", "prefill")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--role", choices=ROLE_NAMES, default="both")
+    add_flag(parser, "--host", default="0.0.0.0")
+    add_flag(parser, "--port", type=int, default=50060, help="Worker + KvTransfer gRPC port")
+    add_flag(parser, "--advertise-address", default=None,
+             help="host:port the scheduler and other workers dial (default 127.0.0.1:PORT)")
+    add_flag(parser, "--kv-advertise-address", default=None,
+             help="host:port other workers push KV pages to over gRPC, where that traffic "
+                  "takes another network or path (default: --advertise-address)")
+    add_flag(parser, "--metrics-port", type=int, default=9110, help="0: no metrics endpoint")
+    add_flag(parser, "--scheduler-address", default="127.0.0.1:50052")
+    add_flag(parser, "--worker-id", default=None, help="default: role-hostname-random")
+    add_flag(parser, "--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    add_flag(parser, "--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    add_flag(parser, "--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_flag(parser, "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
+    add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
+    add_flag(parser, "--int4-max-tokens", type=int, default=4,
+             help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
+                  "weights (GGUF Q4_0/Q4_1, bf16 on CPU) with torch's int4 kernel, a quarter "
+                  "of the bytes (0: never; 8 where the CPU has no AMX)")
+    add_flag(parser, "--amx-max-tokens", type=int, default=64,
+             help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
+                  "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "
+                  "AMX-BF16 (0: never)")
+    add_flag(parser, "--q4a8-max-tokens", type=int, default=11,
+             help="where the CPU has AVX512-VNNI, steps above "
+                  "--int4-max-tokens up to this many tokens multiply the 4-bit weights on "
+                  "integer dot products, activations coded finer than bf16 (0: never)")
+    add_flag(parser, "--int8-activations", action="store_true", default=False,
+             help="there, every layer step (prefill included) on that kernel with activations "
+                  "coded as int8 per 32 values, as llama.cpp does: faster, less accurate")
+    add_flag(parser, "--block-size", type=int, default=16)
+    add_flag(parser, "--no-warmup", action="store_true", default=False,
+             help="register as soon as the model is loaded, without first running each step "
+                  "shape of the role once (bf16 on CPU; services/worker/warmup.py)")
+    add_flag(parser, "--max-model-len", type=int, default=None)
+    add_flag(parser, "--num-threads", type=int, default=None, help="torch threads")
+    add_flag(parser, "--kv-transports", default="grpc,shm",
+             help="comma list of KV transports this worker can use (grpc, shm)")
+    add_flag(parser, "--layerwise-kv-push", choices=["auto", "on", "off"], default="auto",
+             help="push KV pages layer by layer during the forward pass (auto: on CUDA only)")
+    add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0, help="seconds")
+    add_flag(parser, "--shm-dir", default="/dev/shm",
+             help="where a decode worker maps its KV cache for the shm transport")
+    add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
+    add_tls_flags(parser)
+    add_flag(parser, "--log-level", default="info")
