@@ -16,7 +16,7 @@ from kvrelay.gateway.limits import RequestLimits
 from kvrelay.gateway.openai_serving import generation_model, served_model
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.request_state import SampleDelta
-from kvrelay.gateway.text_fields import proto_texts, undecodable_string_field
+from kvrelay.gateway.proto_text_fields import proto_texts, undecodable_string_field
 from kvrelay.tokenizer.tool_render import parse_tool_calls
 
 log = get_logger(__name__)

@@ -1,8 +1,9 @@
 """The gateway's output path on a real tokenizer service: scheduler deltas (given here as the
-protobuf batches the scheduler sends, through the gateway's edge) -> one Detokenize stream -> each request's SampleDeltas,
-with stop strings, per-sample aborts, logprob pieces, and no detokenizer state left behind; and
-when that stream breaks (a cut connection through a proxy): the text goes on exactly, or, with
-no tokenizer back in time, the requests end with an error and are aborted."""
+protobuf batches the scheduler sends, through the gateway's edge) -> one Detokenize stream ->
+each request's SampleDeltas, with stop strings, per-sample aborts, logprob pieces, and no
+detokenizer state left behind; and when that stream breaks (a cut connection through a proxy):
+the text goes on exactly, or, with no tokenizer back in time, the requests end with an error and
+are aborted."""
 from __future__ import annotations
 
 import asyncio
