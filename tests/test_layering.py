@@ -10,6 +10,8 @@ checks modules whose dependencies are missing here too).
   inside a function: the cli imports the stack (for `up`), not the other way round.
 - The scheduler's bookkeeping modules know nothing of the wire format (no `_pb2` module): the
   protobuf conversions live at the edge, in the service.
+- Nor do the gateway's core and its REST app (no `_pb2`, no google.protobuf): its service edge
+  converts.
 """
 from __future__ import annotations
 
@@ -178,5 +180,32 @@ def test_scheduler_core_has_no_protobuf(module):
                    for node in _import_nodes(TREES[module], module_level_only=False)
                    for base, name in _names(module, node)
                    if any(part.endswith(("_pb2", "_pb2_grpc"))
+                          for part in f"{base}.{name or ''}".split("."))})
+    assert not wire, f"{module} imports protobuf modules {wire}"
+
+
+# Everything of the gateway but its protobuf edge: grpc_api.py and proto_text_fields.py (the
+# public Generation service), edge.py, scheduler_group.py and upstream.py (the scheduler's and
+# tokenizer's calls and streams) and main.py. The REST app is here: it sees no protobuf either.
+GATEWAY_CORE = [f"kvrelay.gateway.{name}"
+                for name in ("core", "router", "request_state", "request_group",
+                             "detokenize_pipeline", "messages", "errors", "limits", "metrics",
+                             "redaction", "stop_strings", "text_fields", "public_tls", "app",
+                             "rest_server", "openai_chat", "openai_completions", "openai_limits",
+                             "openai_logprobs", "openai_params", "openai_protocol",
+                             "openai_serving", "openai_structured", "openai_tools")]
+
+
+def test_the_gateway_core_modules_exist():
+    assert [name for name in GATEWAY_CORE if name not in SOURCES] == []
+
+
+@pytest.mark.parametrize("module", GATEWAY_CORE)
+def test_gateway_core_has_no_protobuf(module):
+    wire = sorted({f"{base}.{name}" if name else base
+                   for node in _import_nodes(TREES[module], module_level_only=False)
+                   for base, name in _names(module, node)
+                   if base.startswith("google.protobuf")
+                   or any(part.endswith(("_pb2", "_pb2_grpc"))
                           for part in f"{base}.{name or ''}".split("."))})
     assert not wire, f"{module} imports protobuf modules {wire}"

@@ -92,7 +92,7 @@ def _add_model_routes(app: FastAPI, core, auth: list) -> None:
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request):
         body = await _parse(request, TokenizeRequest)
-        token_ids = await _tokenize(core, body, _request_id(request, "tok"))
+        token_ids = await _tokenize(core, body, _client_request_id(request, "tok"))
         return {"count": len(token_ids), "max_model_len": core.max_model_len,
                 "tokens": token_ids, "token_strs": None}
 
@@ -100,7 +100,7 @@ def _add_model_routes(app: FastAPI, core, auth: list) -> None:
     async def detokenize(request: Request):
         body = await _parse(request, DetokenizeRequest)
         served_model(core, body.model)
-        text = await core.upstream.decode(body.tokens, _request_id(request, "detok"),
+        text = await core.upstream.decode(body.tokens, _client_request_id(request, "detok"),
                                           skip_special_tokens=False)
         return {"prompt": text}
 
@@ -127,36 +127,38 @@ async def _generate(request: Request, model: type[BaseModel], handler, prefix: s
     core = request.app.state.core
     if request.app.state.draining:
         raise GatewayError("unavailable", "the gateway is shutting down")
-    request_id = _request_id(request, prefix)
+    client_request_id = _client_request_id(request, prefix)
     body = await _parse(request, model)
     log.info("request", endpoint=request.url.path, stream=body.stream, user=body.user)
     if core.log_request_text:  # off by default: prompts are the users' data
         log.info("request text", body=body.model_dump(mode="json", exclude_unset=True))
     try:
-        response = await handler(core, request, body, request_id)
+        response = await handler(core, request, body, client_request_id)
     except ClientDisconnected:
         log.info("client disconnected; request aborted")
         response = Response(status_code=499)
-    response.headers[REQUEST_ID_HEADER] = request_id
+    response.headers[REQUEST_ID_HEADER] = client_request_id
     return response
 
 
-async def _tokenize(core, body: TokenizeRequest, request_id: str) -> list[int]:
+async def _tokenize(core, body: TokenizeRequest, client_request_id: str) -> list[int]:
     served_model(core, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give either prompt or messages", "prompt")
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        return await core.upstream.encode(body.prompt, add_special, request_id)
+        return await core.upstream.encode(body.prompt, add_special, client_request_id)
     return await core.upstream.render_chat(chat_messages(body.messages),
-                                           body.add_generation_prompt, request_id)
+                                           body.add_generation_prompt, client_request_id)
 
 
-def _request_id(request: Request, prefix: str) -> str:
-    request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
-    request.state.request_id = request_id
-    bind_request_id(request_id)
-    return request_id
+def _client_request_id(request: Request, prefix: str) -> str:
+    """The client's id for this call (its X-Request-Id, else a new one): bound to the logs,
+    sent upstream as metadata, and echoed in the response's header."""
+    client_request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
+    request.state.client_request_id = client_request_id
+    bind_request_id(client_request_id)
+    return client_request_id
 
 
 async def _parse(request: Request, model: type[BaseModel]):
@@ -224,8 +226,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _error_response(request: Request, status: int, body: dict) -> JSONResponse:
-    request_id = getattr(request.state, "request_id", None)
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    client_request_id = getattr(request.state, "client_request_id", None)
+    headers = {REQUEST_ID_HEADER: client_request_id} if client_request_id else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -4,7 +4,11 @@ Both front ends (OpenAI REST and the public gRPC API) use it. It keeps one Outpu
 each scheduler group and one Detokenize stream to the tokenizer for all requests, sends each
 request to the least loaded group, and polls the services to know whether it can serve. A lost
 Detokenize stream costs no request unless the tokenizer stays away (detokenize_pipeline.py); a
-lost Outputs stream fails that group's requests, and their aborts wait for it to be back."""
+lost Outputs stream fails that group's requests, and their aborts wait for it to be back.
+
+It works on its own messages (messages.py): the service edge (scheduler_group.py, upstream.py,
+edge.py) converts the wire's. A request is known by its client's id (`client_request_id`, the
+key of `groups`); each of its prompts has a scheduler id of the gateway's own (`request_id`)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +16,13 @@ import uuid
 
 import grpc
 
-from kvrelay.api.kvrelay.v1 import scheduler_pb2
 from kvrelay.common.log import get_logger
-from kvrelay.wire import params_to_proto
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway import metrics
 from kvrelay.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
 from kvrelay.gateway.errors import GatewayError
 from kvrelay.gateway.limits import RequestLimits
+from kvrelay.gateway.messages import Generation, SubmittedPrompt
 from kvrelay.gateway.redaction import withhold_library_exception_messages
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.request_state import RequestState
@@ -36,8 +39,6 @@ SINGLE_GROUP_STATS_POLL_S = 2.0
 RECONNECT_DELAY_S = 0.5
 ABORT_RETRY_S = 0.5  # after an Abort call failed on a connected group
 READY_POLL_S = 0.25  # while a request waits for a ready scheduler group
-# How long an Outputs stream must stay open, without initial metadata, to count as registered.
-REGISTER_GRACE_S = 1.0
 
 
 class GatewayCore:
@@ -59,7 +60,7 @@ class GatewayCore:
         outbox: asyncio.Queue = asyncio.Queue()  # router -> tokenizer, in order
         self.router = OutputRouter(self.abort_nowait, queue_sender(outbox))
         # Given up on the tokenizer: its states went with the stream, nothing to forget there.
-        self.pipeline = DetokenizePipeline(upstream.tokenizer, outbox,
+        self.pipeline = DetokenizePipeline(upstream.open_detokenize, outbox,
                                            self.router.on_detokenized,
                                            lambda message: self.router.fail_all(message, False),
                                            self.router.resume_items, tokenizer_wait_s)
@@ -139,29 +140,33 @@ class GatewayCore:
                 await callback(self.was_ready)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                       priority: int = 0) -> RequestGroup:
+    async def generate(self, client_request_id: str, prompts: list[list[int]],
+                       params: SamplingParams, priority: int = 0) -> RequestGroup:
         """Submit one scheduler request per prompt; their deltas come out of the group."""
         if self.draining:
             raise GatewayError("unavailable", "the gateway is shutting down")
         scheduler = await self._ready_group()
-        if request_id in self.groups:
-            raise GatewayError("invalid_request", f"request id {request_id!r} is in use")
+        if client_request_id in self.groups:
+            raise GatewayError("invalid_request",
+                               f"request id {client_request_id!r} is in use")
         queue: asyncio.Queue = asyncio.Queue()
         # The scheduler's ids are the gateway's own, never the client's: a client's id (its
         # x-request-id header, the gRPC request_id) may equal a scheduler id of another request,
         # here ("r-0" next to prompt 0 of "r") or at another gateway, and a shared id crosses
         # their outputs and aborts (the other request hung). The client's id still travels
         # with every call as x-request-id metadata, for the logs.
-        ids = [uuid.uuid4().hex for _ in prompts]
-        states = [RequestState(rid, index, prompt, params, queue, scheduler=scheduler)
-                  for index, (rid, prompt) in enumerate(zip(ids, prompts))]
-        group = RequestGroup(self, request_id, states, queue)
+        request_ids = [uuid.uuid4().hex for _ in prompts]
+        states = [RequestState(request_id, index, prompt, params, queue, scheduler=scheduler)
+                  for index, (request_id, prompt) in enumerate(zip(request_ids, prompts))]
+        group = RequestGroup(self, client_request_id, states, queue)
         for state in states:
             self.router.add(state)
-        self.groups[request_id] = group
+        self.groups[client_request_id] = group
         try:
-            await self._submit_all(scheduler, request_id, states, params, priority)
+            await scheduler.submit(Generation(
+                client_request_id, self.gateway_id,
+                tuple(SubmittedPrompt(state.request_id, state.prompt_token_ids)
+                      for state in states), params, priority))
         except BaseException:
             group.close()
             raise
@@ -187,22 +192,9 @@ class GatewayCore:
             await asyncio.sleep(READY_POLL_S)
         return scheduler
 
-    async def _submit_all(self, scheduler: SchedulerGroup, request_id: str,
-                          states: list[RequestState], params: SamplingParams,
-                          priority: int) -> None:
-        proto_params = params_to_proto(params)
-        submits = [scheduler.submit(scheduler_pb2.SubmitRequest(
-            request_id=state.request_id, gateway_id=self.gateway_id,
-            prompt_token_ids=state.prompt_token_ids, params=proto_params, priority=priority),
-            request_id) for state in states]
-        results = await asyncio.gather(*submits, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, client_request_id: str) -> bool:
         """The public Abort: the scheduler ends the request's samples with finish reason abort."""
-        group = self.groups.get(request_id)
+        group = self.groups.get(client_request_id)
         if group is None:
             return False
         for state in group.states:
@@ -228,32 +220,23 @@ class GatewayCore:
     # ---- the scheduler's output stream ---------------------------------------------------------
     async def _consume_outputs(self, group: SchedulerGroup) -> None:
         while True:
-            call = group.outputs(self.gateway_id)
+            stream = group.outputs(self.gateway_id)
             try:
-                await _registered(call)
+                await stream.registered()
                 group.outputs_connected = True
                 self.abort_wakeup.set()  # the aborts queued while it was down go out now
                 log.info("outputs stream open", gateway_id=self.gateway_id,
                          scheduler=group.address)
-                async for batch in call:
-                    self.router.route(batch)
+                async for deltas in stream:
+                    self.router.route(deltas)
                 message = "the scheduler closed the output stream"
             except grpc.RpcError as exc:
                 message = f"lost the scheduler's output stream: {exc.code().name}"
             finally:
                 group.outputs_connected = False
-                call.cancel()
+                stream.cancel()
             log.warning("outputs stream failed", error=message, scheduler=group.address)
             # Also queues their aborts: the scheduler may not have noticed (a half-open cut).
             self.router.fail_all(message, scheduler=group)
             await asyncio.sleep(RECONNECT_DELAY_S)
 
-
-async def _registered(call) -> None:
-    """Wait until the scheduler has surely registered this gateway's Outputs stream, so that no
-    Submit can overtake it. A scheduler that sends initial metadata on registering says so at
-    once; otherwise a stream still open after a grace period has run its handler (a stream
-    that failed meanwhile raises when it is read)."""
-    metadata = asyncio.ensure_future(call.initial_metadata())
-    metadata.add_done_callback(lambda future: future.cancelled() or future.exception())
-    await asyncio.wait({metadata}, timeout=REGISTER_GRACE_S)

@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import grpc
 
-from kvrelay.api.kvrelay.v1 import tokenizer_pb2
 from kvrelay.common.log import get_logger
 from kvrelay.gateway import metrics
+from kvrelay.gateway.messages import Detokenized, DetokenizeItem
 
 log = get_logger(__name__)
 # Between two tries at a new stream: doubled after each failed one, from the first to the last
@@ -58,17 +58,19 @@ class IllegalLink(RuntimeError):
 
 
 class DetokenizePipeline:
-    def __init__(self, tokenizer_stub, outbox: asyncio.Queue,
-                 on_result: Callable[[object, object], None],
+    def __init__(self, open_stream: Callable[[], object], outbox: asyncio.Queue,
+                 on_result: Callable[[object, list[Detokenized]], None],
                  on_failure: Callable[[str], None],
-                 resume_items: Callable[[], list[tokenizer_pb2.DetokenizeItem]],
+                 resume_items: Callable[[], list[DetokenizeItem]],
                  wait_s: float = 30.0) -> None:
         if wait_s <= 0:
             raise ValueError(f"the tokenizer wait must be positive, got {wait_s}")
-        self.stub = tokenizer_stub
-        # (DetokenizeBatch, context) pairs to send, queued by the router (queue_sender below)
+        # A new Detokenize stream, reading and writing the core's types (edge.DetokenizeStream)
+        self.open_stream = open_stream
+        # (batch: list of DetokenizeItem, context) pairs to send, queued by the router
+        # (queue_sender below)
         self.outbox = outbox
-        self.on_result = on_result  # (context, DetokenizeBatchResult)
+        self.on_result = on_result  # (context, the batch's answer: one Detokenized per item)
         self.on_failure = on_failure  # every request waiting on the tokenizer must end
         self.resume_items = resume_items  # the states of the samples in flight, as items
         # How long requests wait for a tokenizer that has not answered on the current stream;
@@ -77,7 +79,7 @@ class DetokenizePipeline:
         self.link = Link.CONNECTING
         # What the next stream sends before the outbox: the states, then (batch, context)
         # pairs a broken stream had written and never got an answer for.
-        self.resume_batch: tokenizer_pb2.DetokenizeBatch | None = None
+        self.resume_batch: list[DetokenizeItem] | None = None
         self.replay: deque = deque()
         self.expired = asyncio.Event()  # the RESUMING wait ran out
         self.deadline: asyncio.TimerHandle | None = None
@@ -110,7 +112,7 @@ class DetokenizePipeline:
         if self.expired.is_set():
             self._give_up(self._not_back())
             return
-        call = self.stub.Detokenize(wait_for_ready=True)
+        call = self.open_stream()
         pending: deque = deque()  # (batch, context) written on this stream, not yet answered
         tasks = {asyncio.create_task(self._write(call, pending)),
                  asyncio.create_task(self._read(call, pending))}
@@ -149,14 +151,14 @@ class DetokenizePipeline:
     async def _read(self, call, pending: deque) -> None:
         while True:
             result = await call.read()
-            if result is grpc.aio.EOF:
+            if result is None:  # the tokenizer ended the stream
                 return
             batch, context = pending.popleft()
             if self.link is not Link.OPEN:
                 self._move(Link.OPEN)  # the tokenizer took the states: the requests go on
             if context is RESUME:
-                metrics.DETOKENIZE_RESUMED.inc(len(batch.items))
-                log.info("detokenize stream resumed", num_samples=len(batch.items))
+                metrics.DETOKENIZE_RESUMED.inc(len(batch))
+                log.info("detokenize stream resumed", num_samples=len(batch))
             else:
                 self.on_result(context, result)
 
@@ -171,8 +173,7 @@ class DetokenizePipeline:
         # Unanswered, ahead of what the old stream had not written yet; the states are
         # rebuilt afresh from what has been answered by now.
         self.replay.extendleft(reversed([entry for entry in pending if entry[1] is not RESUME]))
-        items = self.resume_items()
-        self.resume_batch = tokenizer_pb2.DetokenizeBatch(items=items) if items else None
+        self.resume_batch = self.resume_items() or None
         waiting = self.resume_batch is not None or self.replay or not self.outbox.empty()
         self._move(Link.RESUMING if waiting else Link.CONNECTING)
 
@@ -218,7 +219,7 @@ async def _failure(call, task: asyncio.Task) -> tuple[str, bool]:
     return f"detokenization failed: {exc!r}", False
 
 
-def queue_sender(outbox: asyncio.Queue) -> Callable[[tokenizer_pb2.DetokenizeBatch, object], None]:
+def queue_sender(outbox: asyncio.Queue) -> Callable[[list[DetokenizeItem], object], None]:
     """Queues a batch with its context for the pipeline; never blocks, so it is safe in
     `finally` blocks of cancelled tasks. The router gets this and the pipeline the queue, so
     neither needs the other to exist first."""

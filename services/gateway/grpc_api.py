@@ -16,7 +16,7 @@ from kvrelay.gateway.limits import RequestLimits
 from kvrelay.gateway.openai_serving import generation_model, served_model
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.request_state import SampleDelta
-from kvrelay.gateway.text_fields import proto_texts, undecodable_string_field
+from kvrelay.gateway.proto_text_fields import proto_texts, undecodable_string_field
 from kvrelay.tokenizer.tool_render import parse_tool_calls
 
 log = get_logger(__name__)
@@ -79,11 +79,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         await self._admit(request, context)
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        bind_request_id(request_id)
+        client_request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        bind_request_id(client_request_id)
         try:
             _check_generate_limits(self.core.limits, request)
-            group, prompt = await self._start(request, request_id)
+            group, prompt = await self._start(request, client_request_id)
         except GatewayError as exc:
             await context.abort(exc.grpc_code, exc.message)
         with group:  # a cancelled call leaves this block early, which aborts the request
@@ -94,29 +94,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if error is not None:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if group.timed_out
                                         else grpc.StatusCode.UNAVAILABLE, error)
-                yield _response(group, request_id, deltas, prompt if first else None)
+                yield _response(group, client_request_id, deltas, prompt if first else None)
                 first = False
 
-    async def _start(self, request, request_id: str) -> tuple[RequestGroup, list[int]]:
+    async def _start(self, request, client_request_id: str) -> tuple[RequestGroup, list[int]]:
         await generation_model(self.core, request.model or None)
         try:
             params = params_from_proto(request.params)
         except ValueError as exc:
             raise param_from_value_error(exc) from None
-        prompt = await self._prompt_token_ids(request, request_id)
+        prompt = await self._prompt_token_ids(request, client_request_id)
         self.core.limits.check_prompt_tokens([prompt], request.WhichOneof("input"))
-        group = await self.core.generate(request_id, [prompt], params, request.priority)
+        group = await self.core.generate(client_request_id, [prompt], params, request.priority)
         return group, prompt
 
-    async def _prompt_token_ids(self, request, request_id: str) -> list[int]:
+    async def _prompt_token_ids(self, request, client_request_id: str) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "prompt":
-            prompt = await self.core.upstream.encode(request.prompt, True, request_id)
+            prompt = await self.core.upstream.encode(request.prompt, True, client_request_id)
         elif kind == "prompt_token_ids":
             prompt = list(request.prompt_token_ids.ids)
         elif kind == "chat":
             prompt = await self.core.upstream.render_chat(
-                _messages(request.chat), request.chat.add_generation_prompt, request_id)
+                _messages(request.chat), request.chat.add_generation_prompt, client_request_id)
         else:
             raise invalid("give a prompt, prompt_token_ids or chat", "prompt")
         if not prompt:
@@ -149,14 +149,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                max_model_len=self.core.max_model_len)
 
     async def _tokenize(self, request) -> list[int]:
-        request_id = f"tok-{uuid.uuid4().hex}"
+        client_request_id = f"tok-{uuid.uuid4().hex}"
         kind = request.WhichOneof("input")
         if kind == "prompt":
             return await self.core.upstream.encode(request.prompt, request.add_special_tokens,
-                                                   request_id)
+                                                   client_request_id)
         if kind == "chat":
             return await self.core.upstream.render_chat(
-                _messages(request.chat), request.chat.add_generation_prompt, request_id)
+                _messages(request.chat), request.chat.add_generation_prompt, client_request_id)
         raise invalid("give a prompt or chat", "prompt")
 
     async def _admit(self, request, context) -> None:
@@ -193,11 +193,11 @@ def _check_generate_limits(limits: RequestLimits, request) -> None:
         limits.check_logprobs(params.logprobs, "params.logprobs")
 
 
-def _response(group: RequestGroup, request_id: str, deltas: list[SampleDelta],
+def _response(group: RequestGroup, client_request_id: str, deltas: list[SampleDelta],
               prompt: list[int] | None) -> generation_pb2.GenerateResponse:
     """One step's choices; the first carries the prompt's token ids, the last the usage."""
     response = generation_pb2.GenerateResponse(
-        request_id=request_id, choices=[_choice(delta) for delta in deltas],
+        request_id=client_request_id, choices=[_choice(delta) for delta in deltas],
         prompt_token_ids=prompt or ())
     if group.num_open_samples == 0:
         response.usage.CopyFrom(common_pb2.Usage(

@@ -20,22 +20,22 @@ from kvrelay.gateway.request_group import RequestGroup
 
 
 async def create_chat_completion(core, http_request: Request, body: ChatCompletionRequest,
-                                 request_id: str):
+                                 client_request_id: str):
     model = await generation_model(core, body.model)
     tools_mode = tool_choice_mode(body.tools, body.tool_choice)
     prompt, call_format = await core.upstream.render_chat_with_tools(
-        chat_messages(body.messages), body.add_generation_prompt, request_id,
+        chat_messages(body.messages), body.add_generation_prompt, client_request_id,
         tools_in_play(body.tools, tools_mode))
     core.limits.check_prompt_tokens([prompt], "messages")
     grammar = tool_grammar(body.tools, tools_mode, body.parallel_tool_calls, call_format) \
         if tools_mode is not None else None
     params = chat_params(body, grammar)
-    params = await with_bad_words(core, params, body.bad_words, request_id)
+    params = await with_bad_words(core, params, body.bad_words, client_request_id)
     try:
-        group = await core.generate(request_id, [prompt], params, body.priority)
+        group = await core.generate(client_request_id, [prompt], params, body.priority)
     except GatewayError as error:
         raise blame_constraint(error, body, from_tools=grammar is not None) from None
-    header = {"id": request_id, "created": int(time.time()), "model": model}
+    header = {"id": client_request_id, "created": int(time.time()), "model": model}
     uses_tools = tools_mode is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

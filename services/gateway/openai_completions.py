@@ -19,18 +19,19 @@ from kvrelay.gateway.request_group import RequestGroup
 
 
 async def create_completion(core, http_request: Request, body: CompletionRequest,
-                            request_id: str):
+                            client_request_id: str):
     model = await generation_model(core, body.model)
     params = completion_params(body)
-    params = await with_bad_words(core, params, body.bad_words, request_id)
-    prompts = await _prompt_token_ids(core, body.prompt, request_id)
+    params = await with_bad_words(core, params, body.bad_words, client_request_id)
+    prompts = await _prompt_token_ids(core, body.prompt, client_request_id)
     core.limits.check_prompt_tokens(prompts)
-    echoes = await _echo_texts(core, body.prompt, prompts, request_id) if body.echo else None
+    echoes = (await _echo_texts(core, body.prompt, prompts, client_request_id)
+              if body.echo else None)
     try:
-        group = await core.generate(request_id, prompts, params, body.priority)
+        group = await core.generate(client_request_id, prompts, params, body.priority)
     except GatewayError as error:
         raise blame_constraint(error, body) from None
-    header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+    header = {"id": client_request_id, "object": "text_completion", "created": int(time.time()),
               "model": model}
     want_logprobs = params.logprobs is not None
     if body.stream:
@@ -50,7 +51,7 @@ async def create_completion(core, http_request: Request, body: CompletionRequest
         return JSONResponse({**header, "choices": results, "usage": usage(group)})
 
 
-async def _prompt_token_ids(core, prompt, request_id: str) -> list[list[int]]:
+async def _prompt_token_ids(core, prompt, client_request_id: str) -> list[list[int]]:
     """The prompt field in its four shapes, as one token id list per prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -58,24 +59,26 @@ async def _prompt_token_ids(core, prompt, request_id: str) -> list[list[int]]:
         raise invalid("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         prompt = [prompt]
-    prompts = await asyncio.gather(*[_token_ids(core, item, request_id) for item in prompt])
+    prompts = await asyncio.gather(*[_token_ids(core, item, client_request_id)
+                                     for item in prompt])
     if not all(prompts):
         raise invalid("prompt must not be empty", "prompt")
     return prompts
 
 
-async def _token_ids(core, prompt: str | list[int], request_id: str) -> list[int]:
+async def _token_ids(core, prompt: str | list[int], client_request_id: str) -> list[int]:
     if isinstance(prompt, str):
-        return await core.upstream.encode(prompt, True, request_id)
+        return await core.upstream.encode(prompt, True, client_request_id)
     return list(prompt)
 
 
-async def _echo_texts(core, prompt, prompts: list[list[int]], request_id: str) -> list[str]:
+async def _echo_texts(core, prompt, prompts: list[list[int]],
+                      client_request_id: str) -> list[str]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt[0], str):
         return list(prompt)
-    return [await core.upstream.decode(ids, request_id, skip_special_tokens=False)
+    return [await core.upstream.decode(ids, client_request_id, skip_special_tokens=False)
             for ids in prompts]
 
 

@@ -17,7 +17,7 @@ _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_e
 
 
 async def with_bad_words(core, params: SamplingParams, words: list[str] | None,
-                         request_id: str) -> SamplingParams:
+                         client_request_id: str) -> SamplingParams:
     """vLLM's bad_words: each word tokenized as written and after a space (how it appears
     mid-sentence), every distinct token sequence banned."""
     if not words:
@@ -25,7 +25,7 @@ async def with_bad_words(core, params: SamplingParams, words: list[str] | None,
     sequences = []
     for word in words:
         for variant in (word.lstrip(), " " + word.lstrip()):
-            token_ids = await core.upstream.encode(variant, False, request_id)
+            token_ids = await core.upstream.encode(variant, False, client_request_id)
             if token_ids and token_ids not in sequences:
                 sequences.append(token_ids)
     try:

@@ -13,10 +13,10 @@ log = get_logger(__name__)
 
 
 class RequestGroup:
-    def __init__(self, core, request_id: str, states: list[RequestState],
+    def __init__(self, core, client_request_id: str, states: list[RequestState],
                  queue: asyncio.Queue) -> None:
         self.core = core
-        self.request_id = request_id
+        self.client_request_id = client_request_id  # the key of core.groups
         self.states = states
         self.queue = queue
         self.num_open_samples = sum(len(state.samples) for state in states)
@@ -58,7 +58,7 @@ class RequestGroup:
         if self.deadline_timer is not None:
             self.deadline_timer.cancel()
         metrics.IN_FLIGHT.dec()
-        self.core.groups.pop(self.request_id, None)
+        self.core.groups.pop(self.client_request_id, None)
         for state in self.states:
             if state.num_unfinished:
                 self.core.abort_nowait(state.scheduler, [state.request_id])
@@ -75,7 +75,7 @@ class RequestGroup:
             unfinished = [sample for sample in state.samples if not sample.finished]
             if not unfinished:
                 continue
-            self.core.abort_nowait(state.scheduler, [sample.stream_id for sample in unfinished])
+            self.core.abort_nowait(state.scheduler, [sample.sequence_id for sample in unfinished])
             self.core.router.drop(state.request_id)
             state.publish([sample.error_delta(message) for sample in unfinished],
                           time.monotonic())

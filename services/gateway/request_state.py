@@ -1,5 +1,5 @@
 """Per-request state in the gateway: each sample's stop strings, counts and what its consumer
-sees (SampleDelta), fed from the scheduler's deltas and the tokenizer's text."""
+sees (SampleDelta), fed from the scheduler's deltas and the tokenizer's text (messages.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,18 +7,10 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from kvrelay.api.kvrelay.v1 import common_pb2, tokenizer_pb2
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway import metrics
+from kvrelay.gateway.messages import DetokenizeItem, OutputDelta, SampledLogprob
 from kvrelay.gateway.stop_strings import StopStringMatcher
-
-FINISH_REASONS = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: None,
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 @dataclass(slots=True)
@@ -50,11 +42,12 @@ class SampleDelta:
 
 
 class SampleState:
-    __slots__ = ("stream_id", "index", "matcher", "stop_token_ids", "skip_special_tokens",
+    __slots__ = ("sequence_id", "index", "matcher", "stop_token_ids", "skip_special_tokens",
                  "num_tokens", "finished", "cut_short", "detokenizing", "detokenized_ids")
 
     def __init__(self, request_id: str, index: int, params: SamplingParams) -> None:
-        self.stream_id = f"{request_id}/{index}"  # also the scheduler's id for this sample
+        # the scheduler's id for this sample, and its text stream's at the tokenizer
+        self.sequence_id = f"{request_id}/{index}"
         self.index = index
         self.matcher = StopStringMatcher(params.stop) if params.stop else None
         self.stop_token_ids = frozenset(params.stop_token_ids)
@@ -67,48 +60,44 @@ class SampleState:
         # detokenizer state on a new Detokenize stream when the old one broke (4 bytes each).
         self.detokenized_ids = array("I")
 
-    def detokenize_item(self, delta) -> tokenizer_pb2.DetokenizeItem:
-        final = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    def detokenize_item(self, delta: OutputDelta) -> DetokenizeItem:
+        final = delta.finish_reason is not None
         self.detokenizing = not final
-        item = tokenizer_pb2.DetokenizeItem(
-            request_id=self.stream_id, new_token_ids=delta.new_token_ids, finished=final,
-            skip_special_tokens=self.skip_special_tokens)
-        for entry in delta.logprobs:
-            item.piece_token_ids.append(entry.token_id)
-            item.piece_token_ids.extend(top.token_id for top in entry.top)
-        return item
+        pieces = _piece_token_ids(delta.logprobs) if delta.logprobs else ()
+        return DetokenizeItem(self.sequence_id, delta.new_token_ids, final,
+                              self.skip_special_tokens, pieces)
 
-    def resume_item(self) -> tokenizer_pb2.DetokenizeItem | None:
+    def resume_item(self) -> DetokenizeItem | None:
         """Rebuilds its state on a new Detokenize stream (None: it needs none). Goes ahead of
         every item the broken stream did not answer, which are sent again after it."""
         if self.finished or not self.detokenized_ids:
             return None
-        return tokenizer_pb2.DetokenizeItem(
-            request_id=self.stream_id, resume_token_ids=self.detokenized_ids,
-            skip_special_tokens=self.skip_special_tokens)
+        return DetokenizeItem(self.sequence_id, skip_special_tokens=self.skip_special_tokens,
+                              resume_token_ids=self.detokenized_ids.tolist())
 
-    def forget_item(self) -> tokenizer_pb2.DetokenizeItem:
+    def forget_item(self) -> DetokenizeItem:
         """Frees the tokenizer's state for a sample that ends before the scheduler says so."""
         self.detokenizing = False
-        return tokenizer_pb2.DetokenizeItem(request_id=self.stream_id, finished=True)
+        return DetokenizeItem(self.sequence_id, finished=True)
 
-    def apply(self, delta, text: str, pieces) -> SampleDelta:
+    def apply(self, delta: OutputDelta, text: str, pieces) -> SampleDelta:
         # Counts every token of the step that completed a stop string, as the offline engine.
         self.num_tokens += len(delta.new_token_ids)
         self.detokenized_ids.extend(delta.new_token_ids)
-        finish_reason = FINISH_REASONS[delta.finish_reason]
+        finish_reason = delta.finish_reason
         stop_reason: str | int | None = None
         if self.matcher is not None and finish_reason != "error":
             text, stop = self.matcher.feed(text, final=finish_reason is not None)
             if stop is not None:
                 self.cut_short = finish_reason is None
                 finish_reason, stop_reason = "stop", stop
-        if finish_reason == "stop" and stop_reason is None and delta.HasField("stop_token_id") \
+        if finish_reason == "stop" and stop_reason is None \
                 and delta.stop_token_id in self.stop_token_ids:
             stop_reason = delta.stop_token_id  # EOS leaves it None, as in vLLM
         self.finished = finish_reason is not None
         logprobs = _logprobs(delta.logprobs, pieces) if delta.logprobs else None
-        return SampleDelta(self.index, text, list(delta.new_token_ids), logprobs,
+        # The delta's token list is the consumer's now: nothing else changes it.
+        return SampleDelta(self.index, text, delta.new_token_ids, logprobs,
                            finish_reason, stop_reason, delta.error or None)
 
     def error_delta(self, message: str) -> SampleDelta:
@@ -116,12 +105,22 @@ class SampleState:
         return SampleDelta(self.index, "", [], None, "error", None, message)
 
 
-def _logprobs(entries, pieces) -> list[TokenLogprob]:
+def _piece_token_ids(entries: tuple[SampledLogprob, ...]) -> list[int]:
+    """Each sampled token, then its top alternatives: the tokens whose own text the logprobs
+    show (the answer's pieces, in this order)."""
+    token_ids = []
+    for entry in entries:
+        token_ids.append(entry.token_id)
+        token_ids.extend(token_id for token_id, _ in entry.top)
+    return token_ids
+
+
+def _logprobs(entries: tuple[SampledLogprob, ...], pieces) -> list[TokenLogprob]:
     result, position = [], 0
     for entry in entries:
         text = pieces[position]
-        top = [TopToken(t.token_id, t.logprob, pieces[position + 1 + i])
-               for i, t in enumerate(entry.top)]
+        top = [TopToken(token_id, logprob, pieces[position + 1 + i])
+               for i, (token_id, logprob) in enumerate(entry.top)]
         position += 1 + len(entry.top)
         result.append(TokenLogprob(entry.token_id, entry.logprob, entry.rank, text, top))
     return result
@@ -131,7 +130,7 @@ def _logprobs(entries, pieces) -> list[TokenLogprob]:
 class RequestState:
     """One scheduler request (one prompt, n samples); its updates go to `sink` as
     (prompt_index, [SampleDelta, ...]) once per engine step."""
-    request_id: str
+    request_id: str  # the scheduler's id (the gateway's own, never the client's)
     prompt_index: int
     prompt_token_ids: list[int]
     params: SamplingParams

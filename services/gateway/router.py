@@ -1,19 +1,19 @@
 """Routes the scheduler's per-step output batches through the tokenizer to each request.
 
-One OutputBatch becomes one DetokenizeBatch; its answer, zipped with the deltas it was built
-from, becomes one list of SampleDelta per request, put on that request's queue."""
+One step's OutputDeltas become one batch of DetokenizeItems; its answer, zipped with the deltas
+it was built from, becomes one list of SampleDelta per request, put on that request's queue."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from kvrelay.api.kvrelay.v1 import tokenizer_pb2
+from kvrelay.gateway.messages import Detokenized, DetokenizeItem, OutputDelta
 from kvrelay.gateway.request_state import RequestState, SampleDelta
 
 
 class OutputRouter:
     def __init__(self, abort_nowait: Callable[[object, list[str]], None],
-                 send_nowait: Callable[[tokenizer_pb2.DetokenizeBatch, object], None]) -> None:
+                 send_nowait: Callable[[list[DetokenizeItem], object], None]) -> None:
         self.requests: dict[str, RequestState] = {}
         # (the scheduler group holding them, scheduler ids: "<request id>" or "<id>/<index>")
         self.abort_nowait = abort_nowait
@@ -28,10 +28,10 @@ class OutputRouter:
         if state is not None:
             self._forget([s for s in state.samples if s.detokenizing])
 
-    def route(self, batch) -> None:
-        """One engine step's deltas (an OutputBatch) to the tokenizer."""
+    def route(self, deltas: list[OutputDelta]) -> None:
+        """One engine step's deltas to the tokenizer."""
         items, routed = [], []
-        for delta in batch.deltas:
+        for delta in deltas:
             state = self.requests.get(delta.request_id)
             if state is None or delta.index >= len(state.samples):
                 continue
@@ -43,26 +43,26 @@ class OutputRouter:
             items.append(sample.detokenize_item(delta))
             routed.append((state, sample, delta))
         if items:
-            self.send_nowait(tokenizer_pb2.DetokenizeBatch(items=items), routed)
+            self.send_nowait(items, routed)
 
-    def on_detokenized(self, routed, result) -> None:
+    def on_detokenized(self, routed, result: list[Detokenized]) -> None:
         if routed is None:  # a batch of forget items
             return
         now = time.monotonic()
         updates: dict[RequestState, list[SampleDelta]] = {}
-        for (state, sample, delta), item in zip(routed, result.results):
+        for (state, sample, delta), item in zip(routed, result):
             if sample.finished:  # a stop string ended it in an earlier answer
                 continue
             updates.setdefault(state, []).append(sample.apply(delta, item.text, item.pieces))
             if sample.cut_short:
-                self.abort_nowait(state.scheduler, [sample.stream_id])
+                self.abort_nowait(state.scheduler, [sample.sequence_id])
                 self._forget([sample])
         for state, deltas in updates.items():
             state.publish(deltas, now)
             if state.num_unfinished == 0:
                 self.requests.pop(state.request_id, None)
 
-    def resume_items(self) -> list[tokenizer_pb2.DetokenizeItem]:
+    def resume_items(self) -> list[DetokenizeItem]:
         """What rebuilds, on a new Detokenize stream, the detokenizer state of every sample
         still in flight (the broken stream took them all)."""
         return [item for state in self.requests.values() for sample in state.samples
@@ -87,4 +87,4 @@ class OutputRouter:
     def _forget(self, samples) -> None:
         if samples:
             items = [sample.forget_item() for sample in samples]
-            self.send_nowait(tokenizer_pb2.DetokenizeBatch(items=items), None)
+            self.send_nowait(items, None)

@@ -1,16 +1,21 @@
-"""One scheduler group (a scheduler with its own workers) as one gateway sees it.
+"""One scheduler group (a scheduler with its own workers) as one gateway sees it; its calls are
+the gateway's edge to the scheduler (messages converted by edge.py).
 
 Several groups behind the gateways give data parallelism: each request goes, whole, to the
 group with the least load. A group's load comes from its Stats (polled) plus what this gateway
 sent it since, so a burst that arrives between two polls still spreads over the groups."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from kvrelay.common.grpc_server import channel
 from kvrelay.common.log import get_logger, request_metadata
+from kvrelay.gateway.edge import OutputsStream, stats_from_proto, submit_requests
 from kvrelay.gateway.errors import from_rpc_error
+from kvrelay.gateway.messages import Generation, SchedulerStats
 
 log = get_logger(__name__)
 
@@ -23,7 +28,7 @@ class SchedulerGroup:
         self.address = address
         self.channel = channel(address, "scheduler")
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.stats: scheduler_pb2.StatsResponse | None = None
+        self.stats: SchedulerStats | None = None
         self.outputs_connected = False
         self.submitted_since_stats = 0  # requests sent after the last Stats answer
         # Scheduler ids to abort here, kept (in order, once each) until an Abort call took
@@ -47,14 +52,18 @@ class SchedulerGroup:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def submit(self, request: scheduler_pb2.SubmitRequest, request_id: str) -> None:
-        """`request_id`: the client's id, for the logs (a prompt of many may have its own)."""
-        self.submitted_since_stats += 1
-        try:
-            await self.stub.Submit(request, metadata=request_metadata(request_id),
-                                   timeout=CALL_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, "scheduler") from None
+    async def submit(self, generation: Generation) -> None:
+        """One Submit per prompt, all at once; raises the first refusal once all answered."""
+        self.submitted_since_stats += len(generation.prompts)
+        metadata = request_metadata(generation.client_request_id)
+        results = await asyncio.gather(
+            *(self.stub.Submit(request, metadata=metadata, timeout=CALL_TIMEOUT_S)
+              for request in submit_requests(generation)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, grpc.RpcError):
+                raise from_rpc_error(result, "scheduler") from None
+            if isinstance(result, BaseException):
+                raise result
 
     async def abort(self, ids: list[str]) -> list[str]:
         reply = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_ids=ids),
@@ -89,15 +98,15 @@ class SchedulerGroup:
     async def refresh_stats(self) -> None:
         submitted_before = self.submitted_since_stats  # these the answer will count
         try:
-            self.stats = await self.stub.Stats(scheduler_pb2.StatsRequest(),
-                                               timeout=PROBE_TIMEOUT_S)
+            self.stats = stats_from_proto(await self.stub.Stats(scheduler_pb2.StatsRequest(),
+                                                                timeout=PROBE_TIMEOUT_S))
         except grpc.RpcError:
             self.stats = None
         self.submitted_since_stats -= submitted_before
 
-    def outputs(self, gateway_id: str):
-        return self.stub.Outputs(scheduler_pb2.OutputsRequest(gateway_id=gateway_id),
-                                 wait_for_ready=True)
+    def outputs(self, gateway_id: str) -> OutputsStream:
+        return OutputsStream(self.stub.Outputs(scheduler_pb2.OutputsRequest(gateway_id=gateway_id),
+                                               wait_for_ready=True))
 
 
 def least_loaded(groups: list[SchedulerGroup]) -> SchedulerGroup | None:

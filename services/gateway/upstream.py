@@ -1,5 +1,6 @@
 """The gateway's upstream services: the tokenizer's calls (errors turned into GatewayError, the
-request id sent along as metadata) and the scheduler groups (scheduler_group.py)."""
+client's request id sent along as metadata, replies as plain values), its Detokenize stream in
+the core's types (edge.py), and the scheduler groups (scheduler_group.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvrelay.api.kvrelay.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from kvrelay.common.grpc_server import channel
 from kvrelay.common.log import request_metadata
+from kvrelay.gateway.edge import DetokenizeStream
 from kvrelay.gateway.errors import from_rpc_error
 from kvrelay.gateway.scheduler_group import CALL_TIMEOUT_S, SchedulerGroup
 from kvrelay.tokenizer.tool_render import KVRELAY
@@ -45,18 +47,19 @@ class Upstream:
             await group.close()
 
     # ---- tokenizer -----------------------------------------------------------------------------
-    async def encode(self, prompt: str, add_special_tokens: bool, request_id: str) -> list[int]:
+    async def encode(self, prompt: str, add_special_tokens: bool,
+                     client_request_id: str) -> list[int]:
         return await self._encode(tokenizer_pb2.EncodeRequest(
-            prompt=prompt, add_special_tokens=add_special_tokens), request_id)
+            prompt=prompt, add_special_tokens=add_special_tokens), client_request_id)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          request_id: str) -> list[int]:
+                          client_request_id: str) -> list[int]:
         token_ids, _ = await self.render_chat_with_tools(messages, add_generation_prompt,
-                                                         request_id)
+                                                         client_request_id)
         return token_ids
 
     async def render_chat_with_tools(self, messages: list[dict], add_generation_prompt: bool,
-                                     request_id: str, tools: list[dict] | None = None,
+                                     client_request_id: str, tools: list[dict] | None = None,
                                      ) -> tuple[list[int], str]:
         """messages: role and content, and where present tool_calls ([{"name", "arguments"
         (an object)}]), tool_call_id and name; tools: the definitions in play. Returns the
@@ -65,29 +68,33 @@ class Upstream:
             messages=[_chat_message(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             tools_json=json.dumps(tools) if tools else "")
-        reply = await self._encode_reply(tokenizer_pb2.EncodeRequest(chat=chat), request_id)
+        reply = await self._encode_reply(tokenizer_pb2.EncodeRequest(chat=chat),
+                                         client_request_id)
         return list(reply.token_ids), reply.tool_call_format or KVRELAY
 
-    async def _encode(self, request, request_id: str) -> list[int]:
-        return list((await self._encode_reply(request, request_id)).token_ids)
+    async def _encode(self, request, client_request_id: str) -> list[int]:
+        return list((await self._encode_reply(request, client_request_id)).token_ids)
 
-    async def _encode_reply(self, request, request_id: str):
+    async def _encode_reply(self, request, client_request_id: str):
         try:
-            return await self.tokenizer.Encode(request, metadata=request_metadata(request_id),
-                                               timeout=CALL_TIMEOUT_S)
+            return await self.tokenizer.Encode(
+                request, metadata=request_metadata(client_request_id), timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "tokenizer") from None
 
-    async def decode(self, token_ids: list[int], request_id: str,
+    async def decode(self, token_ids: list[int], client_request_id: str,
                      skip_special_tokens: bool = True) -> str:
         request = tokenizer_pb2.DecodeRequest(token_ids=token_ids,
                                               skip_special_tokens=skip_special_tokens)
         try:
-            reply = await self.tokenizer.Decode(request, metadata=request_metadata(request_id),
-                                                timeout=CALL_TIMEOUT_S)
+            reply = await self.tokenizer.Decode(
+                request, metadata=request_metadata(client_request_id), timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "tokenizer") from None
         return reply.text
+
+    def open_detokenize(self) -> DetokenizeStream:
+        return DetokenizeStream(self.tokenizer.Detokenize(wait_for_ready=True))
 
     async def watch_tokenizer(self, on_change: Callable[[bool], None]) -> None:
         """Report the tokenizer's health whenever it changes (grpc.health.v1 Watch): no traffic

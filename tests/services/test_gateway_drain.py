@@ -10,6 +10,7 @@ import pytest
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway.core import GatewayCore
 from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.messages import SchedulerStats
 from kvrelay.gateway.upstream import Upstream
 
 
@@ -31,8 +32,6 @@ def test_generate_is_refused_once_the_core_drains():
 
 
 def test_a_new_request_waits_a_bounded_time_for_a_ready_scheduler_group():
-    from kvrelay.api.kvrelay.v1 import scheduler_pb2
-
     async def scenario():
         upstream = Upstream("127.0.0.1:9", ["127.0.0.1:9"])
         core = GatewayCore(upstream, "gateway-test", submit_wait_s=0.6)
@@ -47,7 +46,7 @@ def test_a_new_request_waits_a_bounded_time_for_a_ready_scheduler_group():
                 await asyncio.sleep(0.2)
                 group = upstream.groups[0]
                 group.outputs_connected = True
-                group.stats = scheduler_pb2.StatsResponse(ready=True)
+                group.stats = SchedulerStats(ready=True)
 
             started = loop.time()
             back = asyncio.create_task(comes_back())
@@ -66,7 +65,6 @@ def test_a_generation_waits_for_the_model_while_its_scheduler_group_restarts():
     """The model is known from a ready scheduler group. A generation that arrives while the only
     group is restarting waits for it, as its submit would, rather than a 503 at the model
     check (the kill series caught that: requests 30 ms before the group was ready again)."""
-    from kvrelay.api.kvrelay.v1 import scheduler_pb2
     from kvrelay.gateway.openai_serving import generation_model
 
     async def scenario():
@@ -83,7 +81,7 @@ def test_a_generation_waits_for_the_model_while_its_scheduler_group_restarts():
                 await asyncio.sleep(0.2)
                 group = upstream.groups[0]
                 group.outputs_connected = True
-                group.stats = scheduler_pb2.StatsResponse(ready=True, model="smol")
+                group.stats = SchedulerStats(ready=True, model="smol")
 
             started = loop.time()
             back = asyncio.create_task(comes_back())

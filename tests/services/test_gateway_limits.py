@@ -15,7 +15,8 @@ import pytest
 
 from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from kvrelay.gateway.limits import LIMITS, RequestLimits
-from kvrelay.gateway.text_fields import json_texts, proto_texts, undecodable_string_field
+from kvrelay.gateway.proto_text_fields import proto_texts, undecodable_string_field
+from kvrelay.gateway.text_fields import json_texts
 from tests.services.conftest import ServiceProcess, free_port, grpc_health
 from tests.services.test_gateway_service import assert_openai_error
 

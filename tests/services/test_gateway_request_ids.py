@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from kvrelay.api.kvrelay.v1 import scheduler_pb2
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway.core import GatewayCore
 from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.messages import SchedulerStats
 from kvrelay.gateway.upstream import Upstream
 
 
@@ -21,14 +21,15 @@ def test_client_ids_never_reach_the_scheduler_as_its_ids():
         upstream = Upstream("127.0.0.1:9", ["127.0.0.1:9"])  # nothing listens there
         group = upstream.groups[0]
         group.outputs_connected = True
-        group.stats = scheduler_pb2.StatsResponse(ready=True)
+        group.stats = SchedulerStats(ready=True)
         core = GatewayCore(upstream, "gateway-test")
         submitted: list[str] = []
 
-        async def submit(request, client_id):
-            if client_id == "dup-0":  # as the scheduler refuses an id it already holds
+        async def submit(generation):
+            # as the scheduler refuses a Submit whose id it already holds
+            if generation.client_request_id == "dup-0":
                 raise GatewayError("invalid_request", "refused")
-            submitted.append(request.request_id)
+            submitted.extend(prompt.request_id for prompt in generation.prompts)
 
         group.submit = submit
         try:

@@ -1,20 +1,20 @@
 """The gateway's output path on a real tokenizer service: scheduler deltas (given here as the
-protobuf batches the scheduler sends) -> one Detokenize stream -> each request's SampleDeltas,
-with stop strings, per-sample aborts, logprob pieces, and no detokenizer state left behind; and
-when that stream breaks (a cut connection through a proxy): the text goes on exactly, or, with
-no tokenizer back in time, the requests end with an error and are aborted."""
+protobuf batches the scheduler sends, through the gateway's edge) -> one Detokenize stream ->
+each request's SampleDeltas, with stop strings, per-sample aborts, logprob pieces, and no
+detokenizer state left behind; and when that stream breaks (a cut connection through a proxy):
+the text goes on exactly, or, with no tokenizer back in time, the requests end with an error and
+are aborted."""
 from __future__ import annotations
 
 import asyncio
 
-import grpc
-
-from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, tokenizer_pb2_grpc
+from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
+from kvrelay.gateway.edge import output_deltas
 from kvrelay.gateway.request_state import RequestState
 from kvrelay.gateway.router import OutputRouter
-from kvrelay.gateway.upstream import TOKENIZER_RECONNECT_OPTIONS
+from kvrelay.gateway.upstream import Upstream
 from tests.services.tcp_proxy import TcpProxy
 
 OPEN_STATES = "kvrelay:tokenizer_detokenize_states"
@@ -22,15 +22,16 @@ STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
 class Harness:
-    """OutputRouter + DetokenizePipeline wired as GatewayCore wires them; aborts recorded."""
+    """OutputRouter + DetokenizePipeline wired as GatewayCore wires them, the scheduler's batches
+    converted by the gateway's edge; aborts recorded."""
 
     def __init__(self, address: str, wait_s: float = 30.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=TOKENIZER_RECONNECT_OPTIONS)
+        self.upstream = Upstream(address, [])
         self.aborted: list[str] = []
         outbox: asyncio.Queue = asyncio.Queue()
         self.router = OutputRouter(lambda scheduler, ids: self.aborted.extend(ids),
                                    queue_sender(outbox))
-        self.pipeline = DetokenizePipeline(tokenizer_pb2_grpc.TokenizerStub(self.channel),
+        self.pipeline = DetokenizePipeline(self.upstream.open_detokenize,
                                            outbox, self.router.on_detokenized,
                                            lambda message: self.router.fail_all(message, False),
                                            self.router.resume_items, wait_s)
@@ -42,12 +43,15 @@ class Harness:
         self.router.add(state)
         return state, queue
 
+    def route(self, deltas: list[scheduler_pb2.SequenceDelta]) -> None:
+        self.router.route(output_deltas(scheduler_pb2.OutputBatch(deltas=deltas)))
+
     async def close(self) -> None:
         while not self.pipeline.outbox.empty():  # let forget items reach the tokenizer
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
         self.task.cancel()
-        await self.channel.close()
+        await self.upstream.close()
 
 
 def delta(request_id, index, token_ids, finish=0, **fields) -> scheduler_pb2.SequenceDelta:
@@ -77,7 +81,7 @@ def test_stop_string_ends_one_sample_and_aborts_only_it(tokenizer_service, token
             if step < len(second):
                 deltas.append(delta("r1", 1, second[step:step + 1],
                                     LENGTH if step == len(second) - 1 else 0))
-            harness.router.route(scheduler_pb2.OutputBatch(deltas=deltas))
+            harness.route(deltas)
             await asyncio.sleep(0.002)  # deltas keep coming while answers are in flight
         by_sample = await drain(queue, 2)
         open_states = await wait_for_metric(tokenizer_service, OPEN_STATES, 0)
@@ -108,8 +112,8 @@ def test_logprob_pieces_and_stop_token_reason(tokenizer_service, tokenizer):
     async def scenario():
         harness = Harness(tokenizer_service.address)
         _, queue = harness.add("r2", SamplingParams(logprobs=1, stop_token_ids=[eos]))
-        harness.router.route(scheduler_pb2.OutputBatch(deltas=[delta(
-            "r2", 0, ids, STOP, logprobs=logprobs, stop_token_id=eos)]))
+        harness.route([delta(
+            "r2", 0, ids, STOP, logprobs=logprobs, stop_token_id=eos)])
         by_sample = await drain(queue, 1)
         await harness.close()
         return by_sample[0]
@@ -127,12 +131,11 @@ def test_dropped_request_frees_its_tokenizer_state(tokenizer_service, tokenizer)
     async def scenario():
         harness = Harness(tokenizer_service.address)
         _, queue = harness.add("r3", SamplingParams(n=2))
-        harness.router.route(scheduler_pb2.OutputBatch(
-            deltas=[delta("r3", i, ids[:3]) for i in range(2)]))
+        harness.route([delta("r3", i, ids[:3]) for i in range(2)])
         await asyncio.wait_for(queue.get(), 10)
         open_while_running = tokenizer_service.metric(OPEN_STATES)
         harness.router.drop("r3")  # the client left; later deltas must be ignored
-        harness.router.route(scheduler_pb2.OutputBatch(deltas=[delta("r3", 0, ids[3:5])]))
+        harness.route([delta("r3", 0, ids[3:5])])
         # Freed while the stream stays open (closing it would free everything anyway).
         open_after_drop = await wait_for_metric(tokenizer_service, OPEN_STATES, 0)
         await harness.close()
@@ -185,7 +188,7 @@ def test_a_cut_detokenize_stream_loses_no_text(tokenizer_service, tokenizer):
             deltas = [delta("r4", i, ids[step - start:step - start + 1],
                             LENGTH if step - start == len(ids) - 1 else 0)
                       for i, (ids, start) in enumerate(samples) if 0 <= step - start < len(ids)]
-            harness.router.route(scheduler_pb2.OutputBatch(deltas=deltas))
+            harness.route(deltas)
             await asyncio.sleep(0.1 if cut_at + 3 <= step < cut_at + 6 else 0.01)
         by_sample = await drain(queue, 3)
         open_states = await wait_for_metric(tokenizer_service, OPEN_STATES, 0)
@@ -222,19 +225,17 @@ def test_a_tokenizer_that_stays_away_fails_requests_and_aborts_them(tokenizer_se
     async def scenario():
         harness = Harness(proxy.address, wait_s=0.5)
         _, queue = harness.add("r5", SamplingParams(n=2))
-        harness.router.route(scheduler_pb2.OutputBatch(
-            deltas=[delta("r5", i, ids[:3]) for i in range(2)]))
+        harness.route([delta("r5", i, ids[:3]) for i in range(2)])
         await asyncio.wait_for(queue.get(), 10)
         proxy.cut(refuse=True)
         cut = asyncio.get_running_loop().time()
-        harness.router.route(scheduler_pb2.OutputBatch(
-            deltas=[delta("r5", i, ids[3:5]) for i in range(2)]))
+        harness.route([delta("r5", i, ids[3:5]) for i in range(2)])
         failed = await drain(queue, 2)
         waited = asyncio.get_running_loop().time() - cut
         aborted = list(harness.aborted)
         proxy.accept()
         _, later = harness.add("r6", SamplingParams())
-        harness.router.route(scheduler_pb2.OutputBatch(deltas=[delta("r6", 0, ids, LENGTH)]))
+        harness.route([delta("r6", 0, ids, LENGTH)])
         served = await drain(later, 1)
         await harness.close()
         return failed, waited, aborted, served, harness
@@ -259,7 +260,7 @@ def test_a_batch_the_tokenizer_refuses_fails_its_requests_at_once(tokenizer_serv
     async def scenario():
         harness = Harness(tokenizer_service.address, wait_s=30)
         _, queue = harness.add("r7", SamplingParams())
-        harness.router.route(scheduler_pb2.OutputBatch(deltas=[delta("r7", 0, [10**6])]))
+        harness.route([delta("r7", 0, [10**6])])
         started = asyncio.get_running_loop().time()
         failed = await drain(queue, 1)
         took = asyncio.get_running_loop().time() - started
