@@ -9,7 +9,7 @@ checks modules whose dependencies are missing here too).
 - services/stack starts the services by their command lines and never imports kvrelay.cli, even
   inside a function: the cli imports the stack (for `up`), not the other way round.
 - The scheduler's bookkeeping modules know nothing of the wire format (no `_pb2` module): the
-  protobuf conversions live at the edge, in the service.
+  protobuf conversions live at the edge, in the service. The same holds for the worker's core.
 """
 from __future__ import annotations
 
@@ -174,6 +174,30 @@ def test_the_scheduler_core_modules_exist():
 
 @pytest.mark.parametrize("module", SCHEDULER_CORE)
 def test_scheduler_core_has_no_protobuf(module):
+    wire = sorted({f"{base}.{name}" if name else base
+                   for node in _import_nodes(TREES[module], module_level_only=False)
+                   for base, name in _names(module, node)
+                   if any(part.endswith(("_pb2", "_pb2_grpc"))
+                          for part in f"{base}.{name or ''}".split("."))})
+    assert not wire, f"{module} imports protobuf modules {wire}"
+
+
+# Everything of the worker but its service edge (edge.py, step_service.py, main.py,
+# registration.py, and the gRPC KV transport's wire code in kv_connector/grpc_transport.py),
+# plus the step protocol's dataclasses it shares with the scheduler.
+WORKER_CORE = ["kvrelay.step_messages"] + [
+    f"kvrelay.worker.{name}"
+    for name in ("step_executor", "sequences", "step_threads", "warmup", "model_setup",
+                 "compute_domain", "openmp_spin", "kv_connector.base", "kv_connector.feed",
+                 "kv_connector.sender", "kv_connector.receiver", "kv_connector.shm_transport")]
+
+
+def test_the_worker_core_modules_exist():
+    assert [name for name in WORKER_CORE if name not in SOURCES] == []
+
+
+@pytest.mark.parametrize("module", WORKER_CORE)
+def test_worker_core_has_no_protobuf(module):
     wire = sorted({f"{base}.{name}" if name else base
                    for node in _import_nodes(TREES[module], module_level_only=False)
                    for base, name in _names(module, node)
