@@ -1,7 +1,12 @@
 """The step protocol between the scheduler and its workers, as both cores see it: what a step
 orders (sequences to start, to continue, to forget; KV pages to send) and what it returns
 (sampled tokens, send results). Protobuf-free dataclasses; each side's service edge
-(scheduler/edge.py, worker/edge.py) converts worker.proto's messages to and from them, once."""
+(scheduler/edge.py, worker/edge.py) converts worker.proto's messages to and from them, once.
+
+They are frozen, but for the two built once per row of every step on both sides
+(ScheduledSequence, Sampled): a frozen dataclass's __init__ sets each field through
+object.__setattr__, which made the worker's conversion of a 64-row decode step ~40% slower
+than reading the message in place. Nothing changes them after construction all the same."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,8 +51,8 @@ class NewSequence:
     num_prompt_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
+@dataclass(slots=True)
+class ScheduledSequence:  # not frozen: one per row per step (above)
     seq_id: str
     num_new_tokens: int
     new_block_ids: tuple[int, ...]
@@ -78,8 +83,8 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first
 
 
-@dataclass(frozen=True, slots=True)
-class Sampled:
+@dataclass(slots=True)
+class Sampled:  # not frozen: one per sampled row per step (above)
     """A step's tokens for one sequence: one, or its accepted drafts and the one after."""
     seq_id: str
     token_ids: tuple[int, ...]

@@ -4,8 +4,8 @@ call it and the gRPC KV transport's wire code, nothing in the worker sees a `_pb
 from __future__ import annotations
 
 from kvrelay.api.kvrelay.v1 import worker_pb2
-from kvrelay.step_messages import (NewSequence, ScheduledSequence, SendOrder, SendResult,
-                                   StepOrder, StepOutcome)
+from kvrelay.step_messages import (NewSequence, Sampled, ScheduledSequence, SendOrder,
+                                   SendResult, StepOrder, StepOutcome)
 from kvrelay.wire import params_from_proto, token_logprob_to_proto
 
 
@@ -46,11 +46,15 @@ def send_order_from_proto(message: worker_pb2.KvSendOrder) -> SendOrder:
 
 # ---- results ------------------------------------------------------------------------------------
 def outcome_to_proto(outcome: StepOutcome) -> worker_pb2.StepResult:
-    return worker_pb2.StepResult(step_id=outcome.step_id, sampled=[
-        worker_pb2.SampledToken(seq_id=sampled.seq_id, token_ids=sampled.token_ids,
-                                logprobs=[token_logprob_to_proto(entry)
-                                          for entry in sampled.logprobs])
-        for sampled in outcome.sampled])
+    return worker_pb2.StepResult(step_id=outcome.step_id,
+                                 sampled=[_sampled_to_proto(item) for item in outcome.sampled])
+
+
+def _sampled_to_proto(sampled: Sampled) -> worker_pb2.SampledToken:
+    message = worker_pb2.SampledToken(seq_id=sampled.seq_id, token_ids=sampled.token_ids)
+    if sampled.logprobs:  # most steps have none: no list to build then
+        message.logprobs.extend(token_logprob_to_proto(entry) for entry in sampled.logprobs)
+    return message
 
 
 def send_result_to_proto(result: SendResult) -> worker_pb2.StepResult:

@@ -62,12 +62,14 @@ class StepExecutor:
         sequence = item.request
         # Rejected drafts' KV is garbage: the next step recomputes from the last accepted one.
         sequence.num_computed_tokens -= len(item.draft_token_ids) - (len(run.token_ids) - 1)
-        logprobs = []
-        for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks):
+        for token_id in run.token_ids:
             sequence.append_token(token_id)
-            if entry is not None:
-                logprobs.append(token_logprob(entry, rank, token_id, sequence.params.logprobs))
-        return Sampled(sequence.request_id, tuple(run.token_ids), tuple(logprobs))
+        num_top = sequence.params.logprobs
+        if num_top is None:  # the sampler made no logprob entries (the usual, hot case)
+            return Sampled(sequence.request_id, tuple(run.token_ids))
+        return Sampled(sequence.request_id, tuple(run.token_ids), tuple(
+            token_logprob(entry, rank, token_id, num_top)
+            for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks)))
 
 
 def _bitmask_rows(packed: bytes, num_rows: int, vocab_size: int) -> torch.Tensor | None:
