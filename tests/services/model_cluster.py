@@ -1,8 +1,9 @@
 """The cluster driver with real workers: each step the scheduler plans runs, through the wire's
-messages (both services' edges), on a worker's own StepExecutor (sequence table, forward pass, sampler) with its own
-KV cache, and a KV send copies the pages from the prefill worker's cache into the decode
-worker's. The workers share one ModelRunner's weights; nothing else is shared, so a worker
-declared dead takes its sequences and its pages with it, as a killed process would."""
+messages (both services' edges), on a worker's own StepExecutor (sequence table, forward pass,
+sampler) with its own KV cache, and a KV send copies the pages from the prefill worker's cache
+into the decode worker's. The workers share one ModelRunner's weights; nothing else is shared,
+so a worker declared dead takes its sequences and its pages with it, as a killed process
+would."""
 from __future__ import annotations
 
 import copy
