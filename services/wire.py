@@ -4,6 +4,7 @@ from __future__ import annotations
 from kvrelay.api.kvrelay.v1 import common_pb2
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured.spec import StructuredOutputs
+from kvrelay.step_messages import TokenLogprob
 
 # proto field -> SamplingParams field, for the `optional` scalars (unset keeps the default)
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
@@ -82,11 +83,8 @@ def _round_float32(value: float) -> float:
     return float(f"{value:.7g}")
 
 
-def logprob_to_proto(entry: dict[int, float], rank: int, token_id: int,
-                     num_top: int) -> common_pb2.TokenLogprob:
-    """entry: {token id: logprob} for the sampled token and the top `num_top` alternatives (one
-    dict, so it has num_top entries when the sampled token is among them)."""
-    ordered = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+def token_logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=token_id, logprob=entry[token_id], rank=rank,
-        top=[common_pb2.TopLogprob(token_id=tid, logprob=lp) for tid, lp in ordered])
+        token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+        top=[common_pb2.TopLogprob(token_id=token_id, logprob=logprob)
+             for token_id, logprob in entry.top])

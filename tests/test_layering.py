@@ -9,7 +9,7 @@ checks modules whose dependencies are missing here too).
 - services/stack starts the services by their command lines and never imports kvrelay.cli, even
   inside a function: the cli imports the stack (for `up`), not the other way round.
 - The scheduler's bookkeeping modules know nothing of the wire format (no `_pb2` module): the
-  protobuf conversions live at the edge, in the service.
+  protobuf conversions live at the edge, in the service. The same holds for the worker's core.
 - Nor do the gateway's core and its REST app (no `_pb2`, no google.protobuf): its service edge
   converts.
 """
@@ -170,17 +170,23 @@ SCHEDULER_CORE = [f"kvrelay.scheduler.{name}"
                                "lease_reaper")]
 
 
+def _wire_imports(module: str, google_protobuf_too: bool) -> list[str]:
+    """The protobuf modules `module` imports anywhere (functions included)."""
+    return sorted({f"{base}.{name}" if name else base
+                   for node in _import_nodes(TREES[module], module_level_only=False)
+                   for base, name in _names(module, node)
+                   if (google_protobuf_too and base.startswith("google.protobuf"))
+                   or any(part.endswith(("_pb2", "_pb2_grpc"))
+                          for part in f"{base}.{name or ''}".split("."))})
+
+
 def test_the_scheduler_core_modules_exist():
     assert [name for name in SCHEDULER_CORE if name not in SOURCES] == []
 
 
 @pytest.mark.parametrize("module", SCHEDULER_CORE)
 def test_scheduler_core_has_no_protobuf(module):
-    wire = sorted({f"{base}.{name}" if name else base
-                   for node in _import_nodes(TREES[module], module_level_only=False)
-                   for base, name in _names(module, node)
-                   if any(part.endswith(("_pb2", "_pb2_grpc"))
-                          for part in f"{base}.{name or ''}".split("."))})
+    wire = _wire_imports(module, google_protobuf_too=False)
     assert not wire, f"{module} imports protobuf modules {wire}"
 
 
@@ -195,17 +201,27 @@ GATEWAY_CORE = [f"kvrelay.gateway.{name}"
                              "openai_logprobs", "openai_params", "openai_protocol",
                              "openai_serving", "openai_structured", "openai_tools")]
 
+# Everything of the worker but its service edge (edge.py, step_service.py, main.py,
+# registration.py, and the gRPC KV transport's wire code in kv_connector/grpc_transport.py),
+# plus the step protocol's dataclasses it shares with the scheduler.
+WORKER_CORE = ["kvrelay.step_messages"] + [
+    f"kvrelay.worker.{name}"
+    for name in ("step_executor", "sequences", "step_threads", "warmup", "model_setup",
+                 "compute_domain", "openmp_spin", "kv_connector.base", "kv_connector.feed",
+                 "kv_connector.sender", "kv_connector.receiver", "kv_connector.shm_transport")]
 
-def test_the_gateway_core_modules_exist():
-    assert [name for name in GATEWAY_CORE if name not in SOURCES] == []
+
+def test_the_gateway_and_worker_core_modules_exist():
+    assert [name for name in GATEWAY_CORE + WORKER_CORE if name not in SOURCES] == []
 
 
 @pytest.mark.parametrize("module", GATEWAY_CORE)
 def test_gateway_core_has_no_protobuf(module):
-    wire = sorted({f"{base}.{name}" if name else base
-                   for node in _import_nodes(TREES[module], module_level_only=False)
-                   for base, name in _names(module, node)
-                   if base.startswith("google.protobuf")
-                   or any(part.endswith(("_pb2", "_pb2_grpc"))
-                          for part in f"{base}.{name or ''}".split("."))})
+    wire = _wire_imports(module, google_protobuf_too=True)
+    assert not wire, f"{module} imports protobuf modules {wire}"
+
+
+@pytest.mark.parametrize("module", WORKER_CORE)
+def test_worker_core_has_no_protobuf(module):
+    wire = _wire_imports(module, google_protobuf_too=False)
     assert not wire, f"{module} imports protobuf modules {wire}"

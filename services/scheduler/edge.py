@@ -6,7 +6,7 @@ from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
 from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, Role, Sampled,
                                          ScheduledSequence, SendOrder, SendResult, StepOrder,
                                          StepOutcome, TokenLogprob, WorkerInfo)
-from kvrelay.wire import params_to_proto
+from kvrelay.wire import params_to_proto, token_logprob_to_proto
 
 ROLES = {scheduler_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
          scheduler_pb2.WORKER_ROLE_DECODE: Role.DECODE,
@@ -48,7 +48,8 @@ def step_to_proto(order: StepOrder) -> worker_pb2.StepRequest:
                                                 num_new_tokens=item.num_new_tokens,
                                                 new_block_ids=item.new_block_ids,
                                                 token_bitmask=item.token_bitmask,
-                                                draft_token_ids=item.draft_token_ids)
+                                                draft_token_ids=item.draft_token_ids,
+                                                new_token_ids=item.new_token_ids)
                    for item in order.scheduled],
         finished_seq_ids=order.finished_seq_ids,
         kv_sends=[send_order_to_proto(send) for send in order.kv_sends],
@@ -92,17 +93,10 @@ def _logprob_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprob:
 def delta_to_proto(delta: Delta) -> scheduler_pb2.SequenceDelta:
     message = scheduler_pb2.SequenceDelta(
         request_id=delta.request_id, index=delta.index, new_token_ids=delta.new_token_ids,
-        logprobs=[_logprob_to_proto(entry) for entry in delta.logprobs], error=delta.error,
+        logprobs=[token_logprob_to_proto(entry) for entry in delta.logprobs], error=delta.error,
         num_cached_prompt_tokens=delta.num_cached_prompt_tokens)
     if delta.finish_reason is not None:
         message.finish_reason = FINISH_REASON_TO_PROTO[delta.finish_reason]
     if delta.stop_token_id is not None:
         message.stop_token_id = delta.stop_token_id
     return message
-
-
-def _logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
-    return common_pb2.TokenLogprob(
-        token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
-        top=[common_pb2.TopLogprob(token_id=token_id, logprob=logprob)
-             for token_id, logprob in entry.top])

@@ -1,12 +1,18 @@
 """The scheduler core's own messages: what a worker registers with, what a step orders and
 returns, what a sample's progress looks like to a gateway. Frozen, protobuf-free dataclasses;
-the service edge (edge.py) converts the wire's messages to and from them, once."""
+the service edge (edge.py) converts the wire's messages to and from them, once. The step's
+messages are the step protocol's (kvrelay.step_messages), which the workers share."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.step_messages import (NewSequence, Sampled, ScheduledSequence, SendOrder,
+                                   SendResult, StepOrder, StepOutcome, TokenLogprob)
+
+__all__ = ["Role", "PREFILL", "DECODE", "BOTH", "FinishReason", "WorkerInfo", "Delta",
+           "NewSequence", "Sampled", "ScheduledSequence", "SendOrder", "SendResult", "StepOrder",
+           "StepOutcome", "TokenLogprob"]
 
 
 class Role(enum.Enum):
@@ -50,86 +56,6 @@ class WorkerInfo:
     @property
     def push_address(self) -> str:
         return self.kv_address or self.address
-
-
-@dataclass(frozen=True, slots=True)
-class SendOrder:
-    """Push a sequence's KV pages into blocks reserved on a decode worker."""
-    transfer_id: str
-    seq_id: str
-    src_block_ids: tuple[int, ...]
-    dst_address: str
-    dst_block_ids: tuple[int, ...]
-    transport: str  # "grpc" or "shm"
-    dst_shm_path: str
-    during_step: bool  # the carrying step computes the last KV: push layer by layer
-    deadline_unix_ms: int  # no page is written after this (wall clock)
-    dst_instance_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class SendResult:
-    transfer_id: str
-    ok: bool
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class NewSequence:
-    """A sequence the worker has no state for: everything it needs to compute it."""
-    seq_id: str
-    token_ids: tuple[int, ...]
-    params: SamplingParams
-    block_ids: tuple[int, ...]
-    num_computed_tokens: int
-    eos_token_ids: tuple[int, ...]
-    child_index: int
-    num_prompt_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
-    seq_id: str
-    num_new_tokens: int
-    new_block_ids: tuple[int, ...]
-    # In a step that samples a constrained sequence: its grammar's allowed tokens, packed as
-    # little-endian int32 words (engine/structured/backend.py). Empty: unconstrained.
-    token_bitmask: bytes = b""  # with drafts: one mask per sampled position, concatenated
-    draft_token_ids: tuple[int, ...] = ()  # speculative decoding: to verify after the last
-
-
-@dataclass(slots=True)
-class StepOrder:
-    """One step for one worker. Built by step_plan; the thread count is set by the step loop
-    when the step gets its cores."""
-    step_id: int
-    new_sequences: list[NewSequence] = field(default_factory=list)
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)
-    kv_sends: list[SendOrder] = field(default_factory=list)
-    num_threads: int = 0  # 0: all of the worker's
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """A step's tokens for one sequence: one, or its accepted drafts and the one after."""
-    seq_id: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token where the request asked
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    step_id: int
-    sampled: tuple[Sampled, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from kvrelay.engine.omp_threads import run_torch_ops_inline
 from kvrelay.worker.flags import add_arguments  # `kvrelay worker`'s flags (cli.py)
 from kvrelay.worker.compute_domain import boot_id, compute_domain
 from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
-                                          ShmKvTransport)
+                                          KvTransferService, ShmKvTransport)
 from kvrelay.worker.model_setup import load_worker_model
 from kvrelay.worker.registration import Registration
 from kvrelay.worker.step_executor import StepExecutor
@@ -51,7 +51,8 @@ async def serve(args: argparse.Namespace) -> None:
         kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name])
     service, receiver = WorkerService(_layerwise(args)), KvReceiver()
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server.server)
-    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server.server)
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferService(receiver),
+                                                          server.server)
     server.install_signal_handlers()
     await server.start()  # health answers NOT_SERVING while the model loads
     metrics_server = await metrics.serve_metrics(args.metrics_port, args.host,

@@ -1,16 +1,16 @@
 """The worker's own copy of each sequence it runs: tokens, progress, block table, generator.
 
 The scheduler sends a sequence's full state once (NewSequence) and afterwards only what changed
-(ScheduledSequence), so a step message stays small however long the sequences get.
+(ScheduledSequence), so a step message stays small however long the sequences get. Both arrive
+as the step protocol's dataclasses (kvrelay.step_messages), converted at the edge (edge.py).
 """
 from __future__ import annotations
 
 import torch
 
-from kvrelay.api.kvrelay.v1 import worker_pb2
-from kvrelay.wire import params_from_proto
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import make_generator
+from kvrelay.step_messages import NewSequence, ScheduledSequence
 
 
 class SequenceTable:
@@ -21,23 +21,21 @@ class SequenceTable:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def add(self, new: worker_pb2.NewSequence) -> None:
-        params = params_from_proto(new.params)
-        num_prompt = new.num_prompt_tokens or len(new.token_ids)
-        token_ids = list(new.token_ids)
+    def add(self, new: NewSequence) -> None:
+        params, num_prompt = new.params, new.num_prompt_tokens
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, new.child_index)
-        sequence = Request(new.seq_id, token_ids[:num_prompt], params,
+        sequence = Request(new.seq_id, new.token_ids[:num_prompt], params,
                            frozenset(new.eos_token_ids), generator=generator)
-        for token_id in token_ids[num_prompt:]:
+        for token_id in new.token_ids[num_prompt:]:
             sequence.append_token(token_id)
         _skip_draws(generator, sequence.num_output_tokens)
         sequence.num_computed_tokens = new.num_computed_tokens
         self.sequences[new.seq_id] = sequence
         self.block_ids[new.seq_id] = list(new.block_ids)
 
-    def update(self, scheduled: worker_pb2.ScheduledSequence) -> Request:
+    def update(self, scheduled: ScheduledSequence) -> Request:
         sequence = self.sequences.get(scheduled.seq_id)
         if sequence is None:
             raise KeyError(f"unknown sequence {scheduled.seq_id!r}")

@@ -1,28 +1,18 @@
-"""Runs one step of the scheduler's plan on this worker: varlen forward pass, then sampling."""
+"""Runs one step of the scheduler's plan on this worker: the order (kvrelay.step_messages)
+updates the sequence table into the engine's batch (a SchedulerOutput, as the offline engine
+core runs it), then the varlen forward pass and sampling."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
-from kvrelay.api.kvrelay.v1 import worker_pb2
-from kvrelay.wire import logprob_to_proto
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.sampler import Sampler
-from kvrelay.engine.scheduler import ScheduledRequest
+from kvrelay.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvrelay.engine.spec.verify import EmittedRun, sample_items
 from kvrelay.engine.structured.backend import bitmask_words
+from kvrelay.step_messages import Sampled, StepOrder, token_logprob
 from kvrelay.worker.sequences import SequenceTable
 from kvrelay.worker.step_threads import StepThreads
-
-
-@dataclass(slots=True)
-class PreparedStep:
-    step_id: int
-    items: list[ScheduledRequest]
-    num_threads: int = 0  # 0: all of the worker's
-    # seq id -> its grammar's allowed tokens this step (the scheduler's bitmask, as sent)
-    bitmasks: dict[str, bytes] = field(default_factory=dict)
 
 
 class StepExecutor:
@@ -32,58 +22,59 @@ class StepExecutor:
         self.sampler = Sampler()
         self.table = SequenceTable()
 
-    def apply(self, request: worker_pb2.StepRequest) -> PreparedStep:
-        """Update the sequence table from a step message (cheap; runs on the event loop)."""
-        for seq_id in request.finished_seq_ids:
+    def apply(self, order: StepOrder) -> SchedulerOutput:
+        """Update the sequence table from the order; its batch, one item per order.scheduled
+        in that order (cheap; runs on the event loop)."""
+        for seq_id in order.finished_seq_ids:
             self.table.forget(seq_id)
-        for new in request.new_sequences:
+        for new in order.new_sequences:
             self.table.add(new)
-        items, bitmasks = [], {}
-        for scheduled in request.scheduled:
-            sequence = self.table.update(scheduled)
-            items.append(ScheduledRequest(sequence, scheduled.num_new_tokens,
-                                          self.table.block_ids[scheduled.seq_id],
-                                          list(scheduled.draft_token_ids)))
-            if scheduled.token_bitmask:
-                bitmasks[scheduled.seq_id] = scheduled.token_bitmask
-        return PreparedStep(request.step_id, items, request.num_threads, bitmasks)
+        return SchedulerOutput([
+            ScheduledRequest(self.table.update(scheduled), scheduled.num_new_tokens,
+                             self.table.block_ids[scheduled.seq_id],
+                             list(scheduled.draft_token_ids))
+            for scheduled in order.scheduled])
 
-    def execute(self, step: PreparedStep, on_layer_done=None) -> list[worker_pb2.SampledToken]:
-        """The forward pass and sampling (heavy; runs in the compute thread)."""
-        if not step.items:
+    def execute(self, order: StepOrder, batch: SchedulerOutput,
+                on_layer_done=None) -> list[Sampled]:
+        """The forward pass and sampling of `apply`'s batch (heavy; runs in the compute
+        thread)."""
+        if not batch.scheduled:
             return []
         if self.threads is not None:
-            self.threads.use(step.num_threads)
-        step_input = self.runner.prepare(step.items)
+            self.threads.use(order.num_threads)
+        step_input = self.runner.prepare(batch.scheduled)
         logits = self.runner.execute(step_input, on_layer_done)  # [S, vocab]
-        for item in step.items:
+        for item in batch.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
         if not step_input.sample_rows:
             return []
-        items = [step.items[row] for row in dict.fromkeys(step_input.sample_rows)]
-        bitmasks = [_bitmask_rows(step.bitmasks.get(item.request.request_id),
+        rows = list(dict.fromkeys(step_input.sample_rows))  # indexes of batch and order alike
+        items = [batch.scheduled[row] for row in rows]
+        bitmasks = [_bitmask_rows(order.scheduled[row].token_bitmask,
                                   1 + len(item.draft_token_ids), logits.shape[1])
-                    for item in items]
+                    for row, item in zip(rows, items)]
         runs = sample_items(self.sampler, logits, items, bitmasks)
         return [self._emit(item, run) for item, run in zip(items, runs)]
 
     @staticmethod
-    def _emit(item: ScheduledRequest, run: EmittedRun) -> worker_pb2.SampledToken:
+    def _emit(item: ScheduledRequest, run: EmittedRun) -> Sampled:
         sequence = item.request
         # Rejected drafts' KV is garbage: the next step recomputes from the last accepted one.
         sequence.num_computed_tokens -= len(item.draft_token_ids) - (len(run.token_ids) - 1)
-        message = worker_pb2.SampledToken(seq_id=sequence.request_id, token_ids=run.token_ids)
-        for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks):
+        for token_id in run.token_ids:
             sequence.append_token(token_id)
-            if entry is not None:
-                message.logprobs.append(logprob_to_proto(entry, rank, token_id,
-                                                         sequence.params.logprobs))
-        return message
+        num_top = sequence.params.logprobs
+        if num_top is None:  # the sampler made no logprob entries (the usual, hot case)
+            return Sampled(sequence.request_id, tuple(run.token_ids))
+        return Sampled(sequence.request_id, tuple(run.token_ids), tuple(
+            token_logprob(entry, rank, token_id, num_top)
+            for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks)))
 
 
-def _bitmask_rows(packed: bytes | None, num_rows: int, vocab_size: int) -> torch.Tensor | None:
-    """The scheduler's packed bitmasks -> int32 [num_rows, W]; a wrong size is the scheduler's
-    bug."""
+def _bitmask_rows(packed: bytes, num_rows: int, vocab_size: int) -> torch.Tensor | None:
+    """The scheduler's packed bitmasks -> int32 [num_rows, W] (None for none); a wrong size is
+    the scheduler's bug."""
     if not packed:
         return None
     words = bitmask_words(vocab_size)

@@ -1,6 +1,7 @@
-"""The Worker service: the scheduler's step stream. Each StepRequest updates the sequence table,
-starts the KV sends it orders, runs the forward pass in the compute thread and answers with the
-sampled tokens. Send results go back on the same stream when they finish (step_id 0)."""
+"""The Worker service: the scheduler's step stream. Each StepRequest, converted to a StepOrder
+at the edge (edge.py), updates the sequence table, starts the KV sends it orders, runs the
+forward pass in the compute thread and answers with the sampled tokens. Send results go back on
+the same stream when they finish (step_id 0)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,9 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvrelay.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
+from kvrelay.api.kvrelay.v1 import worker_pb2_grpc
 from kvrelay.common import metrics
 from kvrelay.common.log import get_logger
+from kvrelay.engine.scheduler import SchedulerOutput
+from kvrelay.step_messages import Sampled, SendOrder, StepOrder, StepOutcome
+from kvrelay.worker import edge
 from kvrelay.worker.kv_connector import KvSender, LayerFeed
 from kvrelay.worker.sequences import SequenceTable
 from kvrelay.worker.step_executor import StepExecutor
@@ -63,25 +67,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         sends: set[asyncio.Task] = set()
         try:
             async for request in request_iterator:
-                log.debug("step received", step_id=request.step_id)
-                result = await self._run_step(request, outbox, sends)
-                log.debug("step computed", step_id=request.step_id)
-                outbox.put_nowait(result)
+                order = edge.step_from_proto(request)
+                log.debug("step received", step_id=order.step_id)
+                outcome = await self._run_step(order, outbox, sends)
+                log.debug("step computed", step_id=order.step_id)
+                outbox.put_nowait(edge.outcome_to_proto(outcome))
         finally:
             for task in sends:
                 task.cancel()
 
-    async def _run_step(self, request: worker_pb2.StepRequest, outbox: asyncio.Queue,
-                        sends: set) -> worker_pb2.StepResult:
-        prepared = self.executor.apply(request)
+    async def _run_step(self, order: StepOrder, outbox: asyncio.Queue,
+                        sends: set) -> StepOutcome:
+        batch = self.executor.apply(order)
         RUNNING_SEQUENCES.set(len(self.executor.table))
-        feeds = self._start_sends(request.kv_sends, outbox, sends)
+        feeds = self._start_sends(order.kv_sends, outbox, sends)
         hook = _fan_out(feeds) if feeds and self.layerwise_push else None
         loop = asyncio.get_running_loop()
         with STEP_SECONDS.time():
             try:
-                sampled = await loop.run_in_executor(self.compute, self._execute, prepared, hook,
-                                                     feeds if hook is None else [])
+                sampled = await loop.run_in_executor(self.compute, self._execute, order, batch,
+                                                     hook, feeds if hook is None else [])
             except BaseException as exc:
                 for feed in feeds:
                     feed.fail(exc)
@@ -89,19 +94,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if hook is None:
             for feed in feeds:
                 feed.fill_now()  # those with a lander landed in the compute thread already
-        STEP_TOKENS.inc(sum(item.num_new_tokens for item in prepared.items))
-        return worker_pb2.StepResult(step_id=request.step_id, sampled=sampled)
+        STEP_TOKENS.inc(batch.num_batched_tokens)
+        return StepOutcome(order.step_id, tuple(sampled))
 
-    def _execute(self, prepared, hook, final_feeds: list[LayerFeed]) -> list:
+    def _execute(self, order: StepOrder, batch: SchedulerOutput, hook,
+                 final_feeds: list[LayerFeed]) -> list[Sampled]:
         """The compute thread's part: the step, then the sends that land their pages straight
         in the destination do so on the same thread (both cores, and before any later step can
         reuse the source blocks)."""
-        sampled = self.executor.execute(prepared, hook)
+        sampled = self.executor.execute(order, batch, hook)
         for feed in final_feeds:
             feed.land()
         return sampled
 
-    def _start_sends(self, orders, outbox: asyncio.Queue, sends: set) -> list[LayerFeed]:
+    def _start_sends(self, orders: list[SendOrder], outbox: asyncio.Queue,
+                     sends: set) -> list[LayerFeed]:
         """Start every ordered send; return the feeds that this step's forward pass fills."""
         loop = asyncio.get_running_loop()
         during_step = []
@@ -119,9 +126,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             task.add_done_callback(sends.discard)
         return during_step
 
-    async def _send(self, order, feed: LayerFeed, outbox: asyncio.Queue) -> None:
+    async def _send(self, order: SendOrder, feed: LayerFeed, outbox: asyncio.Queue) -> None:
         result = await self.sender.send(order, feed)
-        outbox.put_nowait(worker_pb2.StepResult(step_id=0, kv_sends=[result]))
+        outbox.put_nowait(edge.send_result_to_proto(result))
 
 
 def _fan_out(feeds: list[LayerFeed]):

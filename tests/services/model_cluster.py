@@ -1,8 +1,9 @@
 """The cluster driver with real workers: each step the scheduler plans runs, through the wire's
-messages, on a worker's own StepExecutor (sequence table, forward pass, sampler) with its own
-KV cache, and a KV send copies the pages from the prefill worker's cache into the decode
-worker's. The workers share one ModelRunner's weights; nothing else is shared, so a worker
-declared dead takes its sequences and its pages with it, as a killed process would."""
+messages (both services' edges), on a worker's own StepExecutor (sequence table, forward pass,
+sampler) with its own KV cache, and a KV send copies the pages from the prefill worker's cache
+into the decode worker's. The workers share one ModelRunner's weights; nothing else is shared,
+so a worker declared dead takes its sequences and its pages with it, as a killed process
+would."""
 from __future__ import annotations
 
 import copy
@@ -10,11 +11,11 @@ import dataclasses
 
 import torch
 
-from kvrelay.api.kvrelay.v1 import worker_pb2
 from kvrelay.engine.model_runner import ModelRunner
-from kvrelay.scheduler import edge
-from kvrelay.scheduler.messages import Role, Sampled, SendOrder, WorkerInfo
+from kvrelay.scheduler import edge as scheduler_edge
+from kvrelay.scheduler.messages import Role, Sampled, SendOrder, StepOutcome, WorkerInfo
 from kvrelay.scheduler.registry import WorkerRecord
+from kvrelay.worker import edge as worker_edge
 from kvrelay.worker.step_executor import StepExecutor
 from tests.services.cluster_driver import BLOCK_SIZE, ClusterDriver, InFlightStep, worker_info
 
@@ -45,13 +46,12 @@ class ModelClusterDriver(ClusterDriver):
 
     def _run_step(self, worker: WorkerRecord, step: InFlightStep) -> list[Sampled]:
         executor = self.executors[worker.info.instance_id]
-        order = step.plan.order
-        prepared = executor.apply(edge.step_to_proto(order))
-        sampled = executor.execute(prepared)
+        order = worker_edge.step_from_proto(scheduler_edge.step_to_proto(step.plan.order))
+        sampled = executor.execute(order, executor.apply(order))
         for send in order.kv_sends:  # the step computed (or had) their pages: out they go
             self._push(executor, send)
-        return list(edge.outcome_from_proto(
-            worker_pb2.StepResult(step_id=order.step_id, sampled=sampled)).sampled)
+        result = worker_edge.outcome_to_proto(StepOutcome(order.step_id, tuple(sampled)))
+        return list(scheduler_edge.outcome_from_proto(result).sampled)
 
     def _push(self, source: StepExecutor, send: SendOrder) -> None:
         destination = self.executors[send.dst_instance_id]

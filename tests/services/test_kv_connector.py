@@ -5,6 +5,7 @@ transport into a cache file another mapping reads, layer by layer or landed in o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -13,31 +14,37 @@ import grpc
 import pytest
 import torch
 
-from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2
+from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from kvrelay.engine.model_runner import allocate_kv_cache, map_kv_cache_file
-from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender, LayerFeed,
-                                          ShmKvTransport, TransferFailed)
+from kvrelay.step_messages import SendOrder
+from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
+                                          KvTransferService, LayerFeed, ShmKvTransport,
+                                          TransferFailed)
 
 GRPC_LIMIT = 4 << 20  # gRPC's default receive limit, which the test server keeps
 SMALL = (3, 2, 12, 4, 2, 8)  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-class CountingReceiver(KvReceiver):
-    """The real receiver, remembering the size of each chunk it wrote."""
+class CountingService(KvTransferService):
+    """The real servicer, remembering the size of each chunk message it received."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        super().__init__(kv_cache)
+    def __init__(self, receiver: KvReceiver) -> None:
+        super().__init__(receiver)
         self.chunk_sizes: list[int] = []
 
-    def _write(self, chunk) -> int:
-        self.chunk_sizes.append(chunk.ByteSize())
-        return super()._write(chunk)
+    async def Push(self, request_iterator, context):
+        async def counted():
+            async for chunk in request_iterator:
+                self.chunk_sizes.append(chunk.ByteSize())
+                yield chunk
+        return await super().Push(counted(), context)
 
 
-async def _serve(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
+async def _serve(receiver: KvReceiver | KvTransferService) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()  # default options: messages over 4 MiB are refused
-    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
+    service = receiver if isinstance(receiver, KvTransferService) else KvTransferService(receiver)
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -54,10 +61,11 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _order(src: list[int], dst: list[int], address: str = "", transport: str = "grpc",
-           shm_path: str = "") -> worker_pb2.KvSendOrder:
-    return worker_pb2.KvSendOrder(transfer_id="t1", seq_id="r/0", src_block_ids=src,
-                                  dst_address=address, dst_block_ids=dst, transport=transport,
-                                  dst_shm_path=shm_path)
+           shm_path: str = "", deadline_unix_ms: int = 0) -> SendOrder:
+    return SendOrder(transfer_id="t1", seq_id="r/0", src_block_ids=tuple(src),
+                     dst_address=address, dst_block_ids=tuple(dst), transport=transport,
+                     dst_shm_path=shm_path, during_step=False,
+                     deadline_unix_ms=deadline_unix_ms, dst_instance_id="")
 
 
 def _assert_moved(source: torch.Tensor, destination: torch.Tensor, before: torch.Tensor,
@@ -118,8 +126,7 @@ def test_grpc_push_lands_only_in_the_worker_instance_it_was_ordered_for(dst_inst
         transport = GrpcKvTransport()
         feed = LayerFeed(source, src, asyncio.get_running_loop())
         feed.fill_now()
-        order = _order(src, dst, address)
-        order.dst_instance_id = dst_instance
+        order = dataclasses.replace(_order(src, dst, address), dst_instance_id=dst_instance)
         try:
             await transport.push(order, feed)
         finally:
@@ -147,10 +154,10 @@ def test_grpc_push_above_4_mib_per_layer_goes_in_chunks_under_the_limit():
     before = destination.clone()
     src = list(range(80))  # 5 MiB per layer
     dst = list(range(95, 15, -1))
-    receiver = CountingReceiver(destination)
+    service = CountingService(KvReceiver(destination))
 
     async def scenario():
-        server, address = await _serve(receiver)
+        server, address = await _serve(service)
         transport = GrpcKvTransport()
         feed = LayerFeed(source, src, asyncio.get_running_loop())
         feed.fill_now()
@@ -162,8 +169,8 @@ def test_grpc_push_above_4_mib_per_layer_goes_in_chunks_under_the_limit():
 
     asyncio.run(scenario())
     _assert_moved(source, destination, before, src, dst)
-    assert len(receiver.chunk_sizes) >= 2 * 2  # at least two chunks per layer
-    assert max(receiver.chunk_sizes) < GRPC_LIMIT
+    assert len(service.chunk_sizes) >= 2 * 2  # at least two chunks per layer
+    assert max(service.chunk_sizes) < GRPC_LIMIT
 
 
 @pytest.mark.parametrize("problem", ["dtype", "block-out-of-range", "layer-out-of-range"])
@@ -363,9 +370,8 @@ def test_shm_landing_that_cannot_land_fails_the_send_and_writes_nothing(tmp_path
         destination = allocate_kv_cache(SMALL, torch.float32, torch.device("cpu"), path)
     before = None if destination is None else destination.clone()
     dst = [0, SMALL[2]] if problem == "block-out-of-range" else [2, 3]
-    order = _order([0, 1], dst, transport="shm", shm_path="" if problem == "no-path" else path)
-    if problem == "deadline":
-        order.deadline_unix_ms = _deadline_in(-0.001)
+    order = _order([0, 1], dst, transport="shm", shm_path="" if problem == "no-path" else path,
+                   deadline_unix_ms=_deadline_in(-0.001) if problem == "deadline" else 0)
 
     async def scenario():
         _, sender, feed = _landing(path, torch.float32, _cache(SMALL, torch.float32, 1), order)
@@ -409,8 +415,7 @@ def test_a_send_past_its_deadline_writes_nothing(tmp_path, transport_name):
                                             torch.float32)}
         feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
         feed.fill_now()
-        order = _order([0, 1], [2, 3], address, transport_name, path)
-        order.deadline_unix_ms = _deadline_in(-0.001)
+        order = _order([0, 1], [2, 3], address, transport_name, path, _deadline_in(-0.001))
         try:
             return await KvSender(transports, timeout_s=5.0).send(order, feed)
         finally:
@@ -431,8 +436,8 @@ def test_shm_send_stops_writing_at_its_deadline(tmp_path):
     async def scenario():
         transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), torch.float32)
         feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
-        order = _order([0, 1], [2, 3], transport="shm", shm_path=path)
-        order.deadline_unix_ms = _deadline_in(0.3)
+        order = _order([0, 1], [2, 3], transport="shm", shm_path=path,
+                       deadline_unix_ms=_deadline_in(0.3))
         feed.on_layer_done(0)
         push = asyncio.create_task(transport.push(order, feed))
         await asyncio.sleep(0.5)  # the compute thread is slow: the deadline passes
@@ -449,7 +454,7 @@ def test_shm_send_stops_writing_at_its_deadline(tmp_path):
 def test_receiver_refuses_chunks_after_their_deadline():
     destination = _cache(SMALL, torch.float32, 2)
     before = destination.clone()
-    receiver = KvReceiver(destination)
+    service = KvTransferService(KvReceiver(destination))
     _, _, _, block_size, kv_heads, head_dim = SMALL
     pages = torch.zeros((1, block_size, kv_heads, head_dim))
 
@@ -459,6 +464,6 @@ def test_receiver_refuses_chunks_after_their_deadline():
             values=pages.numpy().tobytes(), dtype="float32", last=True,
             deadline_unix_ms=_deadline_in(-0.001))
 
-    ack = asyncio.run(receiver.Push(chunks(), None))
+    ack = asyncio.run(service.Push(chunks(), None))
     assert not ack.ok and "deadline" in ack.error
     assert torch.equal(_bits(destination), _bits(before))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from kvrelay.api.kvrelay.v1 import worker_pb2
+from kvrelay.step_messages import SendOrder
 from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
 
 
@@ -19,14 +19,14 @@ class TransferFailed(Exception):
     pass
 
 
-def seconds_left(order: worker_pb2.KvSendOrder) -> float:
+def seconds_left(order: SendOrder) -> float:
     """Until the order's deadline (inf without one)."""
     if not order.deadline_unix_ms:
         return float("inf")
     return order.deadline_unix_ms / 1000 - time.time()
 
 
-def check_deadline(order: worker_pb2.KvSendOrder) -> None:
+def check_deadline(order: SendOrder) -> None:
     """Before each write: past its deadline the scheduler may have lost track of this sender
     and given the destination blocks to another request."""
     if seconds_left(order) <= 0:
@@ -37,10 +37,10 @@ class KvTransport(ABC):
     name: str
 
     @abstractmethod
-    async def push(self, order: worker_pb2.KvSendOrder, feed: LayerFeed) -> int:
+    async def push(self, order: SendOrder, feed: LayerFeed) -> int:
         """Deliver every layer of `feed` to order.dst_block_ids; return the bytes moved."""
 
-    def lander(self, order: worker_pb2.KvSendOrder) -> Lander | None:
+    def lander(self, order: SendOrder) -> Lander | None:
         """What writes this send's final pages straight into the destination, or None: the
         transport reads the feed's layers."""
         return None

@@ -1,20 +1,45 @@
-"""The decode side of the gRPC transport: the KvTransfer service writes pushed pages into this
-worker's cache. The blocks were reserved by the scheduler for exactly this transfer, so writing
-them while a forward pass runs on other blocks is safe."""
+"""The decode side of the gRPC transport: pushed pages written into this worker's cache. The
+blocks were reserved by the scheduler for exactly this transfer, so writing them while a forward
+pass runs on other blocks is safe. The KvTransfer servicer (grpc_transport.py) hands each
+KvChunk over as a PageChunk."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import torch
 
-from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from kvrelay.common.log import get_logger
 
 log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
+@dataclass(frozen=True, slots=True)
+class PageChunk:
+    """One layer of some of a transfer's destination blocks: keys and values each the raw bytes
+    of [len(dst_block_ids), block_size, kv_heads, head_dim] in `dtype`."""
+    transfer_id: str
+    layer: int
+    dst_block_ids: tuple[int, ...]
+    keys: bytes
+    values: bytes
+    dtype: str  # torch's name without the prefix: "bfloat16"
+    deadline_unix_ms: int  # none of it may be written after this (wall clock; 0: none)
+    dst_instance_id: str  # the worker process the pages are for
+    last: bool  # the transfer's final chunk
+
+
+@dataclass(frozen=True, slots=True)
+class PushOutcome:
+    transfer_id: str
+    ok: bool
+    error: str = ""
+    num_bytes: int = 0
+
+
+class KvReceiver:
     def __init__(self, kv_cache: torch.Tensor | None = None, instance_id: str = "") -> None:
         self.kv_cache = None
         self.num_bytes_received = 0
@@ -27,26 +52,28 @@ class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
         self.page_shape = tuple(kv_cache.shape[3:])
         self.instance_id = instance_id  # this process, as registered with the scheduler
 
-    async def Push(self, request_iterator, context) -> kv_transfer_pb2.KvPushAck:
+    async def receive(self, chunks: AsyncIterator[PageChunk]) -> PushOutcome:
+        """Write one push's chunks as they come; a chunk that cannot be written ends it."""
         if self.kv_cache is None:
-            return kv_transfer_pb2.KvPushAck(ok=False, error="the model is still loading")
+            return PushOutcome("", ok=False, error="the model is still loading")
         transfer_id, num_bytes, started, complete = "", 0, time.perf_counter(), False
         try:
-            async for chunk in request_iterator:
+            async for chunk in chunks:
                 transfer_id = chunk.transfer_id
-                num_bytes += self._write(chunk)
+                num_bytes += self.write(chunk)
                 complete = chunk.last
             if not complete:  # a sender that stopped early must not read as a success
                 raise ValueError("the push ended before its last chunk")
         except ValueError as exc:
             log.warning("kv push refused", transfer_id=transfer_id, error=str(exc))
-            return kv_transfer_pb2.KvPushAck(transfer_id=transfer_id, ok=False, error=str(exc))
+            return PushOutcome(transfer_id, ok=False, error=str(exc))
         self.num_bytes_received += num_bytes
         log.debug("kv push received", transfer_id=transfer_id, num_bytes=num_bytes,
                   seconds=time.perf_counter() - started)
-        return kv_transfer_pb2.KvPushAck(transfer_id=transfer_id, ok=True, num_bytes=num_bytes)
+        return PushOutcome(transfer_id, ok=True, num_bytes=num_bytes)
 
-    def _write(self, chunk: kv_transfer_pb2.KvChunk) -> int:
+    def write(self, chunk: PageChunk) -> int:
+        """Raises ValueError for a chunk this cache must not take."""
         if chunk.deadline_unix_ms and time.time() * 1000 >= chunk.deadline_unix_ms:
             # The scheduler holds these blocks only until the deadline (plus a margin).
             raise ValueError("chunk arrived after its transfer's deadline")
@@ -61,7 +88,7 @@ class KvReceiver(kv_transfer_pb2_grpc.KvTransferServicer):
                              f"{self.kv_cache.dtype}")
         if chunk.layer >= self.kv_cache.shape[0]:
             raise ValueError(f"layer {chunk.layer} out of range")
-        dst = torch.tensor(list(chunk.dst_block_ids), dtype=torch.int64)
+        dst = torch.tensor(chunk.dst_block_ids, dtype=torch.int64)
         if dst.numel() == 0 or int(dst.max()) >= self.kv_cache.shape[2]:
             raise ValueError("destination blocks missing or out of range")
         shape = (len(chunk.dst_block_ids), *self.page_shape)

@@ -1,13 +1,13 @@
 """The prefill side: runs each send order through its transport with a deadline, records the
-transfer metrics and turns the outcome into a KvSendResult for the scheduler."""
+transfer metrics and turns the outcome into a SendResult for the scheduler."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-from kvrelay.api.kvrelay.v1 import worker_pb2
 from kvrelay.common import metrics
 from kvrelay.common.log import get_logger
+from kvrelay.step_messages import SendOrder, SendResult
 from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, seconds_left
 from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
 
@@ -26,13 +26,12 @@ class KvSender:
         self.transports = transports
         self.timeout_s = timeout_s
 
-    def lander(self, order: worker_pb2.KvSendOrder) -> Lander | None:
+    def lander(self, order: SendOrder) -> Lander | None:
         """The order's transport's lander (base.py), or None."""
         transport = self.transports.get(order.transport or "grpc")
         return transport.lander(order) if transport is not None else None
 
-    async def send(self, order: worker_pb2.KvSendOrder,
-                   feed: LayerFeed) -> worker_pb2.KvSendResult:
+    async def send(self, order: SendOrder, feed: LayerFeed) -> SendResult:
         transport = self.transports.get(order.transport or "grpc")
         started = time.perf_counter()
         try:
@@ -49,9 +48,8 @@ class KvSender:
                 error = f"timed out after {timeout_s:.1f} s"
             TRANSFER_FAILURES.labels(order.transport or "grpc").inc()
             log.warning("kv transfer failed", transfer_id=order.transfer_id, error=error)
-            return worker_pb2.KvSendResult(transfer_id=order.transfer_id, ok=False, error=error)
+            return SendResult(order.transfer_id, ok=False, error=error)
         seconds = time.perf_counter() - started
         TRANSFER_BYTES.labels(transport.name).inc(num_bytes)
         TRANSFER_SECONDS.labels(transport.name).observe(seconds)
-        return worker_pb2.KvSendResult(transfer_id=order.transfer_id, ok=True,
-                                       num_bytes=num_bytes, seconds=seconds)
+        return SendResult(order.transfer_id, ok=True, num_bytes=num_bytes, seconds=seconds)

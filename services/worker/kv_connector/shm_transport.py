@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.api.kvrelay.v1 import worker_pb2
 from kvrelay.engine.model_runner import map_kv_cache_file
+from kvrelay.step_messages import SendOrder
 from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
 from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
 
@@ -27,7 +27,7 @@ class ShmKvTransport(KvTransport):
                 raise TransferFailed(f"cannot map {path}: {exc}") from None
         return self.mappings[path]
 
-    def _target(self, order: worker_pb2.KvSendOrder) -> tuple[torch.Tensor, list[int]]:
+    def _target(self, order: SendOrder) -> tuple[torch.Tensor, list[int]]:
         """The destination's mapped cache and the order's block ids in it, checked."""
         if not order.dst_shm_path:
             raise TransferFailed("shm transport needs the destination's shm path")
@@ -40,7 +40,7 @@ class ShmKvTransport(KvTransport):
                                  f"{len(dst_block_ids)} destination blocks")
         return destination, dst_block_ids
 
-    def lander(self, order: worker_pb2.KvSendOrder) -> Lander:
+    def lander(self, order: SendOrder) -> Lander:
         """Copies the final pages block by block, every layer at once, from the source cache
         into the mapped destination: one pass over the bytes, where copying each layer out
         and then in made two (and the second ran on the event loop during the next step)."""
@@ -57,7 +57,7 @@ class ShmKvTransport(KvTransport):
             return len(dst_block_ids) * kv_cache[:, :, 0].numel() * kv_cache.element_size()
         return land
 
-    async def push(self, order: worker_pb2.KvSendOrder, feed: LayerFeed) -> int:
+    async def push(self, order: SendOrder, feed: LayerFeed) -> int:
         if feed.lander is not None:
             return await feed.landed
         destination, dst_block_ids = self._target(order)
