@@ -56,7 +56,7 @@ class WorkerInfo:
 class SendOrder:
     """Push a sequence's KV pages into blocks reserved on a decode worker."""
     transfer_id: str
-    seq_id: str
+    sequence_id: str
     src_block_ids: tuple[int, ...]
     dst_address: str
     dst_block_ids: tuple[int, ...]
@@ -77,7 +77,7 @@ class SendResult:
 @dataclass(frozen=True, slots=True)
 class NewSequence:
     """A sequence the worker has no state for: everything it needs to compute it."""
-    seq_id: str
+    sequence_id: str
     token_ids: tuple[int, ...]
     params: SamplingParams
     block_ids: tuple[int, ...]
@@ -89,7 +89,7 @@ class NewSequence:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
-    seq_id: str
+    sequence_id: str
     num_new_tokens: int
     new_block_ids: tuple[int, ...]
     # In a step that samples a constrained sequence: its grammar's allowed tokens, packed as
@@ -105,7 +105,7 @@ class StepOrder:
     step_id: int
     new_sequences: list[NewSequence] = field(default_factory=list)
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)
+    finished_sequence_ids: list[str] = field(default_factory=list)
     kv_sends: list[SendOrder] = field(default_factory=list)
     num_threads: int = 0  # 0: all of the worker's
 
@@ -121,7 +121,7 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class Sampled:
     """A step's tokens for one sequence: one, or its accepted drafts and the one after."""
-    seq_id: str
+    sequence_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token where the request asked
 

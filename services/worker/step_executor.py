@@ -61,7 +61,7 @@ class StepExecutor:
         if not step_input.sample_rows:
             return []
         items = [step.items[row] for row in dict.fromkeys(step_input.sample_rows)]
-        bitmasks = [_bitmask_rows(step.bitmasks.get(item.request.request_id),
+        bitmasks = [_bitmask_rows(step.bitmasks.get(item.request.sequence_id),
                                   1 + len(item.draft_token_ids), logits.shape[1])
                     for item in items]
         runs = sample_items(self.sampler, logits, items, bitmasks)
@@ -72,7 +72,7 @@ class StepExecutor:
         sequence = item.request
         # Rejected drafts' KV is garbage: the next step recomputes from the last accepted one.
         sequence.num_computed_tokens -= len(item.draft_token_ids) - (len(run.token_ids) - 1)
-        message = worker_pb2.SampledToken(seq_id=sequence.request_id, token_ids=run.token_ids)
+        message = worker_pb2.SampledToken(seq_id=sequence.sequence_id, token_ids=run.token_ids)
         for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks):
             sequence.append_token(token_id)
             if entry is not None:
