@@ -95,7 +95,7 @@ def offline_throughput(runner: ModelRunner, config: LlamaConfig, device: torch.d
         step = runner.prepare(output.scheduled)
         logits = runner.execute(step)
         tokens = logits.argmax(dim=-1).tolist() if step.sample_rows else []
-        sampled = {output.scheduled[row].request.request_id: [token]
+        sampled = {output.scheduled[row].request.sequence_id: [token]
                    for row, token in zip(step.sample_rows, tokens)}
         scheduler.update_from_output(output, sampled)
         steps += 1

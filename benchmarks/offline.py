@@ -81,7 +81,7 @@ class OfflineEngine:
             num_steps += 1
             now = time.perf_counter()
             for update in updates:
-                rid = update.request.request_id
+                rid = update.request.sequence_id
                 if update.new_token_ids:
                     if rid in last:
                         gaps.append(now - last[rid])

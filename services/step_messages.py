@@ -18,7 +18,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 class SendOrder:
     """Push a sequence's KV pages into blocks reserved on a decode worker."""
     transfer_id: str
-    seq_id: str
+    sequence_id: str
     src_block_ids: tuple[int, ...]
     dst_address: str
     dst_block_ids: tuple[int, ...]
@@ -41,7 +41,7 @@ class SendResult:
 @dataclass(frozen=True, slots=True)
 class NewSequence:
     """A sequence the worker has no state for: everything it needs to compute it."""
-    seq_id: str
+    sequence_id: str
     token_ids: tuple[int, ...]
     params: SamplingParams
     block_ids: tuple[int, ...]
@@ -53,7 +53,7 @@ class NewSequence:
 
 @dataclass(slots=True)
 class ScheduledSequence:  # not frozen: one per row per step (above)
-    seq_id: str
+    sequence_id: str
     num_new_tokens: int
     new_block_ids: tuple[int, ...]
     # In a step that samples a constrained sequence: its grammar's allowed tokens, packed as
@@ -70,7 +70,7 @@ class StepOrder:
     step_id: int
     new_sequences: list[NewSequence] = field(default_factory=list)
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)
+    finished_sequence_ids: list[str] = field(default_factory=list)
     kv_sends: list[SendOrder] = field(default_factory=list)
     num_threads: int = 0  # 0: all of the worker's
 
@@ -86,7 +86,7 @@ class TokenLogprob:
 @dataclass(slots=True)
 class Sampled:  # not frozen: one per sampled row per step (above)
     """A step's tokens for one sequence: one, or its accepted drafts and the one after."""
-    seq_id: str
+    sequence_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token where the request asked
 

@@ -57,8 +57,8 @@ def test_hash_hit_verifies_token_ids():
     assert pool.lookup(forged) is None
 
 
-def _request(request_id: str, tokens: list[int], max_tokens: int = 8) -> Request:
-    return Request(request_id, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+def _request(sequence_id: str, tokens: list[int], max_tokens: int = 8) -> Request:
+    return Request(sequence_id, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
 def test_shared_prefix_is_found_and_capped_before_the_last_token():
@@ -91,7 +91,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(request, request.num_tokens - num_cached, blocks):
             request.num_computed_tokens = request.num_tokens
             request.status = RequestStatus.RUNNING
-            self.live[request.request_id] = request
+            self.live[request.sequence_id] = request
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -140,7 +140,7 @@ def _check_accounting(kv: KVCacheManager, finished: list[Request]):
     for block_hash, block in pool.cached.items():
         assert block.block_hash is not None and block.block_hash.value == block_hash
     for request in finished:
-        assert request.request_id not in kv.req_blocks
+        assert request.sequence_id not in kv.req_blocks
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase
@@ -167,7 +167,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(eos_row=st.integers(0, 5))
     def step(self, eos_row):
         output = self.scheduler.schedule()
-        sampled = {item.request.request_id: [2 if row == eos_row else 3]
+        sampled = {item.request.sequence_id: [2 if row == eos_row else 3]
                    for row, item in enumerate(output.scheduled) if item.samples}
         for request in output.scheduled:
             request.request.eos_token_ids = frozenset({2})
@@ -176,14 +176,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.scheduler.requests)
     @rule(data=st.data())
     def abort(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
-        self.finished += self.scheduler.abort([request_id])
+        sequence_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        self.finished += self.scheduler.abort([sequence_id])
 
     @invariant()
     def accounting_holds(self):
         _check_accounting(self.scheduler.kv, self.finished)
         for request in self.finished:
-            assert request.is_finished and request.request_id not in self.scheduler.requests
+            assert request.is_finished and request.sequence_id not in self.scheduler.requests
 
     def teardown(self):
         # Drain: every request ends and every block comes back.
@@ -218,7 +218,7 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
             if not item.samples:
                 continue
             num_accepted = data.draw(st.integers(0, len(item.draft_token_ids)))
-            sampled[item.request.request_id] = (item.draft_token_ids[:num_accepted]
+            sampled[item.request.sequence_id] = (item.draft_token_ids[:num_accepted]
                                                 + [2 if row == eos_row else 3])
             item.request.eos_token_ids = frozenset({2})
         self.finished += self.scheduler.update_from_output(output, sampled)
@@ -232,9 +232,9 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
         for request in self.scheduler.running:
             # drafts never count as computed (a recomputing request may be further behind)
             assert request.num_computed_tokens <= request.num_tokens - 1
-            held = len(kv.req_blocks.get(request.request_id, ()))
+            held = len(kv.req_blocks.get(request.sequence_id, ()))
             assert held <= -(-(request.num_tokens + 3) // BLOCK_SIZE)
-            assert kv.req_num_cached.get(request.request_id, 0) <= \
+            assert kv.req_num_cached.get(request.sequence_id, 0) <= \
                 request.num_tokens // BLOCK_SIZE
 
 

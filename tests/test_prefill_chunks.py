@@ -40,7 +40,7 @@ def test_the_scheduler_cuts_a_long_prompt_into_shrinking_chunks_while_decoding()
     while long_request.num_output_tokens == 0:
         output = scheduler.schedule()
         chunks += [i.num_new_tokens for i in output.scheduled if i.request is long_request]
-        scheduler.update_from_output(output, {i.request.request_id: [3] for i in output.scheduled
+        scheduler.update_from_output(output, {i.request.sequence_id: [3] for i in output.scheduled
                                               if i.samples})
     assert sum(chunks) == 120
     assert chunks == [64, 32, 24]  # 64 * 64 / (64 + context): 64, 32, 25 (24 left)

@@ -14,9 +14,9 @@ def _scheduler(num_blocks=64, **overrides) -> Scheduler:
     return Scheduler(config, num_blocks=num_blocks, max_model_len=128)
 
 
-def _request(request_id, num_tokens, priority=0, arrival=None, **params) -> Request:
+def _request(sequence_id, num_tokens, priority=0, arrival=None, **params) -> Request:
     params.setdefault("temperature", 0.0)
-    return Request(request_id, [7] * num_tokens, SamplingParams(**params),
+    return Request(sequence_id, [7] * num_tokens, SamplingParams(**params),
                    eos_token_ids=frozenset({EOS}), priority=priority, arrival_time=arrival)
 
 
@@ -27,7 +27,7 @@ def _run(scheduler: Scheduler, token=3, max_steps=1000) -> list[Request]:
             return finished
         output = scheduler.schedule()
         assert output.num_batched_tokens <= scheduler.config.max_num_batched_tokens
-        sampled = {item.request.request_id: [token] for item in output.scheduled if item.samples}
+        sampled = {item.request.sequence_id: [token] for item in output.scheduled if item.samples}
         finished += scheduler.update_from_output(output, sampled)
     raise AssertionError("scheduler did not drain")
 
@@ -51,12 +51,12 @@ def test_long_prefill_threshold_lets_decodes_through():
     scheduler.update_from_output(scheduler.schedule(), {"short": [3]})
     scheduler.add_request(_request("long", 40, max_tokens=1))
     output = scheduler.schedule()
-    assert {i.request.request_id: i.num_new_tokens for i in output.scheduled} == \
+    assert {i.request.sequence_id: i.num_new_tokens for i in output.scheduled} == \
         {"short": 1, "long": 4}
 
 
 def _sizes(output) -> dict[str, int]:
-    return {item.request.request_id: item.num_new_tokens for item in output.scheduled}
+    return {item.request.sequence_id: item.num_new_tokens for item in output.scheduled}
 
 
 def test_a_long_prompt_takes_the_whole_budget_while_nothing_decodes():
@@ -78,7 +78,7 @@ def test_one_long_prompt_advances_per_step_while_sequences_decode():
     assert _sizes(output)["long-a"] == 8 and _sizes(output)["short"] == 1
     scheduler.update_from_output(output, {"short": [3], "tiny": [3]})
     assert _sizes(scheduler.schedule()) == {"short": 1, "long-a": 8}
-    assert [request.request_id for request in [scheduler.waiting.peek()]] == ["long-b"]
+    assert [request.sequence_id for request in [scheduler.waiting.peek()]] == ["long-b"]
 
 
 def test_decodes_on_shared_hardware_chunk_long_prompts_too():
@@ -96,7 +96,7 @@ def test_long_prompts_chunked_while_decoding_all_finish():
         scheduler.add_request(_request(f"r{index}", 5 + 9 * index, max_tokens=4,
                                        arrival=float(index)))
     finished = _run(scheduler)
-    assert sorted(r.request_id for r in finished) == [f"r{i}" for i in range(6)]
+    assert sorted(r.sequence_id for r in finished) == [f"r{i}" for i in range(6)]
     assert scheduler.kv.num_free_blocks == 64
 
 
@@ -106,7 +106,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
         scheduler.add_request(_request(f"r{index}", 8, arrival=float(index), max_tokens=12))
     finished = _run(scheduler)
     assert scheduler.stats.num_preemptions > 0
-    assert sorted(r.request_id for r in finished) == ["r0", "r1", "r2"]
+    assert sorted(r.sequence_id for r in finished) == ["r0", "r1", "r2"]
     assert all(r.num_output_tokens == 12 for r in finished)
     assert scheduler.kv.num_free_blocks == 8
 
@@ -122,7 +122,8 @@ def test_latest_arrival_is_preempted_first_under_fcfs():
         if output.preempted:
             assert output.preempted == [late]
             return
-        scheduler.update_from_output(output, {i.request.request_id: [3] for i in output.scheduled})
+        scheduler.update_from_output(output, {i.request.sequence_id: [3]
+                                              for i in output.scheduled})
     raise AssertionError("no preemption happened")
 
 
@@ -131,7 +132,7 @@ def test_priority_policy_admits_and_keeps_high_priority_first():
     scheduler.add_request(_request("low", 4, priority=5, arrival=0.0, max_tokens=1))
     scheduler.add_request(_request("high", 4, priority=-1, arrival=1.0, max_tokens=1))
     output = scheduler.schedule()
-    assert [i.request.request_id for i in output.scheduled] == ["high"]
+    assert [i.request.sequence_id for i in output.scheduled] == ["high"]
 
 
 def test_stop_conditions():
@@ -170,7 +171,7 @@ def test_abort_frees_blocks_in_every_state():
         scheduler.add_request(request)
     for _ in range(2):
         output = scheduler.schedule()
-        scheduler.update_from_output(output, {i.request.request_id: [3]
+        scheduler.update_from_output(output, {i.request.sequence_id: [3]
                                               for i in output.scheduled if i.samples})
     assert chunking.num_computed_tokens > 0 and not chunking.output_token_ids
     scheduler.abort(["running", "chunking", "waiting"])
@@ -185,12 +186,12 @@ def test_prefix_cache_stats_count_each_admission_once():
     # but counted once, when it is admitted; its prompt starts with first's, a 3-block hit.
     scheduler = _scheduler(num_blocks=6, max_num_batched_tokens=64)
     prompts = {"first": list(range(10, 30)), "late": list(range(10, 22)) + [99] * 8}
-    for request_id, prompt in prompts.items():
-        scheduler.add_request(Request(request_id, prompt, SamplingParams(temperature=0.0,
+    for sequence_id, prompt in prompts.items():
+        scheduler.add_request(Request(sequence_id, prompt, SamplingParams(temperature=0.0,
                                                                          max_tokens=3),
                                       eos_token_ids=frozenset({EOS})))
     first_step = scheduler.schedule()
-    assert [item.request.request_id for item in first_step.scheduled] == ["first"]
+    assert [item.request.sequence_id for item in first_step.scheduled] == ["first"]
     scheduler.update_from_output(first_step, {"first": [3]})
     _run(scheduler)
     assert scheduler.kv.stats.queries == 40
@@ -207,9 +208,9 @@ def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
     sizes = []
     for _ in range(5):
         output = scheduler.schedule()
-        sizes.append({i.request.request_id: i.num_new_tokens for i in output.scheduled
-                      if i.request.request_id != "decoding"})
-        scheduler.update_from_output(output, {i.request.request_id: [3]
+        sizes.append({i.request.sequence_id: i.num_new_tokens for i in output.scheduled
+                      if i.request.sequence_id != "decoding"})
+        scheduler.update_from_output(output, {i.request.sequence_id: [3]
                                               for i in output.scheduled if i.samples})
     # The short prompt (13 <= 16) goes whole; the long one in chunks of 8 to its end, even
     # once fewer than the threshold are left.
@@ -230,13 +231,13 @@ def test_a_short_prompt_cut_by_the_budget_finishes_first_in_the_next_step():
                                       arrival_time=1.0 + index))
     first = scheduler.schedule()
     assert _sizes(first) == {"decoding": 1, "p0": 12, "p1": 12, "p2": 7}
-    scheduler.update_from_output(first, {i.request.request_id: [3] for i in first.scheduled
+    scheduler.update_from_output(first, {i.request.sequence_id: [3] for i in first.scheduled
                                          if i.samples})
     second = scheduler.schedule()
-    order = [item.request.request_id for item in second.scheduled]
+    order = [item.request.sequence_id for item in second.scheduled]
     assert order.index("p2") < order.index("p3")
     assert _sizes(second) == {"decoding": 1, "p2": 5, "p3": 12, "p4": 12, "p5": 2}
-    assert [i.samples for i in second.scheduled if i.request.request_id == "p2"] == [True]
+    assert [i.samples for i in second.scheduled if i.request.sequence_id == "p2"] == [True]
 
 
 def test_a_new_short_prompt_goes_first_and_the_long_chunk_shrinks_by_it():

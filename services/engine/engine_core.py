@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig
@@ -14,22 +14,15 @@ from kvrelay.engine.hardware import resolve_device, resolve_dtype
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.prefill_chunks import attention_crossover
+from kvrelay.engine.prompt_checks import check_prompt_tokens
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
 from kvrelay.engine.spec.drafter import Drafter
 from kvrelay.engine.spec.verify import EmittedRun, sample_items
+from kvrelay.engine.step_outputs import SequenceUpdate, apply_step_outputs
 from kvrelay.engine.structured.backend import step_bitmasks
 from kvrelay.engine.structured.compiler import GrammarCompiler, make_backend
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step did to one request."""
-    request: Request
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[tuple[dict[int, float], int]] = field(default_factory=list)  # (top, rank)
-    finished: bool = False
 
 
 @dataclass(slots=True)
@@ -74,39 +67,32 @@ class EngineCore:
         gc.freeze()
 
     def add_request(self, request: Request) -> None:
-        vocab_size = self.hf_config.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
-        if not request.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-        bad = [t for t in request.params.token_ids_used() if t >= vocab_size]
-        if bad:
-            raise ValueError(f"sampling parameters name token ids out of range "
-                             f"[0, {vocab_size}): {bad[:5]}")
+        check_prompt_tokens(request.prompt_token_ids, request.params, self.hf_config.vocab_size)
         spec = request.params.structured_outputs
         if spec is not None and request.grammar is None:
             request.grammar = self.grammars.compile(spec).matcher()  # GrammarError: bad spec
         self.scheduler.add_request(request)
 
-    def abort(self, request_ids) -> list[Request]:
-        return self.scheduler.abort(request_ids)
+    def abort(self, sequence_ids) -> list[Request]:
+        return self.scheduler.abort(sequence_ids)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[RequestUpdate]:
+    def step(self) -> list[SequenceUpdate]:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
         runs = self._run(output)
-        num_before = {item.request.request_id: item.request.num_output_tokens
-                      for item in output.scheduled}
-        sampled = {request_id: run.token_ids for request_id, run in runs.items()}
-        finished = {req.request_id for req in
-                    self.scheduler.update_from_output(output, sampled)}
-        return self._updates(output, num_before, runs, finished)
+        sampled = {sequence_id: run.token_ids for sequence_id, run in runs.items()}
+        logprobs = {sequence_id: list(zip(run.logprobs, run.ranks))
+                    for sequence_id, run in runs.items()
+                    if run.logprobs and run.logprobs[0] is not None}
+        updates = apply_step_outputs(self.scheduler, output, sampled, logprobs)
+        for update in updates:
+            update.request.output_logprobs.extend(update.new_logprobs)
+        return updates
 
     def _run(self, output: SchedulerOutput) -> dict[str, EmittedRun]:
         step = self.runner.prepare(output.scheduled)
@@ -119,24 +105,7 @@ class EngineCore:
             step_bitmasks(item.request.grammar, item.draft_token_ids, vocab_size))
             for item in items]
         runs = sample_items(self.sampler, logits, items, bitmasks)
-        return {item.request.request_id: run for item, run in zip(items, runs)}
-
-    def _updates(self, output, num_before, runs, finished) -> list[RequestUpdate]:
-        updates = []
-        for item in output.scheduled:
-            request = item.request
-            new_tokens = request.output_token_ids[num_before[request.request_id]:]
-            if not new_tokens and request.request_id not in finished:
-                continue
-            new_logprobs = []
-            run = runs.get(request.request_id)
-            if run is not None and new_tokens and run.logprobs[0] is not None:
-                # a stop inside an accepted run keeps only the tokens before it
-                new_logprobs = list(zip(run.logprobs, run.ranks))[:len(new_tokens)]
-                request.output_logprobs.extend(new_logprobs)
-            updates.append(RequestUpdate(request, new_tokens, new_logprobs,
-                                         request.request_id in finished))
-        return updates
+        return {item.request.sequence_id: run for item, run in zip(items, runs)}
 
     @property
     def spec_decode_stats(self):

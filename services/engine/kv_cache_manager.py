@@ -38,8 +38,8 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+    def block_ids(self, sequence_id: str) -> list[int]:
+        return [block.block_id for block in self.req_blocks.get(sequence_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a waiting request, leaving at least one token to compute."""
@@ -83,7 +83,7 @@ class KVCacheManager:
         register=False: the full blocks join the cache later (register_landed)."""
         if not self.can_fit(request, num_new_tokens, computed_blocks):
             return False
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = self.req_blocks.setdefault(request.sequence_id, [])
         self.pool.touch(computed_blocks)
         blocks.extend(computed_blocks)
         num_tokens = (request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -113,25 +113,25 @@ class KVCacheManager:
         num_new_tokens = num_tokens - len(shared) * self.block_size
         if not self.allocate_slots(request, num_new_tokens, shared, register=False):
             return None
-        blocks = self.req_blocks[request.request_id]
+        blocks = self.req_blocks[request.sequence_id]
         for index in range(len(shared), num_full):
             self.landing.setdefault(hashes[index].value, blocks[index])
-        self.req_num_cached[request.request_id] = len(landed)
+        self.req_num_cached[request.sequence_id] = len(landed)
         return len(landed)
 
     def register_landed(self, request: Request) -> None:
         """The pushed pages are in: the full blocks of the request's tokens (those it was
         reserved for) now serve prefix hits."""
-        self._drop_landing(request.request_id)
+        self._drop_landing(request.sequence_id)
         self._cache_full_blocks(request, request.num_tokens)
 
     def set_aside(self, request: Request) -> list[KVBlock]:
         """Take a reservation's blocks out of its table, still referenced: a lost sender may
         still write into them (see release)."""
-        self._drop_landing(request.request_id)
-        self.req_hashes.pop(request.request_id, None)
-        self.req_num_cached.pop(request.request_id, None)
-        return self.req_blocks.pop(request.request_id, [])
+        self._drop_landing(request.sequence_id)
+        self.req_hashes.pop(request.sequence_id, None)
+        self.req_num_cached.pop(request.sequence_id, None)
+        return self.req_blocks.pop(request.sequence_id, [])
 
     def release(self, blocks: list[KVBlock]) -> None:
         self.pool.free(reversed(blocks))
@@ -146,28 +146,28 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def _drop_landing(self, request_id: str) -> None:
+    def _drop_landing(self, sequence_id: str) -> None:
         if not self.landing:
             return
-        for block, block_hash in zip(self.req_blocks.get(request_id, ()),
-                                     self.req_hashes.get(request_id, ())):
+        for block, block_hash in zip(self.req_blocks.get(sequence_id, ()),
+                                     self.req_hashes.get(sequence_id, ())):
             if self.landing.get(block_hash.value) is block:
                 del self.landing[block_hash.value]
 
     def free(self, request: Request) -> None:
-        self._drop_landing(request.request_id)
-        blocks = self.req_blocks.pop(request.request_id, [])
+        self._drop_landing(request.sequence_id)
+        blocks = self.req_blocks.pop(request.sequence_id, [])
         self.pool.free(reversed(blocks))
-        self.req_num_cached.pop(request.request_id, None)
+        self.req_num_cached.pop(request.sequence_id, None)
 
     def forget(self, request: Request) -> None:
         """Drop the per-request hash memo once a request is finished for good."""
         self.free(request)
-        self.req_hashes.pop(request.request_id, None)
+        self.req_hashes.pop(request.sequence_id, None)
 
     def _num_blocks_needed(self, request: Request, num_new_tokens: int,
                            computed_blocks) -> int:
-        held = len(self.req_blocks.get(request.request_id, ()))
+        held = len(self.req_blocks.get(request.sequence_id, ()))
         num_tokens = (request.num_computed_tokens + len(computed_blocks) * self.block_size
                       + num_new_tokens)
         new_blocks = max(0, -(-num_tokens // self.block_size) - held - len(computed_blocks))
@@ -176,7 +176,7 @@ class KVCacheManager:
         return new_blocks + revived
 
     def _hashes(self, request: Request) -> list[BlockHash]:
-        hashes = self.req_hashes.setdefault(request.request_id, [])
+        hashes = self.req_hashes.setdefault(request.sequence_id, [])
         num_full = request.num_tokens // self.block_size
         tokens = request.all_token_ids
         while len(hashes) < num_full:
@@ -188,11 +188,11 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        first = self.req_num_cached.get(request.request_id, 0)
+        first = self.req_num_cached.get(request.sequence_id, 0)
         if num_full <= first:
             return
         hashes = self._hashes(request)
-        blocks = self.req_blocks[request.request_id]
+        blocks = self.req_blocks[request.sequence_id]
         for index in range(first, num_full):
             self.pool.cache_block(blocks[index], hashes[index])
-        self.req_num_cached[request.request_id] = num_full
+        self.req_num_cached[request.sequence_id] = num_full

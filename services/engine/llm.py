@@ -11,11 +11,12 @@ from transformers import AutoTokenizer
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.conversation import check_conversation
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
-from kvrelay.engine.engine_core import EngineCore, RequestUpdate
+from kvrelay.engine.engine_core import EngineCore
 from kvrelay.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.request import Request, RequestStatus, make_sequence_id
 from kvrelay.engine.sampler import make_generator
 from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.step_outputs import SequenceUpdate
 
 PromptType = str | dict[str, Any]
 # Offline batches want throughput over first-token latency: a larger per-step budget admits the
@@ -92,11 +93,11 @@ class LLM:
         return [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
                 for p in params]
 
-    def _make_requests(self, parent_id: str, token_ids: list[int], params: SamplingParams,
+    def _make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                        priority: int) -> list[Request]:
         # Without prefix caching, the salt still lets the n samples share their prompt's blocks.
-        salt = None if self.config.enable_prefix_caching else parent_id
-        return [Request(f"{parent_id}-{index}" if params.n > 1 else parent_id, token_ids,
+        salt = None if self.config.enable_prefix_caching else request_id
+        return [Request(make_sequence_id(request_id, index), token_ids,
                         params, self.eos_token_ids, priority=priority, cache_salt=salt,
                         generator=(make_generator(params.seed, index)
                                    if params.seed is not None else None))
@@ -110,14 +111,14 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(token_lists)} prompts")
         trackers = []
         for token_ids, text, sp, prio in zip(token_lists, texts, params_list, priorities):
-            parent_id = str(next(self._ids))
-            trackers.append(_Tracker(parent_id, text, token_ids,
-                                     self._make_requests(parent_id, token_ids, sp, prio)))
+            request_id = str(next(self._ids))
+            trackers.append(_Tracker(request_id, text, token_ids,
+                                     self._make_requests(request_id, token_ids, sp, prio)))
         self._add_all(trackers)
         try:
             self._drive(trackers, use_tqdm)
         except BaseException:
-            self.engine.abort([req.request_id for t in trackers for req in t.requests])
+            self.engine.abort([req.sequence_id for t in trackers for req in t.requests])
             raise
         return [tracker.result(self.tokenizer) for tracker in trackers]
 
@@ -127,20 +128,20 @@ class LLM:
             for tracker in trackers:
                 for request in tracker.requests:
                     self.engine.add_request(request)
-                    added.append(request.request_id)
+                    added.append(request.sequence_id)
         except Exception:
             self.engine.abort(added)  # all or nothing: a bad prompt leaves nothing queued
             raise
 
     def _drive(self, trackers: list["_Tracker"], use_tqdm: bool) -> None:
-        by_id = {req.request_id: tracker for tracker in trackers for req in tracker.requests}
+        by_id = {req.sequence_id: tracker for tracker in trackers for req in tracker.requests}
         remaining = len(by_id)
         bar = tqdm(total=len(trackers), desc="Processed prompts", unit="req",
                    disable=not use_tqdm or len(trackers) < 2)
         with bar:
             while remaining:
                 for update in self.engine.step():
-                    tracker = by_id.get(update.request.request_id)
+                    tracker = by_id.get(update.request.sequence_id)
                     if tracker is None:
                         continue
                     if tracker.on_update(update, self.tokenizer, self.engine):
@@ -154,13 +155,13 @@ class LLM:
 class _Tracker:
     """Collects one prompt's n sequences; applies stop strings, which need the text."""
 
-    def __init__(self, parent_id: str, prompt: str | None, token_ids: list[int],
+    def __init__(self, request_id: str, prompt: str | None, token_ids: list[int],
                  requests: list[Request]) -> None:
-        self.parent_id = parent_id
+        self.request_id = request_id
         self.prompt = prompt
         self.token_ids = token_ids
         self.requests = requests
-        self.stop_strings: dict[str, str] = {}  # request id -> stop string that ended it
+        self.stop_strings: dict[str, str] = {}  # sequence id -> stop string that ended it
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # only for stop strings
         self.num_finished = 0
 
@@ -168,7 +169,7 @@ class _Tracker:
     def done(self) -> bool:
         return self.num_finished == len(self.requests)
 
-    def on_update(self, update: RequestUpdate, tokenizer, engine: EngineCore) -> bool:
+    def on_update(self, update: SequenceUpdate, tokenizer, engine: EngineCore) -> bool:
         """Return True when this update finished the sequence."""
         request = update.request
         if not update.finished and request.params.stop:
@@ -178,10 +179,10 @@ class _Tracker:
                 stop = self._find_stop_string(request, [token_id], tokenizer)
                 if stop is None:
                     continue
-                engine.abort([request.request_id])
+                engine.abort([request.sequence_id])
                 _drop_tokens_after(request, len(update.new_token_ids) - count)
                 request.status = RequestStatus.FINISHED_STOPPED
-                self.stop_strings[request.request_id] = stop
+                self.stop_strings[request.sequence_id] = stop
                 update.finished = True
                 break
         if update.finished:
@@ -190,10 +191,10 @@ class _Tracker:
 
     def _find_stop_string(self, request: Request, new_token_ids: list[int],
                           tokenizer) -> str | None:
-        detokenizer = self.detokenizers.get(request.request_id)
+        detokenizer = self.detokenizers.get(request.sequence_id)
         if detokenizer is None:
             detokenizer = IncrementalDetokenizer(tokenizer, request.params.skip_special_tokens)
-            self.detokenizers[request.request_id] = detokenizer
+            self.detokenizers[request.sequence_id] = detokenizer
         new_text = detokenizer.step(new_token_ids)
         if not new_text:
             return None
@@ -206,14 +207,14 @@ class _Tracker:
     def result(self, tokenizer) -> RequestOutput:
         outputs = [self._completion(index, req, tokenizer)
                    for index, req in enumerate(self.requests)]
-        return RequestOutput(self.parent_id, self.prompt, self.token_ids, outputs,
+        return RequestOutput(self.request_id, self.prompt, self.token_ids, outputs,
                              num_cached_tokens=self.requests[0].num_cached_prompt_tokens)
 
     def _completion(self, index: int, request: Request, tokenizer) -> CompletionOutput:
         skip = request.params.skip_special_tokens
         text = tokenizer.decode(request.output_token_ids, skip_special_tokens=skip)
         stop_reason: int | str | None = request.stop_token_id
-        stop = self.stop_strings.get(request.request_id)
+        stop = self.stop_strings.get(request.sequence_id)
         if stop is not None:
             text = text[:text.find(stop)]
             stop_reason = stop

@@ -30,14 +30,22 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-class Request:
-    """One sequence. A request with n > 1 becomes n of these sharing a `cache_salt`."""
+def make_sequence_id(request_id: str, index: int) -> str:
+    """The id of a request's `index`th sequence (of its n), offline and in the services. Nothing
+    parses it back: the index travels beside it where it is needed (NewSequence.child_index,
+    Delta.index)."""
+    return f"{request_id}/{index}"
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+
+class Request:
+    """One sequence (`sequence_id`: make_sequence_id). A request with n > 1 becomes n of these
+    sharing a `cache_salt`."""
+
+    def __init__(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  generator: torch.Generator | None = None) -> None:
-        self.request_id = request_id
+        self.sequence_id = sequence_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
@@ -97,9 +105,9 @@ class Request:
         to it again (only tokens sampled from now on are: stop_checker.advance_grammar)."""
         num_tokens = self.num_tokens if num_tokens is None else num_tokens
         if not self.num_prompt_tokens <= num_tokens <= self.num_tokens:
-            raise ValueError(f"request {self.request_id}: {num_tokens} tokens of "
+            raise ValueError(f"sequence {self.sequence_id}: {num_tokens} tokens of "
                              f"{self.num_prompt_tokens} + {self.num_output_tokens}")
-        copy = Request(self.request_id, self.prompt_token_ids, self.params, self.eos_token_ids,
+        copy = Request(self.sequence_id, self.prompt_token_ids, self.params, self.eos_token_ids,
                        self.priority, self.arrival_time, self.cache_salt)
         for token_id in self.all_token_ids[self.num_prompt_tokens:num_tokens]:
             copy.append_token(token_id)
@@ -110,5 +118,5 @@ class Request:
     def sort_key(self, policy: str) -> tuple:
         """Smaller runs first: by arrival (fcfs) or by priority then arrival."""
         if policy == "priority":
-            return (self.priority, self.arrival_time, self.request_id)
-        return (self.arrival_time, self.request_id)
+            return (self.priority, self.arrival_time, self.sequence_id)
+        return (self.arrival_time, self.sequence_id)

@@ -86,8 +86,8 @@ class Scheduler:
 
     # ---- admission and removal -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.sequence_id in self.requests:
+            raise ValueError(f"sequence id {request.sequence_id!r} is already in use")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens; the model's context is "
                              f"{self.max_model_len} tokens including at least one output token")
@@ -95,13 +95,13 @@ class Scheduler:
         if blocks_needed > self.kv.pool.num_blocks:
             raise ValueError(f"prompt needs {blocks_needed} KV blocks; the cache has only "
                              f"{self.kv.pool.num_blocks}")
-        self.requests[request.request_id] = request
+        self.requests[request.sequence_id] = request
         self.waiting.push(request)
 
-    def abort(self, request_ids) -> list[Request]:
+    def abort(self, sequence_ids) -> list[Request]:
         aborted = []
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
+        for sequence_id in sequence_ids:
+            request = self.requests.get(sequence_id)
             if request is None or request.is_finished:
                 continue
             self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -173,21 +173,21 @@ class Scheduler:
     def begin_step(self, output: SchedulerOutput) -> None:
         """The step goes to the worker: until finish_step, what it computes keeps its blocks."""
         for item in output.scheduled:
-            request_id = item.request.request_id
-            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+            sequence_id = item.request.sequence_id
+            self._in_flight[sequence_id] = self._in_flight.get(sequence_id, 0) + 1
 
     def finish_step(self, output: SchedulerOutput) -> None:
         """The step's result is in (or it will never come): blocks held for it go back."""
         for item in output.scheduled:
-            request_id = item.request.request_id
-            count = self._in_flight.get(request_id)
+            sequence_id = item.request.sequence_id
+            count = self._in_flight.get(sequence_id)
             if count is None:
                 continue  # never marked (the offline engine, tests)
             if count > 1:
-                self._in_flight[request_id] = count - 1
+                self._in_flight[sequence_id] = count - 1
                 continue
-            del self._in_flight[request_id]
-            for blocks in self._held_for_step.pop(request_id, ()):
+            del self._in_flight[sequence_id]
+            for blocks in self._held_for_step.pop(sequence_id, ()):
                 self.kv.release(blocks)
 
     def abandon_steps(self) -> None:
@@ -314,7 +314,7 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int,
                    drafts: list[int] | None = None) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id),
+        return ScheduledRequest(request, num_new, self.kv.block_ids(request.sequence_id),
                                 drafts or [])
 
     def _preempt(self, request: Request) -> None:
@@ -340,7 +340,7 @@ class Scheduler:
     def release_transferred(self, request: Request) -> None:
         """The pages left: free the prefill side's blocks (their hashes stay cached)."""
         self.kv.forget(request)
-        self.requests.pop(request.request_id, None)
+        self.requests.pop(request.sequence_id, None)
 
     def reserve_for_transfer(self, request: Request) -> int | None:
         """Blocks on this (decode) worker for the KV of the request's tokens, which the prefill
@@ -353,14 +353,14 @@ class Scheduler:
         if num_held is None:
             return None
         request.status = RequestStatus.TRANSFERRING
-        self.requests[request.request_id] = request
-        self.reserved.add(request.request_id)
+        self.requests[request.sequence_id] = request
+        self.reserved.add(request.sequence_id)
         return num_held
 
     def activate_transferred(self, request: Request) -> None:
         """The pages of every token the request holds arrived: it joins the batch, and decodes
         once the caller has appended the token sampled on the prefill worker."""
-        self.reserved.discard(request.request_id)
+        self.reserved.discard(request.sequence_id)
         self.kv.register_landed(request)
         request.num_computed_tokens = request.num_tokens
         request.status = RequestStatus.RUNNING
@@ -369,8 +369,8 @@ class Scheduler:
     def set_aside(self, request: Request) -> list[KVBlock]:
         """A reservation whose sender was lost: it leaves this worker's books, and its blocks,
         still referenced, go to the caller to free once no late page can land in them."""
-        self.reserved.discard(request.request_id)
-        self.requests.pop(request.request_id, None)
+        self.reserved.discard(request.sequence_id)
+        self.requests.pop(request.sequence_id, None)
         request.status = RequestStatus.FINISHED_ABORTED
         return self.kv.set_aside(request)
 
@@ -378,7 +378,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[Request]:
         """Advance progress, append sampled tokens, finish what must stop; return finished ones.
-        sampled: per request, the tokens the step emitted (a verified speculative step: its
+        sampled: per sequence id, the tokens the step emitted (a verified speculative step: its
         accepted drafts, then the token sampled after them)."""
         finished = []
         self.finish_step(output)
@@ -387,7 +387,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran, or ended by an earlier one
                 continue
             request.num_computed_tokens += item.num_new_tokens
-            token_ids = sampled.get(request.request_id)
+            token_ids = sampled.get(request.sequence_id)
             if not token_ids:
                 continue
             if item.draft_token_ids:
@@ -416,8 +416,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.request_id in self.reserved:
-            self.reserved.discard(request.request_id)
+        elif request.sequence_id in self.reserved:
+            self.reserved.discard(request.sequence_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -425,12 +425,12 @@ class Scheduler:
         if self.drafter is not None and status != RequestStatus.FINISHED_ABORTED:
             self.drafter.on_finished(request)
         request.draft_state = None
-        if self._in_flight.get(request.request_id):
-            self._held_for_step.setdefault(request.request_id, []).append(
+        if self._in_flight.get(request.sequence_id):
+            self._held_for_step.setdefault(request.sequence_id, []).append(
                 self.kv.set_aside(request))
         else:
             self.kv.forget(request)
-        del self.requests[request.request_id]
+        del self.requests[request.sequence_id]
 
 
 def _plain_decode(item: ScheduledRequest) -> bool:

@@ -15,7 +15,7 @@ def advance_grammar(request: Request) -> RequestStatus | None:
     if request.grammar is None:
         return None
     if not request.grammar.accept(request.output_token_ids[-1]):
-        log.warning("grammar refused a sampled token of request %s", request.request_id)
+        log.warning("grammar refused a sampled token of sequence %s", request.sequence_id)
         return RequestStatus.FINISHED_STOPPED
     return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None
 

@@ -17,7 +17,7 @@ class WaitingQueue:
     def push(self, request: Request) -> None:
         # A preempted request keeps its arrival time, so it goes back to the front under fcfs.
         heapq.heappush(self._heap, (request.sort_key(self.policy), next(self._counter), request))
-        self._members[request.request_id] = request
+        self._members[request.sequence_id] = request
 
     def peek(self) -> Request:
         self._drop_removed()
@@ -26,16 +26,16 @@ class WaitingQueue:
     def pop(self) -> Request:
         self._drop_removed()
         request = heapq.heappop(self._heap)[2]
-        del self._members[request.request_id]
+        del self._members[request.sequence_id]
         return request
 
     def remove(self, request: Request) -> None:
         # Lazy removal: the heap entry is skipped when it reaches the top.
-        if self._members.get(request.request_id) is request:
-            del self._members[request.request_id]
+        if self._members.get(request.sequence_id) is request:
+            del self._members[request.sequence_id]
 
     def __contains__(self, request: Request) -> bool:
-        return self._members.get(request.request_id) is request
+        return self._members.get(request.sequence_id) is request
 
     def __iter__(self):
         """The waiting requests, in no particular order."""

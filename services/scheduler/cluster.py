@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvrelay.common.log import get_logger
-from kvrelay.engine.request import Request, RequestStatus
+from kvrelay.engine.prompt_checks import check_prompt_tokens
+from kvrelay.engine.request import Request, RequestStatus, make_sequence_id
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured.backend import CompiledGrammar
 from kvrelay.scheduler.config import SchedulerConfig
@@ -91,8 +92,8 @@ class ClusterScheduler:
                 continue
             target = _best_placed(others, request.all_token_ids)
             moved_request = request.continued()  # before the abort lets go of its grammar
-            worker.core.abort([sample.seq_id])
-            self.forget_on(worker, sample.seq_id)
+            worker.core.abort([sample.sequence_id])
+            self.forget_on(worker, sample.sequence_id)
             sample.request, sample.worker = moved_request, target
             target.core.add_request(sample.request)
             self.wake(target)
@@ -130,14 +131,14 @@ class ClusterScheduler:
         eos = frozenset(worker.info.eos_token_ids)
         phase = Phase.PREFILL if worker.role is PREFILL else Phase.COLOCATED
         for index in range(params.n):
-            seq_id = f"{request_id}/{index}"
-            request = Request(seq_id, prompt, params, eos, priority, record.arrival, salt)
+            sequence_id = make_sequence_id(request_id, index)
+            request = Request(sequence_id, prompt, params, eos, priority, record.arrival, salt)
             if grammar is not None:
                 request.grammar = grammar.matcher()
             worker.core.add_request(request)
-            sample = SampleRecord(seq_id, index, record, request, worker, phase)
+            sample = SampleRecord(sequence_id, index, record, request, worker, phase)
             record.samples.append(sample)
-            self.samples[seq_id] = sample
+            self.samples[sequence_id] = sample
         self.requests[request_id] = record
         self.wake(worker)
 
@@ -172,16 +173,7 @@ class ClusterScheduler:
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams,
                       worker: WorkerRecord) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab_size = worker.info.vocab_size
-        bad = [t for t in prompt if t >= vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-        bad = [t for t in params.token_ids_used() if t >= vocab_size]
-        if bad:
-            raise ValueError(f"sampling parameters name token ids out of range "
-                             f"[0, {vocab_size}): {bad[:5]}")
+        check_prompt_tokens(prompt, params, worker.info.vocab_size)
         limit = self.registry.max_model_len
         if len(prompt) + (params.max_tokens or 1) > limit:
             raise ValueError(f"this model's maximum context length is {limit} tokens; the "
@@ -225,7 +217,7 @@ class ClusterScheduler:
                 continue
             num_blocks = -(-num_pushed // source.info.block_size)
             sample.transfer = self.transfers.open_transfer(
-                sample.seq_id, source, decode, clone, num_blocks, num_held,
+                sample.sequence_id, source, decode, clone, num_blocks, num_held,
                 self._transport(source, decode), during_step)
             if not during_step:
                 self.wake(source)
@@ -264,7 +256,7 @@ class ClusterScheduler:
         effects = self.transfers.result(transfer_id, ok, error)
         if effects.released is not None:  # finished or aborted while the pages were in flight
             self._release_orphan(effects.released)
-        failed = [(self.samples[t.seq_id], message) for t, message in effects.failed]
+        failed = [(self.samples[t.sequence_id], message) for t, message in effects.failed]
         for sample, message in failed:
             self._recover(sample, message)  # its pages never landed: prefilled again
         if effects.group is not None:
@@ -273,14 +265,14 @@ class ClusterScheduler:
 
     def _activate_ready(self, step_id: int) -> None:
         for transfer in self.transfers.ready(step_id):
-            self._activate(self.samples[transfer.seq_id], transfer)
+            self._activate(self.samples[transfer.sequence_id], transfer)
 
     def _activate(self, sample: SampleRecord, transfer: Transfer) -> None:
         """The pages are in: the sample leaves the prefill worker and decodes from the token
         sampled there."""
         prefill, decode = sample.worker, transfer.destination
         prefill.core.release_transferred(sample.request)
-        self.forget_on(prefill, sample.seq_id)
+        self.forget_on(prefill, sample.sequence_id)
         clone = transfer.decode_request
         decode.core.activate_transferred(clone)  # it holds just the tokens whose pages landed
         for token_id in sample.request.output_token_ids[clone.num_output_tokens:]:
@@ -301,7 +293,7 @@ class ClusterScheduler:
             for sample in samples:
                 if sample is not None and not sample.done:
                     self.end_sample(sample, finish_delta(sample, FinishReason.ABORT))
-                    aborted.append(sample.seq_id)
+                    aborted.append(sample.sequence_id)
         # Freed decode blocks go to samples waiting for them now: no step may follow to retry.
         self.retry_awaiting()
         return aborted
@@ -330,7 +322,7 @@ class ClusterScheduler:
 
     def _release_orphan(self, transfer: Transfer) -> None:
         """An ended sample's send is back: free both sides it held."""
-        sample = self.samples[transfer.seq_id]
+        sample = self.samples[transfer.sequence_id]
         self._free_source(sample)
         self._free_destination(transfer)
         self._drop_if_done(sample.parent)
@@ -338,12 +330,12 @@ class ClusterScheduler:
     def _free_source(self, sample: SampleRecord) -> None:
         """The sample's engine request on the worker it lives on (once only)."""
         worker, request = sample.worker, sample.request
-        if worker.core.requests.get(sample.seq_id) is request:  # not finished or freed yet
+        if worker.core.requests.get(sample.sequence_id) is request:  # not finished or freed yet
             if request.status is RequestStatus.TRANSFERRING:
                 worker.core.release_transferred(request)
             else:
-                worker.core.abort([sample.seq_id])
-        self.forget_on(worker, sample.seq_id)
+                worker.core.abort([sample.sequence_id])
+        self.forget_on(worker, sample.sequence_id)
         self.wake(worker)
 
     def _let_go_of_destination(self, transfer: Transfer) -> None:
@@ -358,19 +350,19 @@ class ClusterScheduler:
     def _free_destination(self, transfer: Transfer) -> None:
         decode = transfer.destination
         if not transfer.decode_request.is_finished:
-            decode.core.abort([transfer.seq_id])
-        self.forget_on(decode, transfer.seq_id)
+            decode.core.abort([transfer.sequence_id])
+        self.forget_on(decode, transfer.sequence_id)
         self.wake(decode)
 
-    def forget_on(self, worker: WorkerRecord, seq_id: str) -> None:
-        if worker.known_blocks.pop(seq_id, None) is not None:
-            worker.forget.append(seq_id)
+    def forget_on(self, worker: WorkerRecord, sequence_id: str) -> None:
+        if worker.known_blocks.pop(sequence_id, None) is not None:
+            worker.forget.append(sequence_id)
 
     def _drop_if_done(self, record: RequestRecord) -> None:
         if record.finished and not any(s.holds_orphan for s in record.samples):
             self.requests.pop(record.request_id, None)
             for sample in record.samples:
-                self.samples.pop(sample.seq_id, None)
+                self.samples.pop(sample.sequence_id, None)
 
     # ---- failures ------------------------------------------------------------------------------
     def worker_died(self, worker: WorkerRecord, reason: str) -> None:
@@ -379,7 +371,7 @@ class ClusterScheduler:
         worker.alive = False
         error = f"worker {worker.worker_id} failed: {reason}"
         # Looked up first: dropping one ended request must not lose another's sample.
-        lost = [(t, self.samples[t.seq_id]) for t in self.transfers.worker_lost(worker)]
+        lost = [(t, self.samples[t.sequence_id]) for t in self.transfers.worker_lost(worker)]
         for transfer, sample in lost:
             self._transfer_lost(transfer, sample, error)
         for sample in list(self.samples.values()):
@@ -410,7 +402,7 @@ class ClusterScheduler:
         request, until the order's deadline has passed."""
         decode = transfer.destination
         self.transfers.hold_aside(transfer, decode.core.set_aside(transfer.decode_request))
-        self.forget_on(decode, transfer.seq_id)
+        self.forget_on(decode, transfer.sequence_id)
 
     def release_set_aside(self, now: float) -> None:
         """Free the set-aside blocks whose deadline has passed."""
@@ -453,7 +445,7 @@ class ClusterScheduler:
         sample.request = resumed
         sample.retries += 1
         self.num_recoveries += 1
-        log.info("sample recovered", seq_id=sample.seq_id, retry=sample.retries,
+        log.info("sample recovered", sequence_id=sample.sequence_id, retry=sample.retries,
                  num_tokens=sample.request.num_tokens,
                  num_output_tokens=sample.request.num_output_tokens, reason=error)
         self._place_recovered(sample)

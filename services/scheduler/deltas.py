@@ -1,8 +1,9 @@
 """The deltas a sample's gateway receives: its new tokens, its end."""
 from __future__ import annotations
 
-from kvrelay.engine.request import Request, RequestStatus
-from kvrelay.scheduler.messages import Delta, FinishReason, TokenLogprob
+from kvrelay.engine.request import RequestStatus
+from kvrelay.engine.step_outputs import SequenceUpdate
+from kvrelay.scheduler.messages import Delta, FinishReason
 from kvrelay.scheduler.records import SampleRecord
 
 FINISH_REASONS = {
@@ -12,27 +13,27 @@ FINISH_REASONS = {
 }
 
 
-def token_delta(sample: SampleRecord, request: Request, num_new: int,
-                logprobs: tuple[TokenLogprob, ...]) -> Delta:
-    finished = request.is_finished
+def token_delta(sample: SampleRecord, update: SequenceUpdate) -> Delta:
+    request = update.request
+    num_new = len(update.new_token_ids)
     return Delta(
         request_id=sample.parent.request_id, index=sample.index,
-        new_token_ids=tuple(request.output_token_ids[len(request.output_token_ids) - num_new:]),
-        logprobs=logprobs,
+        new_token_ids=tuple(update.new_token_ids), logprobs=update.new_logprobs,
         # the first delta of the sample says how much of its prompt was a prefix hit (a
         # recovered sample's request holds every output: only its first token's delta is one)
         num_cached_prompt_tokens=(request.num_cached_prompt_tokens
                                   if request.num_output_tokens == num_new else 0),
-        finish_reason=FINISH_REASONS[request.status] if finished else None,
-        stop_token_id=request.stop_token_id if finished else None)
+        finish_reason=FINISH_REASONS[request.status] if update.finished else None,
+        stop_token_id=request.stop_token_id if update.finished else None)
 
 
-def token_deltas(sample: SampleRecord, request: Request, num_new: int,
-                 logprobs: tuple[TokenLogprob, ...]) -> list[Delta]:
+def token_deltas(sample: SampleRecord, update: SequenceUpdate) -> list[Delta]:
     """The step's new tokens as deltas: one, or one per token for a sample with stop strings,
     so that its gateway, which matches them on text, ends it at the token that completes one
-    (a speculative step emits several tokens) and counts and returns nothing past it."""
-    whole = token_delta(sample, request, num_new, logprobs)
+    (a speculative step emits several tokens) and counts and returns nothing past it.
+    update.new_logprobs: the sample's TokenLogprobs of the new tokens, or none."""
+    whole = token_delta(sample, update)
+    num_new = len(whole.new_token_ids)
     if num_new == 1 or not sample.parent.params.stop:
         return [whole]
     deltas = []
@@ -40,7 +41,7 @@ def token_deltas(sample: SampleRecord, request: Request, num_new: int,
         last = position == num_new - 1
         deltas.append(Delta(
             request_id=whole.request_id, index=whole.index, new_token_ids=(token_id,),
-            logprobs=logprobs[position:position + 1],
+            logprobs=whole.logprobs[position:position + 1],
             num_cached_prompt_tokens=whole.num_cached_prompt_tokens if position == 0 else 0,
             finish_reason=whole.finish_reason if last else None,
             stop_token_id=whole.stop_token_id if last else None))

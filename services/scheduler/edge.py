@@ -44,21 +44,21 @@ def step_to_proto(order: StepOrder) -> worker_pb2.StepRequest:
     return worker_pb2.StepRequest(
         step_id=order.step_id,
         new_sequences=[_new_sequence_to_proto(seq) for seq in order.new_sequences],
-        scheduled=[worker_pb2.ScheduledSequence(seq_id=item.seq_id,
+        scheduled=[worker_pb2.ScheduledSequence(seq_id=item.sequence_id,
                                                 num_new_tokens=item.num_new_tokens,
                                                 new_block_ids=item.new_block_ids,
                                                 token_bitmask=item.token_bitmask,
                                                 draft_token_ids=item.draft_token_ids,
                                                 new_token_ids=item.new_token_ids)
                    for item in order.scheduled],
-        finished_seq_ids=order.finished_seq_ids,
+        finished_seq_ids=order.finished_sequence_ids,
         kv_sends=[send_order_to_proto(send) for send in order.kv_sends],
         num_threads=order.num_threads)
 
 
 def _new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
     return worker_pb2.NewSequence(
-        seq_id=seq.seq_id, token_ids=seq.token_ids, params=params_to_proto(seq.params),
+        seq_id=seq.sequence_id, token_ids=seq.token_ids, params=params_to_proto(seq.params),
         block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
         eos_token_ids=seq.eos_token_ids, child_index=seq.child_index,
         num_prompt_tokens=seq.num_prompt_tokens)
@@ -66,7 +66,7 @@ def _new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
 
 def send_order_to_proto(order: SendOrder) -> worker_pb2.KvSendOrder:
     return worker_pb2.KvSendOrder(
-        transfer_id=order.transfer_id, seq_id=order.seq_id, src_block_ids=order.src_block_ids,
+        transfer_id=order.transfer_id, seq_id=order.sequence_id, src_block_ids=order.src_block_ids,
         dst_address=order.dst_address, dst_block_ids=order.dst_block_ids,
         transport=order.transport, dst_shm_path=order.dst_shm_path,
         during_step=order.during_step, deadline_unix_ms=order.deadline_unix_ms,

@@ -47,7 +47,7 @@ class IllegalPhase(RuntimeError):
 @dataclass(slots=True, eq=False)
 class SampleRecord:
     """One of a request's n samples: its engine request on the worker it lives on now."""
-    seq_id: str
+    sequence_id: str
     index: int
     parent: "RequestRecord"
     request: Request
@@ -61,7 +61,7 @@ class SampleRecord:
 
     def move(self, to: Phase) -> None:
         if to not in _NEXT[self.phase]:
-            raise IllegalPhase(f"sample {self.seq_id}: {self.phase.value} -> {to.value}")
+            raise IllegalPhase(f"sample {self.sequence_id}: {self.phase.value} -> {to.value}")
         self.phase = to
 
     @property

@@ -19,8 +19,8 @@ class WorkerRecord:
     lease_deadline: float  # monotonic
     draining: bool = False
     alive: bool = True
-    known_blocks: dict[str, int] = field(default_factory=dict)  # seq id -> blocks it was sent
-    forget: list[str] = field(default_factory=list)  # seq ids to drop at the next step
+    known_blocks: dict[str, int] = field(default_factory=dict)  # sequence id -> blocks it was sent
+    forget: list[str] = field(default_factory=list)  # sequence ids to drop at the next step
 
     @property
     def worker_id(self) -> str:

@@ -94,7 +94,7 @@ def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
         request = item.request  # progress already advanced by this step
         end = request.num_computed_tokens
         num_prompt += max(0, min(request.num_prompt_tokens, end) - (end - item.num_new_tokens))
-        sample = cluster.samples.get(request.request_id)
+        sample = cluster.samples.get(request.sequence_id)
         if sample is not None and sample.parent.first_scheduled is None:
             sample.parent.first_scheduled = now
             QUEUE_TIME.observe(now - sample.parent.arrival)

@@ -67,7 +67,7 @@ class IllegalTransition(RuntimeError):
 @dataclass(slots=True, eq=False)
 class Transfer:
     transfer_id: str
-    seq_id: str
+    sequence_id: str
     source: WorkerRecord  # the prefill worker holding the pages
     destination: WorkerRecord  # the decode worker whose blocks are reserved for them
     decode_request: Request  # the sample's engine request on the destination
@@ -102,7 +102,7 @@ class Transfer:
 
     def order(self) -> SendOrder:
         return SendOrder(
-            transfer_id=self.transfer_id, seq_id=self.seq_id,
+            transfer_id=self.transfer_id, sequence_id=self.sequence_id,
             src_block_ids=tuple(self.src_block_ids), dst_address=self.destination.info.push_address,
             dst_block_ids=tuple(self.dst_block_ids), transport=self.transport,
             dst_shm_path=self.destination.info.shm_path if self.transport == "shm" else "",
@@ -140,17 +140,17 @@ class TransferBook:
         self._ids = itertools.count()
 
     # ---- opening and sending -----------------------------------------------------------------
-    def open_transfer(self, seq_id: str, source: WorkerRecord, destination: WorkerRecord,
+    def open_transfer(self, sequence_id: str, source: WorkerRecord, destination: WorkerRecord,
                       decode_request: Request, num_blocks: int, num_held: int,
                       transport: str, during_step: bool) -> Transfer:
         """A reservation of `num_blocks` blocks on the destination, of which it already holds
         the first `num_held` (a prefix hit: their pages need no push)."""
         self.num_shared_prefix_tokens += num_held * source.info.block_size
         transfer = Transfer(
-            transfer_id=f"{seq_id}#{next(self._ids)}", seq_id=seq_id, source=source,
+            transfer_id=f"{sequence_id}#{next(self._ids)}", sequence_id=sequence_id, source=source,
             destination=destination, decode_request=decode_request,
-            src_block_ids=source.core.kv.block_ids(seq_id)[num_held:num_blocks],
-            dst_block_ids=destination.core.kv.block_ids(seq_id)[num_held:],
+            src_block_ids=source.core.kv.block_ids(sequence_id)[num_held:num_blocks],
+            dst_block_ids=destination.core.kv.block_ids(sequence_id)[num_held:],
             transport=transport, deadline=time.monotonic() + self.timeout_s,
             deadline_unix_ms=int((time.time() + self.timeout_s) * 1000),
             # an order reserved outside a step's planning follows the first token

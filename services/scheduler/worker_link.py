@@ -15,7 +15,7 @@ from kvrelay.scheduler import edge, scheduler_metrics
 from kvrelay.scheduler.cluster import ClusterScheduler
 from kvrelay.scheduler.registry import WorkerRecord
 from kvrelay.scheduler.step_gate import StepGate
-from kvrelay.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
+from kvrelay.scheduler.step_plan import StepPlan, StepPlanner
 
 log = get_logger(__name__)
 
@@ -25,6 +25,7 @@ class WorkerLink:
         self.cluster = cluster
         self.worker = worker
         self.gate = gate  # when the worker may step, and on how many threads (step_gate.py)
+        self.steps = StepPlanner(cluster, worker)
         self.wakeup = asyncio.Event()
         self.wakeup.set()
         self.pending: dict[int, asyncio.Future] = {}  # step id -> its result, steps in flight
@@ -72,7 +73,7 @@ class WorkerLink:
         scheduling: plain decodes, and no other worker waiting for these cores)."""
         if not self.worker.alive:  # died while waiting for its turn
             return
-        plan = plan_step(self.cluster, self.worker)
+        plan = self.steps.plan()
         if plan is None:
             self.cluster.sink.flush()
             return
@@ -81,7 +82,7 @@ class WorkerLink:
             ahead = None
             if (self.cluster.config.async_scheduling and self.worker.alive
                     and not self.gate.contended(self.worker)):
-                ahead = plan_ahead(self.cluster, self.worker, plan)
+                ahead = self.steps.plan_ahead(plan)
             if ahead is not None:
                 await self._send(call, ahead, num_threads)
             outcome = edge.outcome_from_proto(await _first(self.pending[plan.order.step_id],
@@ -89,7 +90,7 @@ class WorkerLink:
             del self.pending[plan.order.step_id]
             log.debug("step done", worker_id=self.worker.worker_id, step_id=outcome.step_id,
                       num_sampled=len(outcome.sampled))
-            num_emitted = apply_result(self.cluster, self.worker, plan, outcome)
+            num_emitted = self.steps.apply(plan, outcome)
             self.cluster.retry_awaiting()
             self.cluster.sink.flush()
             scheduler_metrics.after_step(self.cluster, self.worker, plan, num_emitted)

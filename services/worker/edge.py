@@ -20,14 +20,14 @@ def step_from_proto(message: worker_pb2.StepRequest) -> StepOrder:
                                      tuple(item.new_block_ids), item.token_bitmask,
                                      tuple(item.draft_token_ids), tuple(item.new_token_ids))
                    for item in message.scheduled],
-        finished_seq_ids=list(message.finished_seq_ids),
+        finished_sequence_ids=list(message.finished_seq_ids),
         kv_sends=[send_order_from_proto(order) for order in message.kv_sends],
         num_threads=message.num_threads)
 
 
 def _new_sequence_from_proto(message: worker_pb2.NewSequence) -> NewSequence:
     return NewSequence(
-        seq_id=message.seq_id, token_ids=tuple(message.token_ids),
+        sequence_id=message.seq_id, token_ids=tuple(message.token_ids),
         params=params_from_proto(message.params), block_ids=tuple(message.block_ids),
         num_computed_tokens=message.num_computed_tokens,
         eos_token_ids=tuple(message.eos_token_ids), child_index=message.child_index,
@@ -37,7 +37,7 @@ def _new_sequence_from_proto(message: worker_pb2.NewSequence) -> NewSequence:
 
 def send_order_from_proto(message: worker_pb2.KvSendOrder) -> SendOrder:
     return SendOrder(
-        transfer_id=message.transfer_id, seq_id=message.seq_id,
+        transfer_id=message.transfer_id, sequence_id=message.seq_id,
         src_block_ids=tuple(message.src_block_ids), dst_address=message.dst_address,
         dst_block_ids=tuple(message.dst_block_ids), transport=message.transport,
         dst_shm_path=message.dst_shm_path, during_step=message.during_step,
@@ -51,7 +51,7 @@ def outcome_to_proto(outcome: StepOutcome) -> worker_pb2.StepResult:
 
 
 def _sampled_to_proto(sampled: Sampled) -> worker_pb2.SampledToken:
-    message = worker_pb2.SampledToken(seq_id=sampled.seq_id, token_ids=sampled.token_ids)
+    message = worker_pb2.SampledToken(seq_id=sampled.sequence_id, token_ids=sampled.token_ids)
     if sampled.logprobs:  # most steps have none: no list to build then
         message.logprobs.extend(token_logprob_to_proto(entry) for entry in sampled.logprobs)
     return message

@@ -26,27 +26,27 @@ class SequenceTable:
         generator = None
         if params.seed is not None:
             generator = make_generator(params.seed, new.child_index)
-        sequence = Request(new.seq_id, new.token_ids[:num_prompt], params,
+        sequence = Request(new.sequence_id, new.token_ids[:num_prompt], params,
                            frozenset(new.eos_token_ids), generator=generator)
         for token_id in new.token_ids[num_prompt:]:
             sequence.append_token(token_id)
         _skip_draws(generator, sequence.num_output_tokens)
         sequence.num_computed_tokens = new.num_computed_tokens
-        self.sequences[new.seq_id] = sequence
-        self.block_ids[new.seq_id] = list(new.block_ids)
+        self.sequences[new.sequence_id] = sequence
+        self.block_ids[new.sequence_id] = list(new.block_ids)
 
     def update(self, scheduled: ScheduledSequence) -> Request:
-        sequence = self.sequences.get(scheduled.seq_id)
+        sequence = self.sequences.get(scheduled.sequence_id)
         if sequence is None:
-            raise KeyError(f"unknown sequence {scheduled.seq_id!r}")
-        self.block_ids[scheduled.seq_id].extend(scheduled.new_block_ids)
+            raise KeyError(f"unknown sequence {scheduled.sequence_id!r}")
+        self.block_ids[scheduled.sequence_id].extend(scheduled.new_block_ids)
         for token_id in scheduled.new_token_ids:
             sequence.append_token(token_id)
         return sequence
 
-    def forget(self, seq_id: str) -> None:
-        self.sequences.pop(seq_id, None)
-        self.block_ids.pop(seq_id, None)
+    def forget(self, sequence_id: str) -> None:
+        self.sequences.pop(sequence_id, None)
+        self.block_ids.pop(sequence_id, None)
 
 
 def _skip_draws(generator, num_draws: int) -> None:

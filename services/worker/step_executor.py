@@ -25,13 +25,13 @@ class StepExecutor:
     def apply(self, order: StepOrder) -> SchedulerOutput:
         """Update the sequence table from the order; its batch, one item per order.scheduled
         in that order (cheap; runs on the event loop)."""
-        for seq_id in order.finished_seq_ids:
-            self.table.forget(seq_id)
+        for sequence_id in order.finished_sequence_ids:
+            self.table.forget(sequence_id)
         for new in order.new_sequences:
             self.table.add(new)
         return SchedulerOutput([
             ScheduledRequest(self.table.update(scheduled), scheduled.num_new_tokens,
-                             self.table.block_ids[scheduled.seq_id],
+                             self.table.block_ids[scheduled.sequence_id],
                              list(scheduled.draft_token_ids))
             for scheduled in order.scheduled])
 
@@ -66,8 +66,8 @@ class StepExecutor:
             sequence.append_token(token_id)
         num_top = sequence.params.logprobs
         if num_top is None:  # the sampler made no logprob entries (the usual, hot case)
-            return Sampled(sequence.request_id, tuple(run.token_ids))
-        return Sampled(sequence.request_id, tuple(run.token_ids), tuple(
+            return Sampled(sequence.sequence_id, tuple(run.token_ids))
+        return Sampled(sequence.sequence_id, tuple(run.token_ids), tuple(
             token_logprob(entry, rank, token_id, num_top)
             for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks)))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.request import RequestStatus
+from kvrelay.engine.request import RequestStatus, make_sequence_id
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import ScheduledRequest
 from kvrelay.engine.stop_checker import banned_token_ids
@@ -21,7 +21,7 @@ from kvrelay.scheduler.messages import (BOTH, DECODE, PREFILL, Role, Sampled, Se
 from kvrelay.scheduler.outputs import DeltaSink
 from kvrelay.scheduler.records import Phase
 from kvrelay.scheduler.registry import WorkerRecord
-from kvrelay.scheduler.step_plan import StepPlan, apply_result, plan_ahead, plan_step
+from kvrelay.scheduler.step_plan import StepPlan, StepPlanner
 from kvrelay.scheduler.transfers import SetAside, TransferState
 from kvrelay.wire import params_from_proto, params_to_proto
 
@@ -94,8 +94,9 @@ class ClusterDriver:
         self.pipeline = False  # run() plans ahead wherever the scheduler allows it
         self.num_planned_ahead = 0
         self.sends: dict[str, InFlightSend] = {}  # transfer id -> a send a prefill worker runs
-        self.sampled: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens sampled for it
-        self.script: dict[str, list[int]] = defaultdict(list)  # seq id -> tokens to sample next
+        # sequence id -> tokens sampled for it, and tokens to sample next
+        self.sampled: dict[str, list[int]] = defaultdict(list)
+        self.script: dict[str, list[int]] = defaultdict(list)
         self.requests: dict[str, Submitted] = {}
         # (decode worker instance id, block id) -> the prompt prefix whose KV pages the block
         # holds, as the transfers wrote them; checked whenever a decode step reads a sequence's
@@ -103,7 +104,7 @@ class ClusterDriver:
         # refuses a replacement's chunks), so pages are kept per instance, not per worker id.
         self.pages: dict[tuple[str, int], tuple] = {}
         self.zombie_sends: list[InFlightSend] = []  # sends of workers declared dead, still running
-        # seq id -> how many of its tokens its latest transfer pushed (the decode side reads
+        # sequence id -> how many of its tokens its latest transfer pushed (the decode side reads
         # their pages rather than computing them)
         self.num_pushed: dict[str, int] = {}
 
@@ -137,13 +138,13 @@ class ClusterDriver:
     def pending_sends(self, worker_id: str) -> list[str]:
         """Seq ids of the orders waiting for the worker's next step."""
         outbox = self.cluster.transfers.outbox.get(self.worker(worker_id).info.instance_id, [])
-        return [transfer.seq_id for transfer in outbox]
+        return [transfer.sequence_id for transfer in outbox]
 
     def start_step(self, worker_id: str) -> bool:
         """Plan the worker's next step and hand it over; False when there is nothing to run."""
         assert worker_id not in self.steps, f"{worker_id} already has a step in flight"
         worker = self.worker(worker_id)
-        plan = plan_step(self.cluster, worker)
+        plan = self._planner(worker).plan()
         if plan is None:
             self.flush()
             return False
@@ -154,7 +155,7 @@ class ClusterDriver:
             transfer = self.cluster.transfers.open[order.transfer_id]
             self.sends[order.transfer_id] = InFlightSend(
                 order, worker, transfer.destination, tuple(transfer.decode_request.all_token_ids))
-            self.num_pushed[order.seq_id] = transfer.decode_request.num_tokens
+            self.num_pushed[order.sequence_id] = transfer.decode_request.num_tokens
         self.steps[worker_id] = self._in_flight(worker, plan, ahead=False)
         return True
 
@@ -163,13 +164,17 @@ class ClusterDriver:
         the scheduler does not continue this way."""
         assert worker_id in self.steps and worker_id not in self.ahead, worker_id
         worker = self.worker(worker_id)
-        plan = plan_ahead(self.cluster, worker, self.steps[worker_id].plan)
+        plan = self._planner(worker).plan_ahead(self.steps[worker_id].plan)
         if plan is None:
             return False
         assert not plan.order.kv_sends and not plan.order.new_sequences
         self.ahead[worker_id] = self._in_flight(worker, plan, ahead=True)
         self.num_planned_ahead += 1
         return True
+
+    def _planner(self, worker: WorkerRecord) -> StepPlanner:
+        """As the worker's WorkerLink holds it (it keeps nothing between calls)."""
+        return StepPlanner(self.cluster, worker)
 
     def _in_flight(self, worker: WorkerRecord, plan: StepPlan, ahead: bool) -> InFlightStep:
         if worker.role == DECODE and not ahead:
@@ -188,16 +193,16 @@ class ClusterDriver:
         """The worker answers: one sampled token per sequence whose chunk reached its end."""
         step = self.steps.pop(worker_id)
         worker = self.worker(worker_id)
-        requests = {item.request.request_id: item.request for item in step.sampling}
+        requests = {item.request.sequence_id: item.request for item in step.sampling}
         sampled = []
         for token in self._run_step(worker, step):
             # A sample that ended (or was recovered) while the step ran: the scheduler drops
             # whatever the worker sampled for it.
-            if not requests[token.seq_id].is_finished:
-                self.sampled[token.seq_id].extend(token.token_ids)
+            if not requests[token.sequence_id].is_finished:
+                self.sampled[token.sequence_id].extend(token.token_ids)
                 sampled.append(token)
-        apply_result(self.cluster, worker, step.plan,
-                     StepOutcome(step.plan.order.step_id, tuple(sampled)))
+        self._planner(worker).apply(step.plan,
+                                    StepOutcome(step.plan.order.step_id, tuple(sampled)))
         if worker_id in self.ahead:  # the worker goes straight on to it
             self.steps[worker_id] = self.ahead.pop(worker_id)
         self.cluster.retry_awaiting()  # as WorkerLink._step_loop does after each step
@@ -237,7 +242,7 @@ class ClusterDriver:
 
     def _run_step(self, worker: WorkerRecord, step: InFlightStep) -> list[Sampled]:
         """What the worker samples in the step: here, scripted tokens (FILLER by default)."""
-        return [Sampled(item.request.request_id, (self._next_token(item.request),))
+        return [Sampled(item.request.sequence_id, (self._next_token(item.request),))
                 for item in step.sampling if not item.request.is_finished]
 
     def register(self, info: WorkerInfo) -> None:
@@ -245,7 +250,7 @@ class ClusterDriver:
         self.all_workers.append(self.cluster.register(info))
 
     def _next_token(self, request) -> int:
-        script = self.script[request.request_id]
+        script = self.script[request.sequence_id]
         token_id = script.pop(0) if script else FILLER
         # A real worker never samples a stop token before min_tokens (stop_checker bans them).
         return FILLER if token_id in banned_token_ids(request) else token_id
@@ -269,14 +274,14 @@ class ClusterDriver:
         worker computes them again there): each must hold those tokens' KV."""
         request = item.request
         start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
-        num_pushed = self.num_pushed[request.request_id]
+        num_pushed = self.num_pushed[request.sequence_id]
         pushed = request.all_token_ids[:num_pushed]
-        block_ids = worker.core.kv.block_ids(request.request_id)
+        block_ids = worker.core.kv.block_ids(request.sequence_id)
         for index in range(min(_num_blocks(num_pushed), _num_blocks(end))):
             key, pages = (worker.info.instance_id, block_ids[index]), _prompt_pages(pushed, index)
             if (index + 1) * BLOCK_SIZE <= start or start >= num_pushed:
                 assert self.pages.get(key) == pages, \
-                    f"{request.request_id} block {index} on {worker.worker_id} holds other pages"
+                    f"{request.sequence_id} block {index} on {worker.worker_id} holds other pages"
             elif index * BLOCK_SIZE < end:
                 self.pages[key] = pages
 
@@ -286,10 +291,10 @@ class ClusterDriver:
         each leading block it skips holds that prefix already (a decode-side prefix hit) or
         another send of the same step pushes it."""
         transfer = self.cluster.transfers.open.get(order.transfer_id)
-        assert transfer is not None and transfer.seq_id == order.seq_id, order
+        assert transfer is not None and transfer.sequence_id == order.sequence_id, order
         assert transfer.state is TransferState.IN_FLIGHT and transfer.source is prefill
-        sample = self.cluster.samples[order.seq_id]
-        assert not sample.done and sample.transfer is transfer, f"send for {order.seq_id}"
+        sample = self.cluster.samples[order.sequence_id]
+        assert not sample.done and sample.transfer is transfer, f"send for {order.sequence_id}"
         decode = transfer.destination
         assert decode.alive and decode.role is DECODE
         assert order.dst_instance_id == decode.info.instance_id
@@ -298,12 +303,12 @@ class ClusterDriver:
                                 if self.worker(worker_id) is decode))
         assert not written & set(order.dst_block_ids), \
             f"a push into blocks a running step of {decode.worker_id} writes: {self.describe()}"
-        decode_blocks = decode.core.kv.block_ids(order.seq_id)
+        decode_blocks = decode.core.kv.block_ids(order.sequence_id)
         num_held = len(decode_blocks) - len(order.dst_block_ids)
         assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
         assert list(order.dst_block_ids) == decode_blocks[num_held:]
         clone = transfer.decode_request
-        assert decode.core.requests[order.seq_id] is clone
+        assert decode.core.requests[order.sequence_id] is clone
         assert clone.status is RequestStatus.TRANSFERRING
         # It pushes every token before the one the prefill worker samples: the prompt, and a
         # recovered sample's earlier outputs, which stay outputs on the decode side too.
@@ -316,7 +321,7 @@ class ClusterDriver:
         num_blocks = _num_blocks(clone.num_tokens)
         assert len(decode_blocks) == num_blocks
         assert list(order.src_block_ids) == \
-            prefill.core.kv.block_ids(order.seq_id)[num_held:num_blocks]
+            prefill.core.kv.block_ids(order.sequence_id)[num_held:num_blocks]
         for index, block_id in enumerate(decode_blocks[:num_held]):
             assert (order.dst_instance_id, block_id) in pushed_now or \
                 self.pages.get((decode.info.instance_id, block_id)) == \
@@ -369,16 +374,16 @@ class ClusterDriver:
                 self.send_result(transfer_id, ok=send.decode.alive)
 
     def describe(self) -> str:
-        samples = {seq_id: (s.phase.value, s.request.status.value,
+        samples = {sequence_id: (s.phase.value, s.request.status.value,
                             s.transfer.state.value if s.transfer else None)
-                   for seq_id, s in self.cluster.samples.items()}
+                   for sequence_id, s in self.cluster.samples.items()}
         workers = {w.worker_id: (w.alive, len(w.core.running), len(w.core.waiting),
                                  w.core.num_reserved, w.core.kv.num_free_blocks,
                                  len(self.pending_sends(w.worker_id)))
                    for w in self.cluster.registry.workers.values()}
         transfers = {t.transfer_id: t.state.value for t in self.cluster.transfers.open.values()}
         return (f"samples={samples} workers(alive, running, waiting, reserved, free, pending)="
-                f"{workers} awaiting={[s.seq_id for s in self.cluster.awaiting_decode]} "
+                f"{workers} awaiting={[s.sequence_id for s in self.cluster.awaiting_decode]} "
                 f"transfers={transfers}")
 
     # ---- checks ---------------------------------------------------------------------------------
@@ -405,8 +410,9 @@ class ClusterDriver:
         if ended:
             assert finals, f"{request_id}/{index} never got a final delta: {self.describe()}"
         tokens = self.tokens(request_id, index)
-        seq_id = f"{request_id}/{index}"
-        assert tokens == self.sampled[seq_id][:len(tokens)], (tokens, self.sampled[seq_id])
+        sequence_id = make_sequence_id(request_id, index)
+        sampled = self.sampled[sequence_id]
+        assert tokens == sampled[:len(tokens)], (tokens, sampled)
         params = submitted.params
         stops = set(params.stop_token_ids) | ({EOS} if not params.ignore_eos else set())
         assert len(tokens) <= params.max_tokens
@@ -416,7 +422,7 @@ class ClusterDriver:
             return
         final = deltas[-1]
         if final.finish_reason == LENGTH:
-            assert len(tokens) == params.max_tokens, (seq_id, tokens)
+            assert len(tokens) == params.max_tokens, (sequence_id, tokens)
             assert not tokens or tokens[-1] not in stops or len(tokens) < params.min_tokens
         elif final.finish_reason == STOP and submitted.grammar is not None \
                 and not final.HasField("stop_token_id"):
@@ -434,21 +440,21 @@ class ClusterDriver:
         book = cluster.transfers
         for worker in self.all_workers:
             _check_pool(worker, [entry for entry in book.set_aside if entry.worker is worker])
-            for seq_id, request in worker.core.requests.items():
-                sample = cluster.samples.get(seq_id)
-                assert sample is not None, f"{worker.worker_id} holds orphan {seq_id}"
+            for sequence_id, request in worker.core.requests.items():
+                sample = cluster.samples.get(sequence_id)
+                assert sample is not None, f"{worker.worker_id} holds orphan {sequence_id}"
                 transfer = sample.transfer
                 assert request is sample.request or (
-                    transfer is not None and request is transfer.decode_request), seq_id
+                    transfer is not None and request is transfer.decode_request), sequence_id
                 assert not sample.done or sample.holds_orphan, \
-                    f"{worker.worker_id} still holds ended {seq_id}: {self.describe()}"
-            reservations = [r for seq_id, r in worker.core.requests.items()
+                    f"{worker.worker_id} still holds ended {sequence_id}: {self.describe()}"
+            reservations = [r for sequence_id, r in worker.core.requests.items()
                             if r.status is RequestStatus.TRANSFERRING
-                            and cluster.samples[seq_id].transfer is not None
-                            and r is cluster.samples[seq_id].transfer.decode_request]
+                            and cluster.samples[sequence_id].transfer is not None
+                            and r is cluster.samples[sequence_id].transfer.decode_request]
             assert worker.core.num_reserved == len(reservations), self.describe()
         for transfer_id, transfer in book.open.items():
-            sample = cluster.samples[transfer.seq_id]
+            sample = cluster.samples[transfer.sequence_id]
             assert transfer.transfer_id == transfer_id and sample.transfer is transfer
             outbox = book.outbox.get(transfer.source.info.instance_id, [])
             if transfer.state is TransferState.RESERVED:  # waits for its sender's next step
@@ -465,22 +471,22 @@ class ClusterDriver:
         for sample in cluster.awaiting_decode:
             assert sample.phase is Phase.TRANSFER and sample.transfer is None
         for record in cluster.requests.values():
-            assert all(cluster.samples.get(s.seq_id) is s for s in record.samples)
+            assert all(cluster.samples.get(s.sequence_id) is s for s in record.samples)
         for sample in cluster.samples.values():
             if sample.done:
                 continue
             # Wherever it is, recovered or not, its engine request is the original one: the
             # submitted prompt and parameters, and as outputs every token its client has.
             request, submitted = sample.request, self.requests[sample.parent.request_id]
-            assert request.prompt_token_ids == submitted.prompt, sample.seq_id
-            assert request.params is sample.parent.params, sample.seq_id
+            assert request.prompt_token_ids == submitted.prompt, sample.sequence_id
+            assert request.params is sample.parent.params, sample.sequence_id
             assert request.output_token_ids == self.tokens(sample.parent.request_id,
                                                            sample.index), self.describe()
             if isinstance(submitted.grammar, RecordingGrammar):
                 # Its one matcher, wherever it runs, has taken each of its tokens once.
                 matcher = submitted.grammar.matchers[sample.index]
-                assert request.grammar is matcher, sample.seq_id
-                assert matcher.accepted == request.output_token_ids, sample.seq_id
+                assert request.grammar is matcher, sample.sequence_id
+                assert matcher.accepted == request.output_token_ids, sample.sequence_id
 
     def assert_quiescent(self) -> None:
         """Nothing left anywhere: every block free on every worker, no record of any request."""

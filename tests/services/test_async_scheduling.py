@@ -55,7 +55,7 @@ def test_a_step_is_planned_ahead_only_for_plain_decodes_with_nothing_joining():
     driver.deliver_sends()
     assert driver.start_step("d0") and driver.start_ahead("d0")
     [item] = driver.ahead["d0"].plan.output.scheduled
-    assert item.request.request_id == "a/0" and item.num_new_tokens == 1
+    assert item.request.sequence_id == "a/0" and item.num_new_tokens == 1
     driver.finish_step("d0")  # the ahead step is in flight now
     # b's pages land while a's step runs: the step after it is planned in full, with b in it.
     driver.submit("b", prompt(7, first=40), max_tokens=3)
@@ -64,7 +64,7 @@ def test_a_step_is_planned_ahead_only_for_plain_decodes_with_nothing_joining():
     assert not driver.start_ahead("d0")
     driver.finish_step("d0")
     assert driver.start_step("d0")
-    assert {i.request.request_id for i in driver.steps["d0"].plan.output.scheduled} == \
+    assert {i.request.sequence_id for i in driver.steps["d0"].plan.output.scheduled} == \
         {"a/0", "b/0"}
     _finish(driver)
 
@@ -107,7 +107,7 @@ def test_an_abort_while_a_decode_step_runs_keeps_its_blocks_from_a_waiting_push(
     _into_decode(driver, "a")
     driver.submit("b", prompt(20, first=40), max_tokens=2)
     driver.step("p0")  # b prefilled; no decode room for its pages
-    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]
+    assert [s.sequence_id for s in driver.cluster.awaiting_decode] == ["b/0"]
     assert driver.start_step("d0") and driver.start_ahead("d0")
     driver.abort("a")
     assert driver.final("a").finish_reason == ABORT

@@ -13,7 +13,7 @@ def _drain(driver: ClusterDriver, worker_id: str) -> None:
 
 
 def _queued_on(driver: ClusterDriver, worker_id: str) -> list[str]:
-    return [seq_id for seq_id, sample in driver.cluster.samples.items()
+    return [sequence_id for sequence_id, sample in driver.cluster.samples.items()
             if sample.worker.worker_id == worker_id
             and sample.request.status is RequestStatus.WAITING]
 
@@ -25,7 +25,7 @@ def test_draining_prefill_worker_hands_its_queue_to_the_other_one():
         driver.submit(f"r{i}", prompt(20, first=i * 3), max_tokens=3)
     assert len(_queued_on(driver, "p0")) == 4
     driver.start_step("p0")  # two of p0's four start computing
-    running = {r.request_id for r in driver.worker("p0").core.running}
+    running = {r.sequence_id for r in driver.worker("p0").core.running}
     assert len(running) == 2
     _drain(driver, "p0")
     assert _queued_on(driver, "p0") == []

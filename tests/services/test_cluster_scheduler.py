@@ -26,11 +26,11 @@ def _finish(driver, sends: str = "after") -> None:
     driver.assert_quiescent()
 
 
-def _no_work_left_for(driver, seq_id: str) -> None:
+def _no_work_left_for(driver, sequence_id: str) -> None:
     """An ended sample is computed nowhere: in no running batch, no waiting queue."""
     for worker in driver.all_workers:
-        assert all(r.request_id != seq_id for r in worker.core.running), worker.worker_id
-        assert all(r.request_id != seq_id for r in worker.core.waiting._members.values())
+        assert all(r.sequence_id != sequence_id for r in worker.core.running), worker.worker_id
+        assert all(r.sequence_id != sequence_id for r in worker.core.waiting._members.values())
 
 
 # ---- finishing ------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_pd_decode_worker_full_then_room_frees_up():
     driver.submit("a", prompt(40), max_tokens=6)
     driver.submit("b", prompt(40, first=50), max_tokens=6)
     driver.step("p0")
-    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]
+    assert [s.sequence_id for s in driver.cluster.awaiting_decode] == ["b/0"]
     assert driver.tokens("b") == [FILLER]  # its first token is out all the same
     _finish(driver)
 
@@ -173,8 +173,8 @@ def test_pd_abort_in_each_phase_frees_everything(phase, target):
     aborted = driver.abort(target)
     assert aborted == (["r/0", "r/1"] if target == "r" else ["r/1"])
     driver.check_accounting()
-    for seq_id in aborted:
-        _no_work_left_for(driver, seq_id)
+    for sequence_id in aborted:
+        _no_work_left_for(driver, sequence_id)
     _finish(driver)
     for index in range(2):
         expected = ABORT if f"r/{index}" in aborted else LENGTH
@@ -199,7 +199,7 @@ def test_pd_abort_while_awaiting_a_decode_reservation():
     driver.submit("a", prompt(40), max_tokens=6)
     driver.submit("r", prompt(40, first=50), max_tokens=6)
     driver.step("p0")
-    assert driver.cluster.awaiting_decode[0].seq_id == "r/0"
+    assert driver.cluster.awaiting_decode[0].sequence_id == "r/0"
     driver.abort("r")
     assert not driver.cluster.awaiting_decode
     _finish(driver)
@@ -214,7 +214,7 @@ def test_pd_abort_on_the_decode_worker_lets_an_awaiting_sample_in():
     driver.submit("b", prompt(40, first=50), max_tokens=6)
     driver.step("p0")
     driver.deliver_sends()
-    assert driver.cluster.awaiting_decode[0].seq_id == "b/0"
+    assert driver.cluster.awaiting_decode[0].sequence_id == "b/0"
     driver.abort("a")
     _finish(driver)
     assert driver.final("a").finish_reason == ABORT and driver.tokens("b") == [FILLER] * 6
@@ -255,7 +255,7 @@ def _failed_transfer(moment: str, **scheduler_config):
     driver.submit("r", prompt(40), max_tokens=6)
     driver.submit("other", prompt(20, first=40), max_tokens=3)
     driver.start_step("p0")
-    transfer_id = next(t for t, s in driver.sends.items() if s.order.seq_id == "r/0")
+    transfer_id = next(t for t, s in driver.sends.items() if s.order.sequence_id == "r/0")
     if moment == "after-step-result":
         driver.finish_step("p0")
     driver.send_result(transfer_id, ok=False)
@@ -393,7 +393,7 @@ def test_pd_lost_prefill_workers_late_pages_land_in_no_one_elses_blocks():
     driver.register(worker_info("p1", PREFILL, 16))
     driver.submit("b", prompt(40, first=50), max_tokens=3)
     driver.step("p1")
-    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]  # nothing free
+    assert [s.sequence_id for s in driver.cluster.awaiting_decode] == ["b/0"]  # nothing free
     driver.land_zombie_pages()  # late pages, into the blocks set aside
     driver.cluster.release_set_aside(time.monotonic())  # the deadline has not passed yet
     assert driver.cluster.awaiting_decode
@@ -412,7 +412,7 @@ def test_pd_replacement_decode_worker_takes_samples_that_waited_for_one():
     driver.deliver_sends()
     driver.kill("d0")
     assert driver.final("a").finish_reason == ERROR
-    assert [s.seq_id for s in driver.cluster.awaiting_decode] == ["b/0"]
+    assert [s.sequence_id for s in driver.cluster.awaiting_decode] == ["b/0"]
     driver.register(worker_info("d0", DECODE, 16))
     _finish(driver)
     assert driver.tokens("b") == [FILLER] * 6
@@ -434,7 +434,7 @@ def test_colocated_worker_death_continues_both_samples_on_its_replacement():
     driver.step("c0")
     driver.step("c0")
     driver.kill("c0")
-    assert {s.seq_id for s in driver.cluster.stranded} == {"r/0", "r/1"}  # none to go to yet
+    assert {s.sequence_id for s in driver.cluster.stranded} == {"r/0", "r/1"}  # none to go to yet
     driver.register(worker_info("c0", BOTH, 16))
     _finish(driver)
     driver.check_deltas(ended=True)
@@ -524,7 +524,7 @@ class PDClusterMachine(RuleBasedStateMachine):
         worker = data.draw(st.sampled_from(sorted(self.driver.steps)))
         for item in self.driver.steps[worker].sampling:
             token = data.draw(st.sampled_from([FILLER, FILLER, EOS, STOP_ID]))
-            self.driver.script[item.request.request_id] = [token]
+            self.driver.script[item.request.sequence_id] = [token]
         self.driver.finish_step(worker)
 
     @precondition(lambda self: self.driver.sends)
@@ -623,8 +623,8 @@ def _shared_prompt(tail_first: int) -> list[int]:
     return prompt(32) + prompt(8, first=tail_first)
 
 
-def _order_for(driver, seq_id: str):
-    [send] = [s for s in driver.sends.values() if s.order.seq_id == seq_id]
+def _order_for(driver, sequence_id: str):
+    [send] = [s for s in driver.sends.values() if s.order.sequence_id == sequence_id]
     return send.order
 
 

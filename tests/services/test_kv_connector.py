@@ -62,7 +62,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def _order(src: list[int], dst: list[int], address: str = "", transport: str = "grpc",
            shm_path: str = "", deadline_unix_ms: int = 0) -> SendOrder:
-    return SendOrder(transfer_id="t1", seq_id="r/0", src_block_ids=tuple(src),
+    return SendOrder(transfer_id="t1", sequence_id="r/0", src_block_ids=tuple(src),
                      dst_address=address, dst_block_ids=tuple(dst), transport=transport,
                      dst_shm_path=shm_path, during_step=False,
                      deadline_unix_ms=deadline_unix_ms, dst_instance_id="")

@@ -17,8 +17,8 @@ from kvrelay.engine.spec.suffix_tree import SuffixTree, likeliest_path
 GREEDY = SamplingParams(temperature=0.0, max_tokens=50)
 
 
-def _request(tokens, params=GREEDY, request_id="r") -> Request:
-    return Request(request_id, tokens, params)
+def _request(tokens, params=GREEDY, sequence_id="r") -> Request:
+    return Request(sequence_id, tokens, params)
 
 
 def test_ngram_proposes_what_followed_the_longest_latest_match():
