@@ -51,7 +51,7 @@ def drive(llm, items: list[OfflineItem], temperature: float = 0.0, ignore_eos: b
                                     ignore_eos=ignore_eos)
             request = llm._make_requests(f"bench-{run_id}-{index}", item.token_ids, params,
                                          0)[0]
-            records[index] = live[request.request_id] = RequestRecord(
+            records[index] = live[request.sequence_id] = RequestRecord(
                 index, item.tag, sent_s=now, prompt_tokens=len(item.token_ids),
                 usage_reported=True)
             engine.add_request(request)
@@ -73,7 +73,7 @@ def _step(engine, live: dict[str, RequestRecord], result: EngineRun, start: floa
     result.step_seconds.append(ended - began)
     result.step_end_s.append(ended - start)
     for update in updates:
-        record = live.get(update.request.request_id)
+        record = live.get(update.request.sequence_id)
         if record is None:
             continue
         if update.new_token_ids:
@@ -81,7 +81,7 @@ def _step(engine, live: dict[str, RequestRecord], result: EngineRun, start: floa
             record.output_tokens += len(update.new_token_ids)
         if update.finished:
             record.done_s = ended - start - record.sent_s
-            del live[update.request.request_id]
+            del live[update.request.sequence_id]
 
 
 def _abort(engine, live: dict[str, RequestRecord]) -> None:
