@@ -38,9 +38,18 @@ def bf16():
 
 def test_only_steps_that_reach_onednn_pad(bf16):
     runner = bf16.engine.runner
-    assert runner.pad_from_rows == runner.amx_max_tokens + 1
-    small = runner.prepare(_items([(0, 40)], runner.block_size, runner.num_blocks))
-    assert small.input_ids.shape[0] == 40
+    # oneDNN takes the steps above the largest small-step kernel this CPU runs: AMX tiles where
+    # it has them, else the VNNI kernel, else the 4-bit gemv.
+    if runner.uses_amx:
+        largest_small = runner.amx_max_tokens
+    elif runner.q4a8 is not None:
+        largest_small = runner.q4a8_max_tokens
+    else:
+        largest_small = runner.int4_max_tokens
+    assert runner.pad_from_rows == largest_small + 1
+    below = runner.pad_from_rows - 1  # the largest step the small-step kernels take
+    small = runner.prepare(_items([(0, below)], runner.block_size, runner.num_blocks))
+    assert small.input_ids.shape[0] == below
     step = runner.prepare(_items([(0, 90), (0, 80)], runner.block_size, runner.num_blocks))
     assert step.input_ids.shape[0] == 176 and int(step.cu_seqlens_q[-1]) == 170
     assert step.slot_mapping[170:].tolist() == [-1] * 6
