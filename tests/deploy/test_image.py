@@ -180,9 +180,15 @@ def test_dependencies_come_from_pyproject(stub_bin, tmp_path):
 
 def test_bake_model_step_finds_the_default_model(stub_bin, tmp_path):
     """The build step that converts the default model, run as written (with this machine's
-    cache, so it is quick after the first conversion)."""
+    cache, so it is quick after the first conversion). In the image kvrelay is not installed
+    yet at that step: here a `kvrelay` that fails to import stands first on the path."""
     env, _ = stub_bin
     shutil.copy(REPO / "services/engine/model_loader.py", tmp_path / "model_loader.py")
+    shutil.copy(REPO / "services/common/env_switches.py", tmp_path / "env_switches.py")
+    shadow = tmp_path / "not-installed" / "kvrelay"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('kvrelay is not installed yet')\n")
+    env = {**env, "PYTHONPATH": str(shadow.parent)}
     step = run_step("BAKE_MODEL").replace("/tmp/build", str(tmp_path))
     done = sh(step, {**env, "BAKE_MODEL": "1"}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
