@@ -184,16 +184,16 @@ def test_client_streams_what_complete_returns(stack, tokenizer):
 def test_abort_by_id_ends_the_request_with_abort(stack):
     async def scenario():
         async with KvrelayClient(stack.grpc_address) as kv:
-            task = asyncio.create_task(kv.complete("Tell me everything", request_id="doomed",
-                                                   **LONG))
-            await asyncio.sleep(2.0)  # room for a first token on a loaded machine
+            stream = kv.generate("Tell me everything", request_id="doomed", **LONG)
+            chunks = [await anext(stream)]  # aborted once its first token is out, however slow
             found = await kv.abort("doomed")
-            return found, await task, await kv.abort("doomed")
+            chunks += [chunk async for chunk in stream]
+            return found, chunks, await kv.abort("doomed")
 
-    found, result, found_again = run(scenario())
+    found, chunks, found_again = run(scenario())
     assert found and not found_again
-    assert result.choices[0].finish_reason == "abort"
-    assert 0 < result.usage.completion_tokens < LONG["max_tokens"]
+    assert chunks[-1].finish_reason == "abort"
+    assert 0 < chunks[-1].usage.completion_tokens < LONG["max_tokens"]
     stats = stack.wait_idle()
     assert stats.num_running == 0
 
