@@ -59,14 +59,18 @@ def _build(name: str, sources: Sequence[str], cflags: Sequence[str]) -> ModuleTy
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+def _cpuinfo_flags_line() -> str | None:
+    """/proc/cpuinfo's first `flags` line, or None where it cannot be read or has none."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return frozenset(next((line for line in cpuinfo if line.startswith("flags")),
-                                  "").split())
+            return next((line for line in cpuinfo if line.startswith("flags")), None)
     except OSError:
-        return frozenset()
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return frozenset((_cpuinfo_flags_line() or "").split())
 
 
 def _put_pip_ninja_on_path() -> None:
@@ -79,10 +83,5 @@ def _put_pip_ninja_on_path() -> None:
 
 def _machine_tag() -> str:
     """Short hash of what the binary depends on besides its source: CPU features and torch."""
-    flags_line = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags_line = next((line for line in cpuinfo if line.startswith("flags")), flags_line)
-    except OSError:
-        pass
+    flags_line = _cpuinfo_flags_line() or platform.machine()
     return hashlib.sha1(f"{flags_line}|{torch.__version__}".encode()).hexdigest()[:10]

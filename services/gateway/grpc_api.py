@@ -11,6 +11,7 @@ from google.protobuf.message import DecodeError
 from kvrelay.api.kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from kvrelay.common.log import bind_request_id, get_logger
 from kvrelay.wire import params_from_proto
+from kvrelay.gateway import edge
 from kvrelay.gateway.errors import GatewayError, invalid, param_from_value_error
 from kvrelay.gateway.limits import RequestLimits
 from kvrelay.gateway.openai_serving import generation_model, served_model
@@ -21,11 +22,8 @@ from kvrelay.tokenizer.tool_render import parse_tool_calls
 
 log = get_logger(__name__)
 
-FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED,
-                  "stop": common_pb2.FINISH_REASON_STOP,
-                  "length": common_pb2.FINISH_REASON_LENGTH,
-                  "abort": common_pb2.FINISH_REASON_ABORT,
-                  "error": common_pb2.FINISH_REASON_ERROR}
+# the core's finish reason -> the wire's: the edge's map, inverted
+FINISH_REASONS = {reason: code for code, reason in edge.FINISH_REASONS.items()}
 
 
 class MalformedRequest:
