@@ -97,9 +97,13 @@ def _onednn_linears(module: nn.Module):
             if isinstance(m, PackedLinear) and m.packed_weight is not None)
 
 
-def pack_linears_(model: nn.Module) -> None:
-    """Replace every nn.Linear in the model by a PackedLinear, in place."""
+def pack_linears_(model: nn.Module,
+                  skip_parent: Callable[[nn.Module], bool] = lambda parent: False) -> None:
+    """Replace every nn.Linear in the model by a PackedLinear, in place (but the children of
+    modules `skip_parent` picks)."""
     for parent in list(model.modules()):
+        if skip_parent(parent):
+            continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
