@@ -6,8 +6,10 @@ as many weights as in the dense [hidden x dense_inter] MLP. Three contenders per
   dense  the dense MLP as the model runs it: PackedLinear gate_up, silu_and_mul, PackedLinear down
   naive  a loop over the active experts with F.linear (unpacked weights), torch's silu
 Prints the median ms of each, measured in alternating rounds so that load drifts hit all alike.
+With --layers N each contender cycles through N independent copies of its weights, as a model's
+forward pass does: the weights then come from memory, not from a cache that held the last call's.
 
-  python -m benchmarks.moe_cpu [--threads 1] [--tokens 1 8 64 512]
+  python -m benchmarks.moe_cpu [--threads 1] [--tokens 1 8 64 512] [--layers 1]
 """
 from __future__ import annotations
 
@@ -35,8 +37,7 @@ def _naive(hidden, w13, w2, topk_weights, topk_ids):  # per-expert F.linear, unp
     return out.to(hidden.dtype)
 
 
-def _contenders(tokens: int, args) -> dict:
-    torch.manual_seed(tokens)
+def _layer(tokens: int, args) -> dict:
     hidden_size, inter = args.hidden, args.dense_inter // args.top_k
     w13 = torch.randn(args.experts, 2 * inter, hidden_size).bfloat16() / hidden_size ** 0.5
     w2 = torch.randn(args.experts, hidden_size, inter).bfloat16() / inter ** 0.5
@@ -51,6 +52,13 @@ def _contenders(tokens: int, args) -> dict:
         "dense": lambda: down(gated("silu", gate_up(hidden))),
         "naive": lambda: _naive(hidden, w13, w2, topk_weights, topk_ids),
     }
+
+
+def _contenders(tokens: int, args) -> dict:
+    """name -> one call through every layer copy."""
+    torch.manual_seed(tokens)
+    layers = [_layer(tokens, args) for _ in range(args.layers)]
+    return {name: lambda name=name: [layer[name]() for layer in layers] for name in layers[0]}
 
 
 def _median_ms(contenders: dict, rounds: int, calls: int) -> dict:
@@ -75,15 +83,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--layers", type=int, default=1, help="weight copies cycled per call")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"E={args.experts} k={args.top_k} H={args.hidden} I={args.dense_inter // args.top_k} "
-          f"bf16, {args.threads} thread(s); median ms")
+          f"bf16, {args.threads} thread(s), {args.layers} layer copies; median ms per layer")
     print(f"{'T':>5} {'moe':>8} {'dense':>8} {'naive':>8} {'moe/dense':>10}")
     with torch.inference_mode():
         for tokens in args.tokens:
-            calls = max(1, 256 // tokens)
-            ms = _median_ms(_contenders(tokens, args), args.rounds, calls)
+            calls = max(1, 256 // tokens // args.layers)
+            ms = {name: total / args.layers for name, total in
+                  _median_ms(_contenders(tokens, args), args.rounds, calls).items()}
             print(f"{tokens:>5} {ms['moe']:>8.3f} {ms['dense']:>8.3f} {ms['naive']:>8.3f} "
                   f"{ms['moe'] / ms['dense']:>10.2f}")
 
