@@ -128,7 +128,7 @@ class DecoderLM(nn.Module):
         self.packed_head = PackedLinear(self.head_weight, None)
         for module in self.modules():
             if isinstance(module, SparseMoE):
-                module.prepare_(pack_for_cpu=True)
+                module.experts.prepare_for_cpu_()
         # the routers stay plain: they run in float32 (layers/moe.py)
         pack_linears_(self.layers, skip_parent=lambda parent: isinstance(parent, SparseMoE))
 

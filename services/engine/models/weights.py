@@ -25,7 +25,8 @@ _SHARDS = {
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
-_FUSED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.w13", "mlp.experts.down_proj": "mlp.w2"}
+_FUSED_EXPERTS = {"mlp.experts.gate_up_proj": "mlp.experts.w13",
+                  "mlp.experts.down_proj": "mlp.experts.w2"}
 
 
 def iter_checkpoint(model_dir: Path):
@@ -99,11 +100,11 @@ def _route(loader: _Loader, model, name: str, tensor: torch.Tensor) -> None:
     elif (expert := _EXPERT.match(piece)) is not None:
         index, which = int(expert.group(1)), expert.group(2)
         if which == "down":
-            loader.copy(f"{prefix}mlp.w2", tensor, (index,))
+            loader.copy(f"{prefix}mlp.experts.w2", tensor, (index,))
         else:
             size = model.layers[layer].mlp.spec.intermediate_size
             rows = slice(0, size) if which == "gate" else slice(size, 2 * size)
-            loader.copy(f"{prefix}mlp.w13", tensor, (index, rows))
+            loader.copy(f"{prefix}mlp.experts.w13", tensor, (index, rows))
     elif piece in _FUSED_EXPERTS:
         loader.copy(f"{prefix}{_FUSED_EXPERTS[piece]}", tensor)
     else:

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.kernels.moe_dispatch import fused_moe
+from kvrelay.kernels.moe_routing import select_experts
+from kvrelay.kernels.moe_weights import ExpertWeights
 from kvrelay.engine.models.arch import MoESpec
 
 
@@ -18,27 +21,13 @@ class SparseMoE(nn.Module):
         self.activation = activation
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)  # the router
         # every expert's gate and up rows fused (gate first), and its down projection
-        self.w13 = nn.Parameter(torch.empty(spec.num_experts, 2 * spec.intermediate_size,
-                                            hidden_size))
-        self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden_size,
-                                           spec.intermediate_size))
-        self.experts = None  # the kernels' ExpertWeights, built by prepare_()
-
-    def prepare_(self, pack_for_cpu: bool) -> None:
-        """After the weights are loaded and cast: the kernels' view of them (bf16 on CPU:
-        each expert pre-packed for oneDNN, as the dense linears are)."""
-        from kvrelay.kernels.moe_experts import ExpertWeights
-        self.experts = ExpertWeights(self.w13.detach(), self.w2.detach())
-        if pack_for_cpu:
-            self.experts.prepare_for_cpu_()
+        self.experts = ExpertWeights(
+            torch.empty(spec.num_experts, 2 * spec.intermediate_size, hidden_size),
+            torch.empty(spec.num_experts, hidden_size, spec.intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
-        from kvrelay.kernels.moe_dispatch import fused_moe
-        from kvrelay.kernels.moe_routing import select_experts
         # The router in float32 whatever the model's dtype: a bf16 score can flip which
         # experts a token gets where two are close.
         router_logits = F.linear(x.float(), self.gate.weight.float())  # [T, E]
         weights, ids = select_experts(router_logits, self.spec.top_k, self.spec.renormalize)
-        if self.experts is None:
-            self.prepare_(pack_for_cpu=False)
         return fused_moe(x, self.experts, weights, ids, self.activation)
