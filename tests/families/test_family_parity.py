@@ -9,6 +9,7 @@ from transformers import AutoConfig
 
 from kvrelay.engine import LLM, SamplingParams
 from kvrelay.engine.model_runner import ModelRunner, StepInput
+from tests.conftest import below_best, reference_logprobs
 from tests.families.checkpoints import CONFIGS, WINDOW, write_checkpoint
 
 NEW_TOKENS = 64
@@ -65,3 +66,20 @@ def test_greedy_tokens_match_hf(family):
                                           ignore_eos=True), use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt), name
+
+
+NEAR_TIE = 0.25  # nats; as tests/test_int4_weights.py
+
+
+def test_bfloat16_fast_paths_answer_like_float32(family):
+    """bf16 runs the fast CPU paths (packed matmuls and experts, native norms, rope and
+    attention): every greedy token is HF float32's best given the same prefix, or a near-tie."""
+    name, folder, hf_model = family
+    llm = LLM(model=str(folder), dtype="bfloat16", num_kv_blocks=64)
+    prompt = PROMPTS[1]
+    got = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    reference = reference_logprobs(hf_model, prompt, got)
+    gaps = below_best(reference, got)
+    assert max(gaps) < NEAR_TIE, f"{name}: a token {max(gaps):.3f} nats below float32's best"
