@@ -137,6 +137,11 @@ class LlamaForCausalLM(nn.Module):
                 module.native = ops
 
     @property
+    def layer_windows(self) -> list[int]:
+        """Per layer, the keys its attention sees (the last W; 0: all of them)."""
+        return layer_windows(self.config)
+
+    @property
     def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
@@ -156,20 +161,23 @@ class LlamaForCausalLM(nn.Module):
             self.packed_head.add_small_step_kernel_(max_rows, head_matmul)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
-                attn_meta: AttentionMetadata, logits_indices: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                slot_mappings: list[torch.Tensor], attn_metas: list[AttentionMetadata],
+                logits_indices: torch.Tensor,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        # input_ids, positions, slot_mapping [T]; logits_indices [S] rows to sample -> [S, vocab]
+        # input_ids, positions [T]; per layer: its K/V pages, slot mapping [T] and metadata
+        # (its KV group's: model_runner.py); logits_indices [S] rows to sample -> [S, vocab]
         # on_layer_done(i) runs once layer i's KV for this step is stored (the KV connector
         # starts pushing that layer while later layers compute).
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables_for(positions, hidden.dtype)
         if self.norm.native is not None:
-            hidden = self._layers_fused(rope, hidden, kv_caches, slot_mapping, attn_meta,
+            hidden = self._layers_fused(rope, hidden, kv_caches, slot_mappings, attn_metas,
                                         logits_indices, on_layer_done)
         else:
-            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-                hidden = layer(rope, hidden, kv_cache, slot_mapping, attn_meta)
+            for index, layer in enumerate(self.layers):
+                hidden = layer(rope, hidden, kv_caches[index], slot_mappings[index],
+                               attn_metas[index])
                 if on_layer_done is not None:
                     on_layer_done(index)
             hidden = self.norm(hidden[logits_indices])
@@ -177,22 +185,36 @@ class LlamaForCausalLM(nn.Module):
             return self.packed_head(hidden).float()
         return F.linear(hidden, self.head_weight).float()
 
-    def _layers_fused(self, rope, hidden, kv_caches, slot_mapping, attn_meta, logits_indices,
+    def _layers_fused(self, rope, hidden, kv_caches, slot_mappings, attn_metas, logits_indices,
                       on_layer_done) -> torch.Tensor:
         """The layers with fused add + norm; returns the final norm of the sampled rows only
         (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
         residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
         stack = self.decode_stack
-        if stack is not None and stack.takes(hidden.shape[0], attn_meta, kv_caches):
-            delta = stack.run(residual, rope, kv_caches, slot_mapping, attn_meta)
+        # (the stack is attached only where every layer shares one block table: model_runner)
+        if stack is not None and stack.takes(hidden.shape[0], attn_metas[0], kv_caches):
+            delta = stack.run(residual, rope, kv_caches, slot_mappings[0], attn_metas[0])
             # every layer's K/V is stored by now: a push that waits on them starts at once
             # (the stack's steps are a few tokens, so little overlap is lost)
             for index in range(len(self.layers) if on_layer_done is not None else 0):
                 on_layer_done(index)
         else:
-            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-                delta = layer.forward_fused(rope, delta, residual, kv_cache, slot_mapping,
-                                            attn_meta)
+            for index, layer in enumerate(self.layers):
+                delta = layer.forward_fused(rope, delta, residual, kv_caches[index],
+                                            slot_mappings[index], attn_metas[index])
                 if on_layer_done is not None:
                     on_layer_done(index)
         return self.norm.add_and_norm(delta[logits_indices], residual[logits_indices])
+
+
+def layer_windows(config) -> list[int]:
+    """Per layer, its sliding window from the config (0: full attention): `layer_types` where
+    the config has them, else Mistral's window on every layer (Qwen2's only with
+    use_sliding_window)."""
+    window = getattr(config, "sliding_window", None) or 0
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    return [window] * config.num_hidden_layers
