@@ -22,7 +22,7 @@ from kvrelay.engine.waiting_queue import WaitingQueue
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # the draft tokens included
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV group of the model's layers, its block table
     # Speculative decoding: tokens proposed to follow the request's last one, computed in
     # this step after it and verified by sampling at every position (spec/verify.py).
     draft_token_ids: list[int] = field(default_factory=list)
