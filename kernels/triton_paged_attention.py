@@ -149,7 +149,10 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
+    if meta.window or soft_cap:
+        raise NotImplementedError("the Triton kernel has no sliding window or soft cap yet")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
