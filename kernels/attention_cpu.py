@@ -59,12 +59,13 @@ def _decode_attention(
     soft_cap: float,
 ) -> None:
     native = native_cpu.paged_decode_op() if _native_takes(query, k_cache, v_cache, out) else None
-    if native is None or plan.window or soft_cap:
+    if native is None:
         decode_attention_torch(query, _slot_major(k_cache), _slot_major(v_cache), plan, scale, out,
                                soft_cap)
         return
     rows = plan.decode
-    native(out, query, k_cache, v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, scale)
+    native(out, query, k_cache, v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, scale,
+           plan.window, soft_cap)
 
 
 def _native_prefill(
@@ -79,12 +80,12 @@ def _native_prefill(
     """Every prefill sequence of the step in one native call; False where the kernel does not
     run (then the SDPA path does)."""
     native = native_cpu.paged_prefill_op() if _native_takes(query, k_cache, v_cache, out) else None
-    if native is None or plan.window or soft_cap or query.dtype != k_cache.dtype or not native_cpu.paged_prefill_supported(
+    if native is None or query.dtype != k_cache.dtype or not native_cpu.paged_prefill_supported(
             query.shape[2], query.shape[1] // k_cache.shape[2]):
         return False
     rows = plan.prefill_rows
     native(out, query, k_cache, v_cache, rows.token_starts, rows.query_lens, rows.seq_lens,
-           rows.block_tables, scale)
+           rows.block_tables, scale, plan.window, soft_cap)
     return True
 
 
