@@ -78,7 +78,6 @@ class ModelRunner:
         self.slots_per_block = self.kv_layout.slots_per_block
         self.slots_done_after = self.kv_layout.slots_done_after()  # (KV pushes: kv_connector)
         log.info("%s", self.kv_layout.describe())
-        self._stack_off_for_groups()
         self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
         # [slots, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a block holds the
         # pages of `slots` layers (every layer without windows); layer l uses slot(l) through
@@ -96,15 +95,6 @@ class ModelRunner:
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         return (2 * self.slots_per_block * self.block_size * self.num_kv_heads * self.head_dim
                 * element_size)
-
-    def _stack_off_for_groups(self) -> None:
-        """The native decode stack takes one block table for every layer: with KV groups the
-        layers run one by one (said once, at start)."""
-        if self.kv_layout.is_hybrid and self.model.decode_stack is not None:
-            log.warning("decode stack off: it takes one block table, this model's layers "
-                        "have %d KV groups", self.kv_layout.num_groups)
-            self.model.decode_stack = None
-            self.decode_stack = False
 
     def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
         with torch.device("meta"), skip_weight_init():
@@ -128,6 +118,8 @@ class ModelRunner:
             ops = elementwise_ops()
             if ops is not None:
                 model.use_native_cpu_ops_(ops)
+                for fallback in model.torch_fallbacks():
+                    log.info("%s: %s on torch ops", hf_config.model_type, fallback)
             self._use_small_step_kernels(model, q4_blocks or {}, q8_head)
         return model
 
