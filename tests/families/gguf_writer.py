@@ -143,9 +143,3 @@ def _add_tensor(writer: GGUFWriter, name: str, array: np.ndarray, matmul_type: s
     qtype = GGMLQuantizationType[matmul_type if piece in _MATMULS else "Q8_0"]
     writer.add_tensor(name, quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
 
-
-def dequantized_state(path: Path) -> dict[str, torch.Tensor]:
-    """The file's tensors as gguf dequantizes them, by llama.cpp name ([rows, cols] float32)."""
-    from gguf.quants import dequantize
-    return {t.name: torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
-            for t in GGUFReader(str(path)).tensors}

@@ -25,10 +25,10 @@ PROMPTS = [[1, 5, 9, 200, 3000, 17] * 4, [1, 42, 7] * 9, [1] + list(range(100, 1
 # nats and a greedy choice is rarely a near-tie that bf16 rounding may flip
 GGUF_TWINS = {
     "qwen3": lambda: Qwen3Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False,
-                                 initializer_range=1.0),
+                                 initializer_range=0.3),
     # Llama: llama.cpp permutes its q/k rows, which transformers and gguf_int4 undo
     "llama": lambda: LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=True,
-                                 initializer_range=1.0),
+                                 initializer_range=0.3),
 }
 # as tests/test_int4_weights.py: a token that differs from the reference's best lies within
 # NEAR_TIE nats of it, and the engine's logprob of its token within LOGPROB_GAP of the reference's
@@ -38,8 +38,9 @@ SMALL_STEPS_OFF = dict(int4_max_tokens=0, amx_max_tokens=0, q4a8_max_tokens=0)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def conversion_cache(tmp_path_factory):
-    """Converted GGUFs go to a folder of the test's own, not the user's cache."""
+def conversion_cache(tmp_path_factory, model_dir):
+    """This module's converted GGUFs go to a folder of its own, not the user's cache (the
+    default model's conversion, model_dir, stays there: it takes a minute)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVRELAY_CACHE_DIR", str(tmp_path_factory.mktemp("kvrelay-cache")))
         yield
