@@ -7,14 +7,17 @@ kernels off within bf16's tolerance; an architecture no family builds is refused
 converting."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from kvrelay.engine import LLM, SamplingParams
 from kvrelay.engine.model_loader import resolve_model_dir
 from kvrelay.engine.models import gguf_int4
 from kvrelay.kernels import native_gemv
+from kvrelay.kernels.metadata import build_attention_metadata
 from tests.conftest import reference_logprobs
 from tests.families.checkpoints import COMMON, write_model
 from tests.families.gguf_writer import write_gguf
@@ -26,6 +29,13 @@ PROMPTS = [[1, 5, 9, 200, 3000, 17] * 4, [1, 42, 7] * 9, [1] + list(range(100, 1
 GGUF_TWINS = {
     "qwen3": lambda: Qwen3Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False,
                                  initializer_range=0.3),
+    # Gemma 3: norms stored as 1 + w; tied head. The file holds no query scale, which
+    # transformers reads as Gemma3TextConfig's query_pre_attn_scalar of 256 (the real models'
+    # head size; llama.cpp would take this tiny model's 16). The window spans the context: the
+    # windows themselves are test_family_parity.py's
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, num_hidden_layers=2,
+                                       sliding_window=COMMON["max_position_embeddings"],
+                                       query_pre_attn_scalar=256, initializer_range=0.3),
     # Llama: llama.cpp permutes its q/k rows, which transformers and gguf_int4 undo
     "llama": lambda: LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=True,
                                  initializer_range=0.3),
@@ -44,6 +54,13 @@ def conversion_cache(tmp_path_factory, model_dir):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVRELAY_CACHE_DIR", str(tmp_path_factory.mktemp("kvrelay-cache")))
         yield
+
+
+def _skip_where_windows_do_not_run(name: str) -> None:
+    """Gemma 3's layers all have a window (transformers' default pattern, the file holding
+    none); the engine runs them once the kernels' metadata takes a window."""
+    if name == "gemma3" and "window" not in inspect.signature(build_attention_metadata).parameters:
+        pytest.skip("sliding-window layers do not run yet (kernels/metadata.py takes no window)")
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], together: bool = True) -> list:
@@ -76,6 +93,7 @@ def twin(request, tmp_path_factory, model_dir):
 
 def test_f32_gguf_greedy_tokens_equal_the_safetensors_twin_and_hf(twin):
     name, folder, hf_model = twin
+    _skip_where_windows_do_not_run(name)
     from_gguf = LLM(model=str(folder / "f32.gguf"), dtype="float32", num_kv_blocks=64)
     from_safetensors = LLM(model=str(folder / "safetensors"), dtype="float32", num_kv_blocks=64)
     for prompt, gguf_out, twin_out in zip(PROMPTS, _greedy(from_gguf, PROMPTS),
@@ -84,14 +102,17 @@ def test_f32_gguf_greedy_tokens_equal_the_safetensors_twin_and_hf(twin):
 
 
 def test_the_converted_f32_gguf_holds_the_twins_weights(twin):
-    """Weight for weight (names as the safetensors twin's): the permutation and layout undone."""
-    _, folder, hf_model = twin
+    """Weight for weight (names as the safetensors twin's): the permutation and layout undone.
+    Gemma's norms went through 1 + w and back, in float32, so they are compared so rounded."""
+    name, folder, hf_model = twin
     converted = AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(folder / "f32.gguf")),
                                                      dtype=torch.float32)
     expected = hf_model.state_dict()
     for param_name, tensor in converted.state_dict().items():
-        torch.testing.assert_close(tensor, expected[param_name], atol=0, rtol=0,
-                                   msg=param_name)
+        want = expected[param_name]
+        if name.startswith("gemma") and "norm" in param_name:
+            want = (want + 1) - 1
+        torch.testing.assert_close(tensor, want, atol=0, rtol=0, msg=param_name)
 
 
 def _check_against_reference(hf_model, prompts, completions, label: str) -> None:
@@ -123,6 +144,7 @@ def _check_same_until_a_near_tie(hf_model, prompt, on, off, label: str) -> None:
 
 def test_q4_0_gguf_small_steps_run_on_its_own_blocks(twin):
     name, folder, _ = twin
+    _skip_where_windows_do_not_run(name)
     if native_gemv.gemv_ops() is None and not gguf_int4.int4_supported():
         pytest.skip("no int4 kernel on this machine")
     path = str(folder / "q4_0.gguf")
