@@ -53,7 +53,7 @@ def _decoding_batch(batch: int, context: int, vocab: int) -> list[ScheduledReque
                           SamplingParams(temperature=0.0))
         request.num_computed_tokens = context
         block_ids = list(range(seq * blocks_per_seq, (seq + 1) * blocks_per_seq))
-        items.append(ScheduledRequest(request, 1, block_ids))
+        items.append(ScheduledRequest(request, 1, [block_ids]))  # one KV group: a dense model
     return items
 
 
