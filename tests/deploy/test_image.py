@@ -185,6 +185,7 @@ def test_bake_model_step_finds_the_default_model(stub_bin, tmp_path):
     env, _ = stub_bin
     shutil.copy(REPO / "services/engine/model_loader.py", tmp_path / "model_loader.py")
     shutil.copy(REPO / "services/common/env_switches.py", tmp_path / "env_switches.py")
+    shutil.copy(REPO / "services/engine/gguf_metadata.py", tmp_path / "gguf_metadata.py")
     shadow = tmp_path / "not-installed" / "kvrelay"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('kvrelay is not installed yet')\n")

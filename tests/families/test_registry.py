@@ -7,7 +7,8 @@ import pytest
 
 from kvrelay.engine import LLM
 from kvrelay.engine.models import gemma3, llama, mixtral, qwen3_moe
-from kvrelay.engine.models.registry import family_of, supported_architectures
+from kvrelay.engine.gguf_metadata import GGUF_MODEL_TYPES
+from kvrelay.engine.models.registry import BY_MODEL_TYPE, family_of, supported_architectures
 
 
 def test_families_by_architecture_then_model_type():
@@ -28,3 +29,7 @@ def test_unsupported_architecture_refused_with_the_supported_list(tmp_path):
     for name in ("Gemma3ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"):
         assert name in message
     assert supported_architectures() == sorted(supported_architectures())
+
+
+def test_every_gguf_architecture_read_has_a_family():
+    assert set(GGUF_MODEL_TYPES.values()) <= set(BY_MODEL_TYPE)
