@@ -23,11 +23,14 @@ def family(request, tmp_path_factory, model_dir):
     return request.param, folder, write_checkpoint(request.param, folder, model_dir)
 
 
-def _hf_greedy(hf_model, prompt: list[int]) -> list[int]:
+@pytest.fixture(scope="module")
+def hf_tokens(family) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (computed once per family)."""
+    hf_model = family[2]
     with torch.inference_mode():
-        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                   min_new_tokens=NEW_TOKENS, do_sample=False)
-    return output[0, len(prompt):].tolist()
+        return [hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                  min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+                .tolist() for prompt in PROMPTS]
 
 
 def _whole_sequence_logits(folder, token_ids: list[int]) -> torch.Tensor:
@@ -50,24 +53,23 @@ def _whole_sequence_logits(folder, token_ids: list[int]) -> torch.Tensor:
     return runner.execute(step)
 
 
-def test_teacher_forced_logits_match_hf(family):
+def test_teacher_forced_logits_match_hf(family, hf_tokens):
     name, folder, hf_model = family
-    prompt = PROMPTS[0]
-    token_ids = prompt + _hf_greedy(hf_model, prompt)
+    token_ids = PROMPTS[0] + hf_tokens[0]
     with torch.inference_mode():
         expected = hf_model(torch.tensor([token_ids])).logits[0].float()
     got = _whole_sequence_logits(folder, token_ids)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=name)
 
 
-def test_greedy_tokens_match_hf(family):
-    name, folder, hf_model = family
+def test_greedy_tokens_match_hf(family, hf_tokens):
+    name, folder, _ = family
     llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                           ignore_eos=True), use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        assert output.outputs[0].token_ids == _hf_greedy(hf_model, prompt), name
+    for expected, output in zip(hf_tokens, outputs):
+        assert output.outputs[0].token_ids == expected, name
 
 
 NEAR_TIE = 0.25  # nats; as tests/test_int4_weights.py

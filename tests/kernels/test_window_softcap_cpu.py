@@ -17,7 +17,7 @@ from kvrelay.kernels.dispatch import paged_attention
 from kvrelay.kernels.metadata import build_attention_metadata
 from tests.kernels.native_support import require_native_decode
 from tests.kernels.window_cases import (
-    POISON_CASES, POISON_WINDOW, SOFT_CAPS, TOLERANCE, WINDOW_ARGS, WINDOW_CASES, WINDOWS, max_error,
+    POISON_CASES, POISON_WINDOW, SOFT_CAPS, TOLERANCE, WINDOW_ARGS, WINDOW_CAPS, WINDOW_CASES, max_error,
     poisoned_meta, reference, window_batch,
 )
 
@@ -42,8 +42,7 @@ def _run_cpu(batch, soft_cap, meta=None):
     return out
 
 
-@pytest.mark.parametrize("soft_cap", SOFT_CAPS, ids=["no-cap", "cap"])
-@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("window, soft_cap", WINDOW_CAPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(WINDOW_ARGS, WINDOW_CASES)
 def test_cpu_paths_match_the_reference(query_lens, context_lens, block_size, num_kv_heads, group_size, head_dim,

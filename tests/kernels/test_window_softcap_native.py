@@ -48,9 +48,9 @@ DECODE_CONTEXTS = [0, 14, 15, 16, 90, 300]
 
 
 @pytest.mark.parametrize("soft_cap", [0.0, 5.0], ids=["no-cap", "cap"])
-@pytest.mark.parametrize("window", [1, 16, 37, 1000])
+@pytest.mark.parametrize("window", [1, 37, 1000])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: the generic kernel
-@pytest.mark.parametrize("group_size", [1, 3, 8])
+@pytest.mark.parametrize("group_size", [1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_decode_forms(dtype, group_size, head_dim, window, soft_cap):
     batch = window_batch([1] * len(DECODE_CONTEXTS), DECODE_CONTEXTS, 16, 2, group_size, head_dim, window=window,
@@ -108,9 +108,9 @@ PREFILL_QUERY_LENS, PREFILL_CONTEXTS = [18, 33, 70, 130], [0, 5, 100, 47]
 
 
 @pytest.mark.parametrize("soft_cap", [0.0, 5.0], ids=["no-cap", "cap"])
-@pytest.mark.parametrize("window", [1, 16, 37, 80])
+@pytest.mark.parametrize("window", [1, 37, 80])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group_size", [1, 3, 8])
+@pytest.mark.parametrize("group_size", [3, 8])
 @pytest.mark.parametrize("dtype, amx", [(torch.float32, "1"), (torch.bfloat16, "1"), (torch.bfloat16, "0")],
                          ids=["fp32", "bf16-amx-if-any", "bf16-no-amx"])
 def test_native_prefill_forms(dtype, amx, group_size, head_dim, window, soft_cap, monkeypatch):

@@ -33,6 +33,10 @@ WINDOW_ARGS = "query_lens, context_lens, block_size, num_kv_heads, group_size, h
 # none, a single key, shorter than the sequences (block-aligned and not), longer than all of them
 WINDOWS = [0, 1, 8, 37, 4096]
 SOFT_CAPS = [0.0, 5.0]
+# each window with and without the cap over the cases would be 10 combinations; these 6 keep
+# every window and every cap, and both caps on the windows that cut sequences mid-block
+WINDOW_CAPS = [pytest.param(w, c, id=f"w{w}-{'cap' if c else 'no-cap'}")
+               for w, c in [(0, 5.0), (1, 0.0), (8, 5.0), (8, 0.0), (37, 5.0), (4096, 0.0)]]
 # Queries scaled up where the cap is on, so that most scores reach its bend (|s| ~ cap).
 CAPPED_QUERY_GAIN = 4.0
 
