@@ -70,7 +70,9 @@ BENCH_WORKLOAD = {"single-stream": "chat-64", "grounded-single": "grounded"}
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    parser.add_argument("--systems", default=None,
+                        help="default: every system (with --model or --family, every one "
+                             "that serves another model)")
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--rates", default="0.5,1,2,4", help="the poisson sweep, requests/s")
     parser.add_argument("--poisson-requests", type=int, default=None,
@@ -112,7 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="no new runs: report what the run that wrote this --out folder "
                              "left there (also a run stopped part way)")
     args = parser.parse_args(argv)
-    args.systems = [s for s in args.systems.split(",") if s]
+    other_model = args.model or args.family
+    servable = [s for s in ALL_SYSTEMS if not (other_model and s in DEFAULT_MODEL_ONLY)]
+    args.systems = ([s for s in args.systems.split(",") if s] if args.systems is not None
+                    else servable)
     args.workloads = [w for w in args.workloads.split(",") if w]
     bases = {system_variant(s)[0].removesuffix("+spec") for s in args.systems}
     unknown = bases - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
@@ -122,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown system or workload: {', '.join(sorted(unknown))}")
     if args.model and args.family:
         parser.error("--model and --family are two ways to name the model: give one")
-    if (args.model or args.family) and bases & set(DEFAULT_MODEL_ONLY):
+    if other_model and bases & set(DEFAULT_MODEL_ONLY):
         parser.error(f"{', '.join(sorted(bases & set(DEFAULT_MODEL_ONLY)))} serves only the "
                      "default model; leave it out of a --model or --family run")
     args.out = (args.report_from or args.out
