@@ -67,13 +67,15 @@ _CACHE_LABEL = {"kvrelay": "worker", "vllm": "engine"}
 @dataclass(frozen=True)
 class CacheUsage:
     """One KV cache at one moment: its capacity, the fraction in use, requests running on it,
-    and its block size where the server says it (vLLM's cache_config_info; kvrelay's is the
-    worker's --block-size, which its metrics do not carry)."""
+    and its blocks where the server says them (vLLM's cache_config_info: with a hybrid cache
+    its blocks are shared by layer groups, so a block is not a token of every layer; kvrelay's
+    are capacity / the worker's --block-size, which its metrics do not carry)."""
     name: str
     capacity_tokens: int
     usage: float
     running: int
     block_size: int | None = None
+    num_blocks: int | None = None
 
     @property
     def held_tokens(self) -> float:
@@ -91,14 +93,22 @@ def usage(text: str) -> list[CacheUsage]:
             continue
         entry = fields.setdefault((system, name), {})
         if metric == "cache_config_info":
-            entry["kv_cache_capacity_tokens"] = from_metrics(
-                f"vllm:cache_config_info{{{labels}}} {value}") or 0
-            entry["block_size"] = int(label.get("block_size", 0)) or None
+            entry["block_size"] = _int_or_none(label.get("block_size"))
+            entry["num_blocks"] = _int_or_none(label.get("num_gpu_blocks"))
+            entry["kv_cache_capacity_tokens"] = (entry["block_size"] or 0) * (
+                entry["num_blocks"] or 0)  # as from_metrics reads it
         elif metric in ("kv_cache_capacity_tokens", "kv_cache_usage_perc",
                         "num_requests_running"):
             entry[metric] = float(value)
     return [CacheUsage(name, int(entry["kv_cache_capacity_tokens"]),
                        entry["kv_cache_usage_perc"], int(entry.get("num_requests_running", 0)),
-                       entry.get("block_size"))
+                       entry.get("block_size"), entry.get("num_blocks"))
             for (_, name), entry in sorted(fields.items())
             if entry.get("kv_cache_capacity_tokens") and "kv_cache_usage_perc" in entry]
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):  # absent, or "None" before the cache is sized
+        return None

