@@ -40,7 +40,8 @@ def run(device: torch.device, smoke: bool, max_kv_gib: float) -> dict:
                     else "cpu", "torch": torch.__version__}
     report["checks"] = (cuda_kernels.check_attention(device, smoke)
                         + cuda_kernels.check_store_kv(device, smoke)
-                        + cuda_kernels.check_rejection(device, smoke))
+                        + cuda_kernels.check_rejection(device, smoke)
+                        + cuda_kernels.check_moe(device, smoke))
     bandwidth = cuda_kernels.copy_bandwidth(device, smoke)
     report["copy_bytes_per_s"] = bandwidth
     report["attention"] = cuda_kernels.attention_bandwidth(device, smoke, bandwidth,

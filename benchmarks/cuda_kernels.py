@@ -160,6 +160,36 @@ def check_rejection(device: torch.device, smoke: bool) -> list[dict]:
              "max_abs_error": float(num_differ), "ok": ok}]
 
 
+def check_moe(device: torch.device, smoke: bool) -> list[dict]:
+    """The Triton mixture-of-experts kernels against the per-token reference (on the device),
+    in a Qwen3-30B-A3B-like layer (128 experts, 8 per token) on fresh random inputs."""
+    from kvrelay.kernels.moe_reference import fused_moe_reference
+    from kvrelay.kernels.moe_routing import select_experts
+    from kvrelay.kernels.moe_weights import ExpertWeights
+    from kvrelay.kernels.triton_moe import fused_moe_triton
+    num_experts, top_k, hidden, inter = (6, 2, 32, 24) if smoke else (128, 8, 2048, 768)
+    dtype = torch.float32 if smoke and device.type == "cpu" else torch.bfloat16
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device) / inter ** 0.5
+    experts = ExpertWeights(w13.to(dtype), w2.to(dtype))
+    tolerance = 1e-4 if dtype == torch.float32 else 0.07
+    rows = []
+    for num_tokens in ((1, 5) if smoke else (1, 64, 512)):
+        x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+        weights, ids = select_experts(torch.randn(num_tokens, num_experts, device=device),
+                                      top_k, renormalize=True)
+        got = fused_moe_triton(x, experts, weights, ids, "silu")
+        want = fused_moe_reference(x, experts, weights, ids, "silu")
+        error = float((got.float() - want.float()).abs().max())
+        seconds = device_timer(device, lambda: fused_moe_triton(x, experts, weights, ids, "silu"),
+                               repeats=3 if smoke else 20)
+        rows.append({"kernel": "moe", "heads": f"E={num_experts} k={top_k} H={hidden} I={inter}",
+                     "dtype": str(dtype).removeprefix("torch."),
+                     "case": f"{num_tokens} tokens, {seconds * 1e3:.3f} ms",
+                     "max_abs_error": error, "ok": error <= tolerance})
+    return rows
+
+
 def copy_bandwidth(device: torch.device, smoke: bool) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     num_bytes = (16 << 20) if smoke else (2 << 30)

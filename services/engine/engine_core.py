@@ -120,18 +120,8 @@ def _eos_ids(hf_config) -> list[int]:
 
 def max_model_len_for(hf_config, requested: int | None) -> int:
     model_max = hf_config.max_position_embeddings
-    window = _sliding_window(hf_config)
-    if window is not None and window < model_max:
-        # Attention here is full-context; capping the length at the window keeps it exact.
-        model_max = window
     if requested is None:
         return model_max
     if requested > model_max:
         raise ValueError(f"max_model_len {requested} exceeds the model's {model_max} positions")
     return requested
-
-
-def _sliding_window(hf_config) -> int | None:
-    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-        return None
-    return getattr(hf_config, "sliding_window", None)

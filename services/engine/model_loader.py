@@ -18,7 +18,6 @@ from pathlib import Path
 
 from kvrelay.common.env_switches import CACHE_DIR
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -56,11 +55,11 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def check_architecture(model_dir: Path) -> dict:
+    """config.json's contents, if a model family kvrelay has builds it (else ValueError naming
+    the supported architectures)."""
+    from kvrelay.engine.models.registry import family_of
     config = json.loads((model_dir / "config.json").read_text())
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported; kvrelay serves "
-                         f"Llama-family models ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    family_of(config)
     return config
 
 

@@ -14,8 +14,9 @@ from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
 from kvrelay.engine import shared_pages
 from kvrelay.engine.models import gguf_int4, gguf_q8_head, small_steps
-from kvrelay.engine.models.llama import LlamaForCausalLM
+from kvrelay.engine.models.decoder import DecoderLM
 from kvrelay.engine.models.no_init import skip_weight_init
+from kvrelay.engine.models.registry import build_model
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
 from kvrelay.engine.models.weights import load_weights
 from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
@@ -67,6 +68,7 @@ class ModelRunner:
         self.head_dim = (getattr(hf_config, "head_dim", None)
                          or hf_config.hidden_size // hf_config.num_attention_heads)
         self.num_layers = hf_config.num_hidden_layers
+        self.layer_windows_set = sorted(set(self.model.layer_windows))
         self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: the one KV layout.
         shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads,
@@ -82,9 +84,9 @@ class ModelRunner:
         return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
                 * element_size)
 
-    def _load_model(self, hf_config, model_dir: Path | None) -> LlamaForCausalLM:
+    def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
         with torch.device("meta"), skip_weight_init():
-            model = LlamaForCausalLM(hf_config)
+            model, rename = build_model(hf_config)
         if model_dir is None:
             # Random weights, made where they run (an 8B model's float32 copy on the host
             # would be 32 GB): for kernel and speed measurements with a real config.
@@ -92,14 +94,12 @@ class ModelRunner:
             randomize_weights_(model)
         else:
             model = model.to_empty(device="cpu")
-            load_weights(model, model_dir)
+            load_weights(model, model_dir, rename)
         q4_blocks = self._q4_blocks(hf_config, model_dir, model)
         q8_head = self._q8_head(model_dir, model) if q4_blocks else None
-        model.rotary.reset_tables()  # buffers built on the meta device hold nothing
-        rotary = model.rotary
-        cos_table, sin_table = rotary.cos_table, rotary.sin_table  # keep float32 tables
         model = model.to(device=self.device, dtype=self.dtype).eval()
-        rotary.cos_table, rotary.sin_table = cos_table.to(self.device), sin_table.to(self.device)
+        model.reset_rope_tables_()  # float32 whatever the dtype (meta-built buffers held none)
+        model.rope_tables_to_(self.device)
         if packing_supported(self.device, self.dtype):
             model.pack_for_cpu_()
             # bf16 only: in float32 the torch ops stay, so parity with HF is op for op.
@@ -109,7 +109,7 @@ class ModelRunner:
             self._use_small_step_kernels(model, q4_blocks or {}, q8_head)
         return model
 
-    def _use_small_step_kernels(self, model: LlamaForCausalLM, q4_blocks: dict,
+    def _use_small_step_kernels(self, model: DecoderLM, q4_blocks: dict,
                                 q8_head) -> None:
         """Steps of up to int4_max_tokens tokens on the 4-bit weights, then up to
         amx_max_tokens on AMX tiles; oneDNN above (small_steps.py)."""
@@ -195,11 +195,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, on_layer_done=None) -> torch.Tensor:
         """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
-        attn_meta = build_attention_metadata(step.cu_seqlens_q, step.seq_lens, step.block_tables,
-                                             self.block_size, max_seqlen_q=step.max_seqlen_q,
-                                             max_seqlen_k=step.max_seqlen_k)
-        return self.model(step.input_ids, step.positions, self.kv_caches, step.slot_mapping,
-                          attn_meta, step.logits_indices, on_layer_done)
+        by_window = {window: self._metadata(step, window) for window in self.layer_windows_set}
+        attn_metas = [by_window[window] for window in self.model.layer_windows]
+        slot_mappings = [step.slot_mapping] * self.num_layers
+        return self.model(step.input_ids, step.positions, self.kv_caches, slot_mappings,
+                          attn_metas, step.logits_indices, on_layer_done)
+
+    def _metadata(self, step: StepInput, window: int):
+        """The step's attention metadata for the layers of one window (0: full attention)."""
+        extra = {"window": window} if window else {}
+        return build_attention_metadata(step.cu_seqlens_q, step.seq_lens, step.block_tables,
+                                        self.block_size, max_seqlen_q=step.max_seqlen_q,
+                                        max_seqlen_k=step.max_seqlen_k, **extra)
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

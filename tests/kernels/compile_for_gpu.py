@@ -5,6 +5,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kvrelay.kernels.triton_moe import _down_kernel, _gate_up_kernel
 from kvrelay.kernels.triton_paged_attention import _paged_attention_kernel
 from kvrelay.kernels.triton_rejection import _rejection_kernel
 from kvrelay.kernels.triton_store_kv import _store_kv_kernel, store_kv_triton
@@ -45,12 +46,28 @@ def compile_rejection():
     return triton.compile(ASTSource(_rejection_kernel, signature, constexprs), target=HOPPER)
 
 
+def compile_moe(dtype: str, block_m: int):
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, DOT_IN_FP32=False,
+                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    shared = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32")
+    gate_up_constexprs = dict(tiles, ACTIVATION=0)
+    pointers = dict(shared, hidden_ptr=f"*{dtype}", w13_ptr=f"*{dtype}", act_ptr=f"*{dtype}")
+    signature = _signature(_gate_up_kernel, pointers, gate_up_constexprs)
+    triton.compile(ASTSource(_gate_up_kernel, signature, gate_up_constexprs), target=HOPPER)
+    pointers = dict(shared, act_ptr=f"*{dtype}", w2_ptr=f"*{dtype}", weights_ptr="*fp32",
+                    out_ptr="*fp32")
+    signature = _signature(_down_kernel, pointers, tiles)
+    return triton.compile(ASTSource(_down_kernel, signature, tiles), target=HOPPER)
+
+
 if __name__ == "__main__":
     bf16_prefill = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64)
     assert "wgmma" in bf16_prefill.asm["ptx"], "bf16 attention should use Hopper tensor cores"
     compile_attention("fp32", group_size=8, block_m=16, head_dim_padded=128)
     compile_store("bf16")
     compile_rejection()
+    compile_moe("bf16", block_m=16)
+    compile_moe("fp32", block_m=64)
     try:  # compiled kernels cannot take CPU tensors: expect the explicit error, not a crash
         cache = torch.zeros(1, 16, 1, 64)
         store_kv_triton(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))

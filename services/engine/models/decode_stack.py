@@ -43,9 +43,10 @@ class DecodeStack:
 
     @staticmethod
     def fits(model, tiles: dict) -> bool:
-        """Whether the model is one the stack runs: every layer matmul on 4-bit tiles, no
-        biases, the native norms and decode attention in use."""
-        return (all(name in tiles for name in matmul_names(len(model.layers)))
+        """Whether the model is one the stack runs: Llama's own layers (no window, soft-cap,
+        extra norms...), every layer matmul on 4-bit tiles, no biases, the native norms and
+        decode attention in use."""
+        return (model.spec.plain and all(name in tiles for name in matmul_names(len(model.layers)))
                 and all(layer.self_attn.qkv_proj.bias is None for layer in model.layers)
                 and model.norm.native is not None
                 and native_cpu.paged_decode_op() is not None)

@@ -16,20 +16,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-_PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the blocked layout for; any M still works
+from kvrelay.kernels.onednn_linear import onednn_packs_bf16, pack_weight, packed_matmul
+
 EVERY_STEP = 1 << 30  # a small-step kernel's max_rows that takes any step
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the model's linears become PackedLinears (bf16 on CPU)."""
     return device.type == "cpu" and dtype == torch.bfloat16
-
-
-def onednn_packs_bf16() -> bool:
-    """Whether oneDNN can pre-pack bf16 weights on this CPU (it raises where it cannot)."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -39,8 +33,7 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed_weight = self.weight = None
         if onednn_packs_bf16():
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                         _PACK_BATCH_HINT)
+            self.packed_weight = pack_weight(weight)
         else:
             self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
@@ -65,8 +58,7 @@ class PackedLinear(nn.Module):
         return self.onednn_matmul(x)
 
     def onednn_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features], packed only
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight,
-                                                  self.bias, "none", [], "")
+        return packed_matmul(x, self.packed_weight, self.bias)
 
 
 def onednn_min_rows(layers: nn.Module) -> int | None:
@@ -97,9 +89,13 @@ def _onednn_linears(module: nn.Module):
             if isinstance(m, PackedLinear) and m.packed_weight is not None)
 
 
-def pack_linears_(model: nn.Module) -> None:
-    """Replace every nn.Linear in the model by a PackedLinear, in place."""
+def pack_linears_(model: nn.Module,
+                  skip_parent: Callable[[nn.Module], bool] = lambda parent: False) -> None:
+    """Replace every nn.Linear in the model by a PackedLinear, in place (but the children of
+    modules `skip_parent` picks)."""
     for parent in list(model.modules()):
+        if skip_parent(parent):
+            continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))

@@ -1,0 +1,54 @@
+"""The experts of one mixture-of-experts layer: stacked weights, and their packed CPU form."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvrelay.kernels.onednn_linear import onednn_packs_bf16, pack_weight
+
+
+class ExpertWeights(nn.Module):
+    """w13 [E, 2 * I, H]: each expert's gate rows then its up rows (the loader fuses the
+    checkpoint's gate_proj/up_proj, or w1/w3); w2 [E, H, I]: the down projections."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
+            raise ValueError(f"ExpertWeights takes w13 [E, 2*I, H] and w2 [E, H, I], got "
+                             f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+        num_experts, two_inter, hidden = w13.shape
+        if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+            raise ValueError(f"w2 must be [E, H, I] = {(num_experts, hidden, two_inter // 2)} "
+                             f"to match w13 {tuple(w13.shape)}, got {tuple(w2.shape)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = (
+            num_experts, hidden, two_inter // 2)
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        # per expert, oneDNN's opaque copies of w13[e] and w2[e] (prepare_for_cpu_)
+        self.packed_w13: list[torch.Tensor] | None = None
+        self.packed_w2: list[torch.Tensor] | None = None
+
+    def prepare_for_cpu_(self) -> None:
+        """After the weights are loaded and cast: pack each bf16 expert for oneDNN where this
+        CPU can. The packed copies replace w13 and w2 (which are released, as PackedLinear
+        drops its plain weight), so the experts are held once."""
+        if self.w13.device.type != "cpu" or self.w13.dtype != torch.bfloat16:
+            return
+        if not onednn_packs_bf16() or self.packed_w13 is not None:
+            return
+        self.packed_w13 = [pack_weight(self.w13[e]) for e in range(self.num_experts)]
+        self.packed_w2 = [pack_weight(self.w2[e]) for e in range(self.num_experts)]
+        self.w13 = self.w2 = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed_w13[0].dtype if self.w13 is None else self.w13.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.w13 is None else self.w13.device
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, "
+                f"packed={self.packed_w13 is not None}")

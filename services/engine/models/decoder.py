@@ -1,0 +1,201 @@
+"""Any decoder family over a flat varlen batch, built from its ArchSpec and the shared layers.
+
+Tokens of all sequences in a step are concatenated ([num_tokens, hidden]); attention reads and
+writes the paged KV cache through kernels/. No padding, and logits only for sampled rows.
+q/k/v and gate/up projections are fused into one matmul each: fewer, larger GEMMs run faster.
+Each layer gets its own KV cache, slot mapping and attention metadata (layers with a window,
+or in another KV group, see other ones).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.engine.models.arch import ArchSpec
+from kvrelay.engine.models.decode_stack import DecodeStack
+from kvrelay.engine.models.layers.attention import Attention
+from kvrelay.engine.models.layers.mlp import GatedMLP
+from kvrelay.engine.models.layers.moe import SparseMoE
+from kvrelay.engine.models.layers.norm import RMSNorm
+from kvrelay.engine.models.packed_linear import PackedLinear, pack_linears_
+from kvrelay.engine.models.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V [num_blocks, block_size, kv_heads, head_dim]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, index: int) -> None:
+        super().__init__()
+        self.window = spec.layer_windows[index]
+        self.rope_key = spec.layer_ropes[index]
+        self.self_attn = Attention(spec)
+        self.mlp = (SparseMoE(spec.hidden_size, spec.moe, spec.activation)
+                    if spec.moe_layers[index] else
+                    GatedMLP(spec.hidden_size, spec.intermediate_size, spec.activation))
+        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:  # Gemma: post_attention_layernorm normalises the attention's output
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm before the MLP (transformers names it differently with sandwich norms)."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def _attention(self, rope, normed, kv_cache, slot_mapping, attn_meta) -> torch.Tensor:
+        out = self.self_attn(rope, normed, kv_cache, slot_mapping, attn_meta)
+        return self.post_attention_layernorm(out) if self.sandwich else out
+
+    def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(normed)
+        return self.post_feedforward_layernorm(out) if self.sandwich else out
+
+    def forward(self, rope, hidden, kv_cache, slot_mapping, attn_meta) -> torch.Tensor:
+        hidden = hidden + self._attention(rope, self.input_layernorm(hidden), kv_cache,
+                                          slot_mapping, attn_meta)
+        return hidden + self._mlp(self.mlp_norm(hidden))
+
+    def forward_fused(self, rope, delta: torch.Tensor | None, residual: torch.Tensor, kv_cache,
+                      slot_mapping, attn_meta) -> torch.Tensor:
+        """The same layer with each skip connection's add fused into the norm after it (native
+        ops): the residual stream is `residual + delta` (delta None on the first layer), updated
+        in place; returns this layer's MLP output, the next delta."""
+        if delta is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed = self.input_layernorm.add_and_norm(delta, residual)
+        attn_out = self._attention(rope, normed, kv_cache, slot_mapping, attn_meta)
+        return self._mlp(self.mlp_norm.add_and_norm(attn_out, residual))
+
+
+class DecoderLM(nn.Module):
+    """A family's causal LM; `config` is the Hugging Face config, `spec` what the family read
+    from it (models/<family>.py)."""
+
+    def __init__(self, config, spec: ArchSpec) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.ropes = nn.ModuleDict({key: RotaryEmbedding(config, key, spec.rotary_dim)
+                                    for key in dict.fromkeys(spec.layer_ropes)})
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, index) for index in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.packed_head: PackedLinear | None = None
+        # every layer of a small decode step in one native call (decode_stack.py), if attached
+        self.decode_stack: DecodeStack | None = None
+        self.fused_layers = False  # the layers' skip adds fused into the norms (native ops)
+
+    @property
+    def layer_windows(self) -> list[int]:
+        return list(self.spec.layer_windows)
+
+    def reset_rope_tables_(self) -> None:
+        """cos/sin in float32 on the CPU (buffers built on the meta device hold nothing)."""
+        for rope in self.ropes.values():
+            rope.reset_tables()
+
+    def rope_tables_to_(self, device: torch.device) -> None:
+        for rope in self.ropes.values():  # kept float32 whatever the model's dtype
+            rope.cos_table, rope.sin_table = rope.cos_table.to(device), rope.sin_table.to(device)
+
+    def use_native_cpu_ops_(self, ops) -> None:
+        """Route norms, rope and the MLP's activation to the fused CPU kernels (one pass each)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = ops if module.takes_native() else None
+            elif isinstance(module, (Attention, GatedMLP)):
+                module.native = ops
+        self.fused_layers = True
+
+    @property
+    def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def pack_for_cpu_(self) -> None:
+        """After loading bf16 weights on CPU: pre-pack every matmul's weight for oneDNN (the
+        experts' too)."""
+        self.packed_head = PackedLinear(self.head_weight, None)
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.experts.prepare_for_cpu_()
+        # the routers stay plain: they run in float32 (layers/moe.py)
+        pack_linears_(self.layers, skip_parent=lambda parent: isinstance(parent, SparseMoE))
+
+    def add_small_step_kernels_(self, max_rows: int, layer_matmuls: dict,
+                                head_matmul: Callable | None) -> None:
+        """Steps of at most max_rows tokens run on other kernels (small_steps.py):
+        layer_matmuls maps parameter name ("layers.3.mlp.down_proj") -> its matmul."""
+        for name, module in self.named_modules():
+            if name in layer_matmuls:
+                module.add_small_step_kernel_(max_rows, layer_matmuls[name])
+        if head_matmul is not None and self.packed_head is not None:
+            self.packed_head.add_small_step_kernel_(max_rows, head_matmul)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.spec.embed_scale != 1.0:  # rounded to the dtype first, as transformers does
+            hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], slot_mappings: list[torch.Tensor],
+                attn_metas: list[AttentionMetadata], logits_indices: torch.Tensor,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        # input_ids, positions [T]; per layer: kv_caches, slot_mappings [T], attn_metas;
+        # logits_indices [S] rows to sample -> [S, vocab] float32.
+        # on_layer_done(i) runs once layer i's KV for this step is stored (the KV connector
+        # starts pushing that layer while later layers compute).
+        hidden = self._embed(input_ids)
+        ropes = {key: rope.tables_for(positions, hidden.dtype) for key, rope in self.ropes.items()}
+        if self.fused_layers:
+            hidden = self._layers_fused(ropes, hidden, kv_caches, slot_mappings, attn_metas,
+                                        logits_indices, on_layer_done)
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden = layer(ropes[layer.rope_key], hidden, kv_caches[index],
+                               slot_mappings[index], attn_metas[index])
+                if on_layer_done is not None:
+                    on_layer_done(index)
+            hidden = self.norm(hidden[logits_indices])
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] f32
+        if self.packed_head is not None:
+            logits = self.packed_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.head_weight).float()
+        cap = self.spec.final_soft_cap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _layers_fused(self, ropes, hidden, kv_caches, slot_mappings, attn_metas,
+                      logits_indices, on_layer_done) -> torch.Tensor:
+        """The layers with fused add + norm; returns the final norm of the sampled rows only
+        (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
+        residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
+        stack = self.decode_stack
+        if stack is not None and stack.takes(hidden.shape[0], attn_metas[0], kv_caches):
+            delta = stack.run(residual, ropes[self.spec.layer_ropes[0]], kv_caches,
+                              slot_mappings[0], attn_metas[0])
+            # every layer's K/V is stored by now: a push that waits on them starts at once
+            # (the stack's steps are a few tokens, so little overlap is lost)
+            for index in range(len(self.layers) if on_layer_done is not None else 0):
+                on_layer_done(index)
+        else:
+            for index, layer in enumerate(self.layers):
+                delta = layer.forward_fused(ropes[layer.rope_key], delta, residual,
+                                            kv_caches[index], slot_mappings[index],
+                                            attn_metas[index])
+                if on_layer_done is not None:
+                    on_layer_done(index)
+        return self.norm.add_and_norm(delta[logits_indices], residual[logits_indices])
