@@ -9,7 +9,7 @@ LAYOUT := .venv/.layout
 # redone, which happens whenever a package folder's listing changes (its mtime).
 PKG_DIRS := $(shell find services kernels -type d -not -name __pycache__)
 
-.PHONY: test chaos soak compose-test fuzz up bench protos docs venv clean
+.PHONY: test chaos soak compose-test test-families fuzz up bench protos docs venv clean
 
 venv: $(LAYOUT)
 
@@ -27,6 +27,10 @@ $(LAYOUT): $(STAMP) $(PKG_DIRS)
 
 test: $(LAYOUT)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q --durations=25 tests
+
+# Every model family through a real PD stack (make test starts two of them): ~10 minutes.
+test-families: $(LAYOUT)
+	KVRELAY_FAMILY_STACKS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/families
 
 # Real faults (24 SIGKILLs, SIGSTOP, 1,000 disconnects, a cut KV link) on real stacks under
 # load: ~20 minutes.

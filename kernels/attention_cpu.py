@@ -3,8 +3,9 @@
 Both read K/V in place through the block table (kernels/csrc/paged_decode.cpp, paged_prefill.cpp;
 a speculative step's bf16 runs of rows go to the prefill kernel, paged_decode_runs.cpp).
 Where a kernel cannot be built, or does not take the dtypes or shapes, decode rows go the torch
-way (cpu_decode_torch.py) and prefill sequences one SDPA call each. All indices and masks come
-from the step's CpuAttentionPlan.
+way (cpu_decode_torch.py) and prefill sequences one SDPA call each (with a soft cap, which SDPA
+lacks, an explicit fp32 path). All indices and masks come from the step's CpuAttentionPlan,
+which holds the sliding window: the torch paths gather only the keys a query sees.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvrelay.kernels import native_cpu
 from kvrelay.kernels.cpu_decode_torch import decode_attention_torch
 from kvrelay.kernels.cpu_plan import CpuAttentionPlan, PrefillSeq
 from kvrelay.kernels.metadata import AttentionMetadata
+from kvrelay.kernels.soft_capped_attention import soft_capped_attention
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -26,6 +28,7 @@ def paged_attention_cpu(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float = 0.0,  # > 0: scores become soft_cap * tanh(score / soft_cap)
 ) -> torch.Tensor:
     plan = meta.cpu_plan
     if plan is None:
@@ -37,12 +40,12 @@ def paged_attention_cpu(
         if plan.num_tokens < query.shape[0]:
             out[plan.num_tokens:].zero_()
     if plan.decode.num_rows:
-        _decode_attention(query, k_cache, v_cache, plan, scale, out)
+        _decode_attention(query, k_cache, v_cache, plan, scale, out, soft_cap)
     if plan.prefill_rows is not None and not _native_prefill(query, k_cache, v_cache, plan,
-                                                              scale, out):
+                                                              scale, out, soft_cap):
         key_slots, value_slots = _slot_major(k_cache), _slot_major(v_cache)
         for seq in plan.prefills:
-            _prefill_attention(query, key_slots, value_slots, seq, scale, out)
+            _prefill_attention(query, key_slots, value_slots, seq, scale, out, soft_cap)
     return out
 
 
@@ -53,13 +56,16 @@ def _decode_attention(
     plan: CpuAttentionPlan,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float,
 ) -> None:
     native = native_cpu.paged_decode_op() if _native_takes(query, k_cache, v_cache, out) else None
     if native is None:
-        decode_attention_torch(query, _slot_major(k_cache), _slot_major(v_cache), plan, scale, out)
+        decode_attention_torch(query, _slot_major(k_cache), _slot_major(v_cache), plan, scale, out,
+                               soft_cap)
         return
     rows = plan.decode
-    native(out, query, k_cache, v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, scale)
+    native(out, query, k_cache, v_cache, rows.token_ids, rows.seq_lens, rows.block_tables, scale,
+           plan.window, soft_cap)
 
 
 def _native_prefill(
@@ -69,6 +75,7 @@ def _native_prefill(
     plan: CpuAttentionPlan,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float,
 ) -> bool:
     """Every prefill sequence of the step in one native call; False where the kernel does not
     run (then the SDPA path does)."""
@@ -78,7 +85,7 @@ def _native_prefill(
         return False
     rows = plan.prefill_rows
     native(out, query, k_cache, v_cache, rows.token_starts, rows.query_lens, rows.seq_lens,
-           rows.block_tables, scale)
+           rows.block_tables, scale, plan.window, soft_cap)
     return True
 
 
@@ -110,12 +117,15 @@ def _prefill_attention(
     seq: PrefillSeq,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float,
 ) -> None:
     tokens = slice(seq.token_start, seq.token_start + seq.query_len)
-    keys = key_slots.index_select(0, seq.slot_ids).transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+    keys = key_slots.index_select(0, seq.slot_ids).transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
     values = value_slots.index_select(0, seq.slot_ids).transpose(0, 1)
     queries = query[tokens].transpose(0, 1)  # [num_q_heads, query_len, head_dim]
-    if seq.causal_mask is None:
+    if soft_cap > 0:
+        attended = _soft_capped(queries, keys, values, _visible(seq), scale, soft_cap)
+    elif seq.causal_mask is None:
         context_len = seq.slot_ids.numel() - seq.query_len
         attended = _causal_with_short_context(queries, keys, values, context_len, scale)
     else:
@@ -140,6 +150,29 @@ def _causal_with_short_context(
     attended = F.scaled_dot_product_attention(queries[None], keys[None], values[None],
                                               is_causal=True, scale=scale, enable_gqa=True)
     return attended[0, :, context_len:]
+
+
+def _visible(seq: PrefillSeq) -> torch.Tensor:  # [query_len, num_keys] bool
+    """The plan's mask, or where it has none (plain causal over the whole sequence) that one."""
+    if seq.causal_mask is not None:
+        return seq.causal_mask
+    context_len = seq.slot_ids.numel() - seq.query_len
+    query_positions = context_len + torch.arange(seq.query_len)
+    return torch.arange(seq.slot_ids.numel())[None, :] <= query_positions[:, None]
+
+
+def _soft_capped(
+    queries: torch.Tensor,  # [num_q_heads, query_len, head_dim]
+    keys: torch.Tensor,  # [num_kv_heads, num_keys, head_dim]
+    values: torch.Tensor,  # [num_kv_heads, num_keys, head_dim]
+    visible: torch.Tensor,  # [query_len, num_keys] bool
+    scale: float,
+    soft_cap: float,
+) -> torch.Tensor:  # [num_q_heads, query_len, head_dim]
+    group_size = queries.shape[0] // keys.shape[0]
+    keys = keys.repeat_interleave(group_size, dim=0)
+    values = values.repeat_interleave(group_size, dim=0)
+    return soft_capped_attention(queries, keys, values, visible, scale, soft_cap)
 
 
 def _masked(

@@ -9,12 +9,16 @@ decode rows, row j seeing the keys up to its own position: causal. The native de
 such runs of consecutive rows again (csrc/paged_decode_runs.cpp): in bf16 it computes each run as
 one short causal block on the prefill kernel, reading its keys once; in fp32 each row's attention
 is computed exactly as a plain decode step would compute it.
+With a sliding window (the plan's `window`), every index built here starts at a query's first
+visible key (sliding_window.py): block-table entries before it are never looked up.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kvrelay.kernels.sliding_window import first_visible_key, limits_keys
 
 # Sequences with at most this many query tokens are planned as decode rows (1 + the most
 # speculative drafts, spec/config.py).
@@ -46,8 +50,12 @@ class PrefillRows:
 class PrefillSeq:
     token_start: int
     query_len: int
-    slot_ids: torch.Tensor  # [seq_len] int64, cache slots of the whole sequence
-    causal_mask: torch.Tensor | None  # [query_len, seq_len] bool; None when context <= query_len
+    # [num_keys] int64, cache slots of the keys the queries see: the whole sequence, or with a
+    # sliding window its keys from the first query's first visible one
+    slot_ids: torch.Tensor
+    # [query_len, num_keys] bool, causal and windowed; None (plain causal over the whole
+    # sequence) when no window limits it and context <= query_len
+    causal_mask: torch.Tensor | None
 
 
 # Built by cpu_decode_torch.plan_decode_groups, but defined here beside the plan that holds it,
@@ -65,6 +73,7 @@ class CpuAttentionPlan:
     decode: DecodeRows
     block_size: int
     num_tokens: int  # the step's query rows (a padded step's tensors have more)
+    window: int = 0  # the metadata's sliding window (0: none)
     prefill_rows: PrefillRows | None = None  # None: no prefill sequence in the step
     # The torch decode path's padded groups: built by the first layer that needs them, if any.
     padded_decode_groups: list[DecodeGroup] | None = None
@@ -75,7 +84,7 @@ class CpuAttentionPlan:
     @property
     def prefills(self) -> list[PrefillSeq]:
         if self.sdpa_prefills is None:
-            self.sdpa_prefills = _plan_prefills(self.prefill_rows, self.block_size)
+            self.sdpa_prefills = _plan_prefills(self.prefill_rows, self.block_size, self.window)
         return self.sdpa_prefills
 
 
@@ -84,6 +93,7 @@ def plan_cpu_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     block_size: int,
+    window: int = 0,
 ) -> CpuAttentionPlan:
     query_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     if bool((seq_lens < query_lens).any()):
@@ -91,7 +101,7 @@ def plan_cpu_attention(
     prefill_seqs = (query_lens > MAX_DECODE_ROWS_PER_SEQ).nonzero().squeeze(1).tolist()
     decode = _decode_rows(query_lens, cu_seqlens_q, seq_lens, block_tables)
     return CpuAttentionPlan(decode=decode, block_size=block_size,
-                            num_tokens=int(cu_seqlens_q[-1]),
+                            num_tokens=int(cu_seqlens_q[-1]), window=window,
                             prefill_rows=_prefill_rows(prefill_seqs, cu_seqlens_q, query_lens,
                                                        seq_lens, block_tables))
 
@@ -159,10 +169,10 @@ def slot_ids(
     return blocks * block_size + positions % block_size
 
 
-def _plan_prefills(rows: PrefillRows | None, block_size: int) -> list[PrefillSeq]:
+def _plan_prefills(rows: PrefillRows | None, block_size: int, window: int) -> list[PrefillSeq]:
     if rows is None:
         return []
-    return [_plan_prefill(int(start), int(query_len), int(seq_len), table, block_size)
+    return [_plan_prefill(int(start), int(query_len), int(seq_len), table, block_size, window)
             for start, query_len, seq_len, table in zip(rows.token_starts, rows.query_lens,
                                                         rows.seq_lens, rows.block_tables)]
 
@@ -173,15 +183,20 @@ def _plan_prefill(
     seq_len: int,
     block_table: torch.Tensor,  # [max_blocks_per_seq] int32
     block_size: int,
+    window: int,
 ) -> PrefillSeq:
-    positions = torch.arange(seq_len)
     context_len = seq_len - query_len
+    if not limits_keys(window, seq_len):
+        window = 0  # every query sees all its keys: plain causal attention, cheaper below
+    positions = torch.arange(first_visible_key(context_len, window), seq_len)
     causal_mask = None
     # A short context (e.g. a prefix-cache hit) is cheaper as is_causal over padded queries
     # than as a mask (see attention_cpu._causal_with_short_context): no mask then.
-    if context_len > query_len:
+    if context_len > query_len or window:
         query_positions = context_len + torch.arange(query_len)
         causal_mask = positions[None, :] <= query_positions[:, None]
+        if window:
+            causal_mask &= positions[None, :] > query_positions[:, None] - window
     return PrefillSeq(
         token_start=token_start,
         query_len=query_len,

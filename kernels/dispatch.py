@@ -38,9 +38,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
+    """Causal attention of each query over its sequence's cached keys, limited to meta.window
+    keys where that is > 0; soft_cap > 0 caps each score s = scale * q.k to
+    soft_cap * tanh(s / soft_cap) before the mask and softmax (kernels/attention_reference.py)."""
+    if soft_cap < 0:
+        raise ValueError(f"soft_cap must be >= 0 (0: none), got {soft_cap}")
     if query.is_cuda:
         from kvrelay.kernels.triton_paged_attention import paged_attention_triton
 
-        return paged_attention_triton(query, k_cache, v_cache, meta, scale, out)
-    return paged_attention_cpu(query, k_cache, v_cache, meta, scale, out)
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, out, soft_cap)
+    return paged_attention_cpu(query, k_cache, v_cache, meta, scale, out, soft_cap)

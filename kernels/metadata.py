@@ -16,6 +16,9 @@ class AttentionMetadata:
     block_size: int
     max_seqlen_q: int
     max_seqlen_k: int
+    # Sliding window of every layer that uses this metadata: the query at position i sees keys
+    # i - window < j <= i; 0 is full causal attention (kernels/sliding_window.py).
+    window: int = 0
     # Only for CPU tensors: the decode/prefill split and gather indices of the torch fast path.
     cpu_plan: CpuAttentionPlan | None = None
 
@@ -27,6 +30,8 @@ class AttentionMetadata:
             raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {list(self.block_tables.shape)}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0 (0: no window), got {self.window}")
 
     @property
     def num_seqs(self) -> int:
@@ -40,6 +45,7 @@ def build_attention_metadata(
     block_size: int,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    window: int = 0,
 ) -> AttentionMetadata:
     # Callers on GPU should pass the maxima: computing them here costs a device sync.
     if max_seqlen_q is None:
@@ -53,7 +59,8 @@ def build_attention_metadata(
         block_size=block_size,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        window=window,
     )
     if seq_lens.device.type == "cpu":
-        meta.cpu_plan = plan_cpu_attention(cu_seqlens_q, seq_lens, block_tables, block_size)
+        meta.cpu_plan = plan_cpu_attention(cu_seqlens_q, seq_lens, block_tables, block_size, window)
     return meta

@@ -2,8 +2,8 @@
 cannot be: one place for the rules the kernels/native_*.py modules share.
 
 torch.utils.cpp_extension compiles an extension once into torch's extension directory
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR); later processes find it built and only
-load it. Without a compiler or ninja the build fails, and the caller keeps its torch path
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), under a name that hashes its sources, the
+CPU and torch; later processes find it built and only load it. Without a compiler or ninja the build fails, and the caller keeps its torch path
 instead: each native_* module decides once per process (functools.cache), with one warning.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def load_extension(name: str, sources: Sequence[str], cflags: Sequence[str], wha
     `name` plus this machine's tag; None, with a warning that `what` is unavailable and
     `fallback` runs instead, where the build (or `check` of the built module) fails."""
     try:
-        module = _build(f"{name}_{_machine_tag()}", sources, cflags)
+        module = _build(f"{name}_{_build_tag(cflags)}", sources, cflags)
         if check is not None:
             check(module)
         return module
@@ -81,7 +81,21 @@ def _put_pip_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
 
 
-def _machine_tag() -> str:
-    """Short hash of what the binary depends on besides its source: CPU features and torch."""
+@functools.cache
+def _sources_digest() -> str:
+    """Every file under csrc/ (sources and headers): a changed kernel gets a new name, so no
+    process loads a build of other sources that sits in the shared cache directory (torch
+    rebuilds by file times, which a build from another checkout of the same name defeats)."""
+    digest = hashlib.sha1()
+    for path in sorted(CSRC.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _build_tag(cflags: Sequence[str]) -> str:
+    """Short hash of what the binary depends on: its sources, CPU features, torch, flags."""
     flags_line = _cpuinfo_flags_line() or platform.machine()
-    return hashlib.sha1(f"{flags_line}|{torch.__version__}".encode()).hexdigest()[:10]
+    key = f"{flags_line}|{torch.__version__}|{' '.join(cflags)}|{_sources_digest()}"
+    return hashlib.sha1(key.encode()).hexdigest()[:10]

@@ -5,6 +5,11 @@ those tokens times the GQA group of q heads sharing the kv head (BLOCK_M = BLOCK
 so each K/V tile read from the paged cache serves the whole group. It walks the sequence's keys
 in TILE_N chunks, looking up physical blocks in the block table in-kernel, with an online
 softmax in fp32 and a causal mask shifted by the sequence's cached context.
+
+A sliding window (meta.window) starts a program's keys at its first query's first visible key,
+so block-table entries before it are never loaded, and masks each row's keys before its own
+window; a soft cap bends the scores before the mask. Both are compile-time switches: the
+default kernel is the one without them.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     qk_scale_log2,  # softmax scale times log2(e): the softmax runs on exp2
+    window,  # sliding window in keys (read only with HAS_WINDOW)
+    soft_cap_log2,  # soft cap times log2(e), the cap of the base-2 scores (read only with HAS_SOFT_CAP)
     num_seqs,
     head_dim,
     out_stride_token,
@@ -64,6 +71,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the CPU interpreter cannot dot bf16)
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs out of TF32
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,7 +105,10 @@ def _paged_attention_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    for key_start in range(0, num_keys, TILE_N):
+    first_key = 0
+    if HAS_WINDOW:  # the tile's first query sees the earliest keys of all its rows
+        first_key = tl.maximum(context_len + tile_in_seq * BLOCK_Q - window + 1, 0)
+    for key_start in range(first_key, num_keys, TILE_N):
         key_position = key_start + tl.arange(0, TILE_N)
         key_valid = key_position < num_keys
         physical_block = tl.load(block_table + key_position // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
@@ -114,7 +126,15 @@ def _paged_attention_kernel(
             values = values.to(tl.float32)
 
         scores = tl.dot(query, keys_t, input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, TILE_N] fp32
+        if HAS_SOFT_CAP:
+            # cap * tanh(s / cap) on base-2 scores: tanh(y) = sign(y) (1 - e) / (1 + e), with
+            # e = exp(-2 |y|) = 2^(-2 |y| log2 e) <= 1.
+            e = tl.exp2(tl.abs(scores) * (-2.0 * 1.4426950408889634 / soft_cap_log2))
+            capped = soft_cap_log2 * (1.0 - e) / (1.0 + e)
+            scores = tl.where(scores < 0.0, -capped, capped)
         allowed = key_valid[None, :] & (key_position[None, :] <= q_position[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (key_position[None, :] > q_position[:, None] - window)
         scores = tl.where(allowed, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # Rows with no allowed key yet (only padding rows) keep a finite max: no inf - inf.
@@ -149,6 +169,7 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float = 0.0,  # > 0: scores become soft_cap * tanh(score / soft_cap)
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -175,6 +196,8 @@ def paged_attention_triton(
         meta.seq_lens,
         meta.cu_seqlens_q,
         scale * LOG2_E,
+        meta.window,
+        soft_cap * LOG2_E,
         meta.num_seqs,
         head_dim,
         out.stride(0),
@@ -198,5 +221,7 @@ def paged_attention_triton(
         # uint16 bits; on GPUs bf16 operands go to the tensor cores as they are.
         DOT_IN_FP32=query.device.type == "cpu",
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=meta.window > 0,
+        HAS_SOFT_CAP=soft_cap > 0,
     )
     return out

@@ -44,7 +44,7 @@ class NewSequence:
     sequence_id: str
     token_ids: tuple[int, ...]
     params: SamplingParams
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV group, its block table
     num_computed_tokens: int
     eos_token_ids: tuple[int, ...]
     child_index: int
@@ -55,7 +55,7 @@ class NewSequence:
 class ScheduledSequence:  # not frozen: one per row per step (above)
     sequence_id: str
     num_new_tokens: int
-    new_block_ids: tuple[int, ...]
+    new_block_ids: tuple[tuple[int, ...], ...]  # per KV group, appended to its table
     # In a step that samples a constrained sequence: its grammar's allowed tokens, packed as
     # little-endian int32 words (engine/structured/backend.py). Empty: unconstrained.
     token_bitmask: bytes = b""  # with drafts: one mask per sampled position, concatenated

@@ -88,3 +88,24 @@ def token_logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
         token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
         top=[common_pb2.TopLogprob(token_id=token_id, logprob=logprob)
              for token_id, logprob in entry.top])
+
+
+# A sequence's block tables, one per KV group (engine/kv_groups.py), travel as one id list and
+# the groups' counts; one group (every model without windows) sends no counts.
+def group_tables_to_wire(tables: tuple[tuple[int, ...], ...]) -> tuple[list[int], list[int]]:
+    """-> (ids, group_block_counts)"""
+    if len(tables) == 1:
+        return list(tables[0]), []
+    return [block_id for table in tables for block_id in table], [len(table) for table in tables]
+
+
+def group_tables_from_wire(block_ids, counts) -> tuple[tuple[int, ...], ...]:
+    if not counts:
+        return (tuple(block_ids),)
+    if sum(counts) != len(block_ids):
+        raise ValueError(f"{len(block_ids)} block ids for group counts {list(counts)}")
+    tables, start = [], 0
+    for count in counts:
+        tables.append(tuple(block_ids[start:start + count]))
+        start += count
+    return tuple(tables)

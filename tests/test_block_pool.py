@@ -8,6 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvrelay.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.prefix_hits import first_in_window
 from kvrelay.engine.request import Request, RequestStatus
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import Scheduler
@@ -66,18 +67,21 @@ def test_shared_prefix_is_found_and_capped_before_the_last_token():
     first = _request("a", list(range(10)))
     assert kv.allocate_slots(first, 10)
     second = _request("b", list(range(8)) + [77, 78])
-    blocks, num_cached = kv.get_computed_blocks(second)
-    assert num_cached == 8 and blocks == kv.req_blocks["a"][:2]
+    hit = kv.get_computed_blocks(second)
+    assert hit.num_blocks == 2 and hit.blocks == [kv.req_blocks["a"][0][:2]]
     exact = _request("c", list(range(8)))  # fully cached prompt: keep one token to compute
-    assert kv.get_computed_blocks(exact)[1] == 4
+    assert kv.get_computed_blocks(exact).num_blocks == 1
 
 
 class KVManagerMachine(RuleBasedStateMachine):
     """admit / append / finish / abort / preempt in any order; accounting must always hold."""
+    GROUP_WINDOWS = (0,)  # per KV group, its window (0: full attention)
+    NUM_BLOCKS = 12
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(12, BLOCK_SIZE, enable_prefix_caching=True)
+        self.kv = KVCacheManager(self.NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True,
+                                 group_windows=self.GROUP_WINDOWS)
         self.live: dict[str, Request] = {}
         self.done: list[Request] = []
         self.next_id = 0
@@ -87,8 +91,9 @@ class KVManagerMachine(RuleBasedStateMachine):
     def admit(self, prefix, tail):
         request = _request(f"r{self.next_id}", prefix + tail)
         self.next_id += 1
-        blocks, num_cached = self.kv.get_computed_blocks(request)
-        if self.kv.allocate_slots(request, request.num_tokens - num_cached, blocks):
+        hit = self.kv.get_computed_blocks(request)
+        num_cached = hit.num_blocks * BLOCK_SIZE
+        if self.kv.allocate_slots(request, request.num_tokens - num_cached, hit):
             request.num_computed_tokens = request.num_tokens
             request.status = RequestStatus.RUNNING
             self.live[request.sequence_id] = request
@@ -126,35 +131,76 @@ class KVManagerMachine(RuleBasedStateMachine):
         _check_accounting(self.kv, self.done)
 
 
+class WindowKVManagerMachine(KVManagerMachine):
+    """The same with a full group and two window groups, and the window sliding: a window
+    group's blocks out of reach are freed (and stay cached), prefix hits span every group."""
+    GROUP_WINDOWS = (0, 6, 9)
+    NUM_BLOCKS = 30
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def slide(self, data):
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        self.kv.free_out_of_window(request)
+
+    @invariant()
+    def out_of_window_entries_are_freed_and_the_rest_held(self):
+        _check_windows(self.kv, self.live.values(), slid=False)
+
+
+def _check_windows(kv: KVCacheManager, requests, slid: bool) -> None:
+    """Freed entries (None) lead each table and are out of the window; with `slid`, every
+    block out of the window of the computed tokens is freed."""
+    for request in requests:
+        tables = kv.req_blocks.get(request.sequence_id)
+        if tables is None:
+            continue
+        for window, table, dropped in zip(kv.windows, tables,
+                                          kv.req_num_dropped[request.sequence_id]):
+            assert all(block is None for block in table[:dropped])
+            assert all(block is not None for block in table[dropped:])
+            first = first_in_window(request.num_computed_tokens, window, BLOCK_SIZE)
+            assert dropped <= first  # nothing a later query reads
+            if slid:
+                assert dropped == min(first, len(table))
+
+
 def _check_accounting(kv: KVCacheManager, finished: list[Request]):
     pool = kv.pool
     used = sum(1 for block in pool.blocks if block.ref_cnt > 0)
     assert pool.num_free_blocks + used == pool.num_blocks
     assert sum(1 for _ in pool.free_queue) == pool.num_free_blocks
     holders: dict[int, int] = {}
-    for blocks in kv.req_blocks.values():
-        for block in blocks:
+    for sequence_id in kv.req_blocks:
+        for block in kv.held_blocks(sequence_id):
             holders[block.block_id] = holders.get(block.block_id, 0) + 1
     for block in pool.blocks:
         assert block.ref_cnt == holders.get(block.block_id, 0), block
-    for block_hash, block in pool.cached.items():
-        assert block.block_hash is not None and block.block_hash.value == block_hash
+    for (group, value), block in pool.cached.items():
+        assert block.block_hash is not None and block.block_hash.value == value
+        assert block.group == group
     for request in finished:
         assert request.sequence_id not in kv.req_blocks
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase
 TestKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestWindowKVManagerMachine = WindowKVManagerMachine.TestCase
+TestWindowKVManagerMachine.settings = settings(max_examples=150, stateful_step_count=40,
+                                               deadline=None)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """The real scheduler on a tiny pool: preemption happens; nothing leaks."""
+    GROUP_WINDOWS = (0,)
+    NUM_BLOCKS = 10
 
     def __init__(self):
         super().__init__()
         config = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=16, max_num_seqs=4,
                               long_prefill_token_threshold=8)
-        self.scheduler = Scheduler(config, num_blocks=10, max_model_len=64)
+        self.scheduler = Scheduler(config, num_blocks=self.NUM_BLOCKS, max_model_len=64,
+                                   group_windows=self.GROUP_WINDOWS)
         self.finished: list[Request] = []
         self.next_id = 0
 
@@ -192,7 +238,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step(eos_row=99)
         assert not self.scheduler.has_unfinished
-        assert self.scheduler.kv.num_free_blocks == 10
+        assert self.scheduler.kv.num_free_blocks == self.NUM_BLOCKS
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
@@ -232,8 +278,8 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
         for request in self.scheduler.running:
             # drafts never count as computed (a recomputing request may be further behind)
             assert request.num_computed_tokens <= request.num_tokens - 1
-            held = len(kv.req_blocks.get(request.sequence_id, ()))
-            assert held <= -(-(request.num_tokens + 3) // BLOCK_SIZE)
+            for table in kv.req_blocks.get(request.sequence_id, ()):  # per group
+                assert len(table) <= -(-(request.num_tokens + 3) // BLOCK_SIZE)
             assert kv.req_num_cached.get(request.sequence_id, 0) <= \
                 request.num_tokens // BLOCK_SIZE
 
@@ -241,3 +287,35 @@ class SpeculativeSchedulerMachine(SchedulerMachine):
 TestSpeculativeSchedulerMachine = SpeculativeSchedulerMachine.TestCase
 TestSpeculativeSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40,
                                                     deadline=None)
+
+
+class WindowSchedulerMachine(SchedulerMachine):
+    """The scheduler over a full group and two window groups: after every step each running
+    request's window groups hold only the blocks their window reaches (the rest freed while it
+    runs), beside prefix hits, chunked prompts and preemption; nothing leaks."""
+    GROUP_WINDOWS = (0, 5, 8)
+    NUM_BLOCKS = 24
+
+    @invariant()
+    def windows_hold_only_what_they_reach(self):
+        _check_windows(self.scheduler.kv, self.scheduler.running, slid=True)
+
+
+TestWindowSchedulerMachine = WindowSchedulerMachine.TestCase
+TestWindowSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40,
+                                               deadline=None)
+
+
+class WindowSpeculativeSchedulerMachine(SpeculativeSchedulerMachine):
+    """Drafts with window groups: rejected drafts never free a block a later query reads."""
+    GROUP_WINDOWS = (0, 5, 8)
+    NUM_BLOCKS = 24
+
+    @invariant()
+    def windows_hold_only_what_they_reach(self):
+        _check_windows(self.scheduler.kv, self.scheduler.running, slid=True)
+
+
+TestWindowSpeculativeSchedulerMachine = WindowSpeculativeSchedulerMachine.TestCase
+TestWindowSpeculativeSchedulerMachine.settings = settings(max_examples=100,
+                                                          stateful_step_count=40, deadline=None)

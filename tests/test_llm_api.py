@@ -193,7 +193,7 @@ def test_n_samples_share_the_prompt_blocks(enable_prefix_caching):
     for child in children:
         llm.engine.add_request(child)
     llm.engine.step()
-    tables = [llm.engine.scheduler.kv.block_ids(child.sequence_id) for child in children]
+    tables = [llm.engine.scheduler.kv.block_ids(child.sequence_id)[0] for child in children]
     assert tables[0][:6] == tables[1][:6] == tables[2][:6]  # full prompt blocks: shared
     assert len({table[6] for table in tables}) == 3  # the partial last block: one each
     while llm.engine.has_unfinished:

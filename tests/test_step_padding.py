@@ -52,7 +52,7 @@ def test_only_steps_that_reach_onednn_pad(bf16):
     assert small.input_ids.shape[0] == below
     step = runner.prepare(_items([(0, 90), (0, 80)], runner.block_size, runner.num_blocks))
     assert step.input_ids.shape[0] == 176 and int(step.cu_seqlens_q[-1]) == 170
-    assert step.slot_mapping[170:].tolist() == [-1] * 6
+    assert step.slot_mappings[0][170:].tolist() == [-1] * 6
     assert step.positions[170:].tolist() == [0] * 6
 
 

@@ -40,7 +40,12 @@ def test_warm_up_runs_the_roles_shapes_and_changes_no_answer(llm, role, monkeypa
 def test_a_cache_too_small_for_a_shape_skips_it():
     assert warmup._items([(0, 512)] * 4, block_size=16, num_blocks=100) == []
     items = warmup._items([(64, 1)] * 2, block_size=16, num_blocks=100)
-    assert [item.block_ids for item in items] == [list(range(0, 5)), list(range(5, 10))]
+    assert [item.block_ids for item in items] == [[list(range(0, 5))], [list(range(5, 10))]]
+    # two KV groups: each sequence a table per group, on blocks of its own
+    items = warmup._items([(64, 1)] * 2, block_size=16, num_blocks=20, num_groups=2)
+    assert [item.block_ids for item in items] == [[list(range(0, 5)), list(range(5, 10))],
+                                                  [list(range(10, 15)), list(range(15, 20))]]
+    assert warmup._items([(64, 1)] * 2, block_size=16, num_blocks=19, num_groups=2) == []
 
 
 def test_only_bf16_on_cpu_warms_up(llm):

@@ -222,8 +222,9 @@ class DecodeStack {
     const at::Tensor v = b.qkv.narrow(1, qk_heads * d, shape_.kv_size()).view({rows, shape_.num_kv_heads, d});
     kvrelay::store_kv_op(k, v, k_cache, v_cache, step.slot_mapping);
     const at::Tensor attn = b.attn.view({rows, shape_.num_heads, d});
+    // The stack runs models without a sliding window or soft cap (DecodeStack.fits).
     kvrelay::paged_decode_attention_op(attn, q, k_cache, v_cache, step.token_ids, step.seq_lens,
-                                       step.block_tables, scale_);
+                                       step.block_tables, scale_, /*window=*/0, /*soft_cap=*/0.0);
     matmul(b.o, b.attn, w.o);
   }
 

@@ -146,6 +146,16 @@ inline Lanes exp2_lanes(Lanes x) {
   return p * (Lanes)exponent_bits;
 }
 
+// Logit soft-capping, c tanh(s / c), on scores kept in base 2 (t = s log2 e, as the kernels'
+// softmax uses exp2): that is C tanh(t / C) with C = c log2 e, the cap in base 2. tanh(y) is
+// sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|) = 2^(-2 |y| log2 e) <= 1, from exp2_lanes.
+inline Lanes soft_cap_lanes(Lanes scores, float cap_base2) {
+  const Lanes magnitude = scores < 0.0f ? -scores : scores;
+  const Lanes e = exp2_lanes(magnitude * (-2.0f * 1.4426950408889634f / cap_base2));
+  const Lanes capped = cap_base2 * (1.0f - e) / (1.0f + e);
+  return scores < 0.0f ? -capped : capped;
+}
+
 // bf16 bits (one per lane, in its low half) of each lane rounded to nearest even, as torch's
 // float -> bfloat16; NaN stays a quiet NaN. The whole-vector form of narrow().
 inline Words narrow_words(Lanes v) {

@@ -62,7 +62,8 @@ struct Tile {
   int64_t offsets[kLanes];  // cache element index of each key's row for this kv head
 };
 
-// Walks a row's keys block by block without a division per key.
+// Walks a row's keys block by block without a division per key, from key `pos` (in block
+// table entry block_index, at `offset`): entries before it are never looked up.
 struct KeyCursor {
   const int32_t* block_table;
   int64_t seq_len, pos = 0, block_index = 0, offset = 0;
@@ -112,6 +113,7 @@ void score_tile(const PagedDecodeArgs& a, const Tile& tile, Scratch& s) {
     store_lanes(sum_each(partial), scores);
     if (a.head_dim % kLanes != 0)
       for (int j = 0; j < count; ++j) scores[j] += dot_tail(query, keys[j], a.head_dim);
+    if (a.soft_cap > 0.0f) store_lanes(soft_cap_lanes(load_lanes(scores), a.soft_cap * kLog2e), scores);
     for (int j = count; j < kLanes; ++j) scores[j] = kMinusInf;  // weighs exactly 0
   }
 }
@@ -178,7 +180,9 @@ bool attend_item(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, Scratch
   const int64_t first_q_head = kv_head * a.group_size;
   const QT* query = static_cast<const QT*>(a.query) + token * a.query_token_stride;
   start_item(a, query + first_q_head * a.query_head_stride, s);
-  KeyCursor cursor{a.block_tables + row * a.block_table_stride, a.seq_lens[row]};
+  const int64_t first_key = first_visible_key(a.seq_lens[row] - 1, a.window);
+  KeyCursor cursor{a.block_tables + row * a.block_table_stride, a.seq_lens[row], first_key,
+                   first_key / a.block_size, first_key % a.block_size};
   Tile tiles[2];
   if (!next_tile(a, kv_head, cursor, tiles[0])) return false;
   for (int t = 0; tiles[t].count > 0; t ^= 1) {
@@ -285,6 +289,7 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
   const KT* v_cache = static_cast<const KT*>(a.v_cache);
   const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
+  const float cap_base2 = a.soft_cap * kLog2e;  // 0: no soft cap
 
   KeyCursor cursor{a.block_tables + row * a.block_table_stride, key_end, key_begin,
                    key_begin / a.block_size, key_begin % a.block_size};
@@ -319,6 +324,7 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
     alignas(64) float probs[G][kLanes];
     for (int g = 0; g < G; ++g) {
       Lanes scores = sum_each(partial[g]);
+      if (cap_base2 > 0.0f) scores = soft_cap_lanes(scores, cap_base2);
       scores = lane_index < float(count) ? scores : minus_inf;  // padding lanes weigh exactly 0
       const float tile_max = max_of(scores);
       if (tile_max > max[g] + kRescaleSlack) {
@@ -352,9 +358,18 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
   return true;
 }
 
+// The keys a decode row sees: [first, end), its query being key end - 1.
+struct KeyRange {
+  int64_t first, end;
+};
+inline KeyRange visible_keys(const PagedDecodeArgs& a, int64_t row) {
+  return {first_visible_key(a.seq_lens[row] - 1, a.window), a.seq_lens[row]};
+}
+
 template <int G, int D, typename QT, typename KT>
 bool attend_item_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head) {
-  return attend_keys_fixed<G, D, QT, KT>(a, row, kv_head, 0, a.seq_lens[row], nullptr);
+  const KeyRange keys = visible_keys(a, row);
+  return attend_keys_fixed<G, D, QT, KT>(a, row, kv_head, keys.first, keys.end, nullptr);
 }
 
 // How a call's (row, kv head) items share the team. Where they are too few to share out evenly
@@ -378,13 +393,18 @@ int64_t key_parts(const PagedDecodeArgs& a) {
   const int64_t items = a.rows * a.num_kv_heads;
   if (!std::is_same_v<QT, uint16_t> || items >= kMinItems || !split_enabled()) return 1;
   int64_t longest = 0;
-  for (int64_t row = 0; row < a.rows; ++row) longest = std::max<int64_t>(longest, a.seq_lens[row]);
+  for (int64_t row = 0; row < a.rows; ++row) {
+    const KeyRange keys = visible_keys(a, row);
+    longest = std::max<int64_t>(longest, keys.end - keys.first);
+  }
   const int64_t wanted = (kMinItems + items - 1) / items;
   return std::max<int64_t>(1, std::min(wanted, longest / kMinPartKeys));
 }
 
-// Part p of P of a row of n keys: [n p / P, n (p + 1) / P).
-inline int64_t part_edge(int64_t keys, int64_t part, int64_t parts) { return keys * part / parts; }
+// Part p of P of a row's keys [first, end): from first + n p / P, with n = end - first.
+inline int64_t part_edge(KeyRange keys, int64_t part, int64_t parts) {
+  return keys.first + (keys.end - keys.first) * part / parts;
+}
 
 // The parts' states of one (row, kv head) as one softmax: each part's sums rescaled to the
 // largest max, then the output written as an unsplit item writes it.
@@ -426,7 +446,7 @@ bool run_fixed(const PagedDecodeArgs& a, int num_threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items * parts; ++i) {
       const int64_t item = i / parts, part = i % parts, row = item / a.num_kv_heads;
-      const int64_t keys = a.seq_lens[row];
+      const KeyRange keys = visible_keys(a, row);
       if (!attend_keys_fixed<G, D, QT, KT>(a, row, item % a.num_kv_heads, part_edge(keys, part, parts),
                                            part_edge(keys, part + 1, parts), &states[i]))
         ok.store(false, std::memory_order_relaxed);

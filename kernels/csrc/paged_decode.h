@@ -2,6 +2,7 @@
 // checks the tensors and fills PagedDecodeArgs; paged_decode.cpp computes.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace kvrelay {
@@ -19,7 +20,18 @@ struct PagedAttentionArgs {
   int64_t num_blocks, block_size, num_kv_heads, head_dim, group_size;
   float scale;
   Dtype query_dtype, cache_dtype;
+  // Sliding window: the query at position i sees keys i - window < j <= i; 0 sees all j <= i.
+  // No kernel looks up a block-table entry before a query's first visible key (a hybrid cache
+  // frees those blocks and leaves stale ids there).
+  int64_t window;
+  // > 0: each score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before the softmax.
+  float soft_cap;
 };
+
+// The first key that a query at `position`, or any later one, sees.
+inline int64_t first_visible_key(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+}
 
 struct PagedDecodeArgs : PagedAttentionArgs {
   const int64_t* token_ids;  // [rows] row of the flat batch holding each decode query
@@ -28,8 +40,9 @@ struct PagedDecodeArgs : PagedAttentionArgs {
   int64_t block_table_stride, rows;
 };
 
-// Writes out[token_ids[r], :, :] for every row r. Returns false when a block table entry in a
-// row's first seq_len keys lies outside the cache (that block is never read).
+// Writes out[token_ids[r], :, :] for every row r (its query is the row's last key, at position
+// seq_len - 1). Returns false when a block table entry among the keys a row sees lies outside the
+// cache (that block is never read).
 bool paged_decode_attention(const PagedDecodeArgs& args, int num_threads);
 
 }  // namespace kvrelay

@@ -45,11 +45,14 @@ void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tens
 
 // The fields both kernels read, from tensors check_shapes has passed.
 kvrelay::PagedAttentionArgs attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                                           const at::Tensor& v_cache, double scale) {
+                                           const at::Tensor& v_cache, double scale, int64_t window,
+                                           double soft_cap) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
+  TORCH_CHECK(soft_cap >= 0.0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
   return {query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
           k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
           query.size(1) / k_cache.size(2), static_cast<float>(scale), dtype_of(query, "query"),
-          dtype_of(k_cache, "the KV cache")};
+          dtype_of(k_cache, "the KV cache"), window, static_cast<float>(soft_cap)};
 }
 
 // Indices the kernel trusts: a bad one would read outside query, out or the block table.
@@ -74,12 +77,12 @@ void paged_decode_attention_op(
     const at::Tensor& token_ids,     // [rows] int64
     const at::Tensor& seq_lens,      // [rows] int32
     const at::Tensor& block_tables,  // [rows, max_blocks] int32
-    double scale) {
+    double scale, int64_t window, double soft_cap) {
   check_shapes(out, query, k_cache, v_cache, token_ids, seq_lens, block_tables);
   check_rows(token_ids, seq_lens, query.size(0), block_tables.size(1) * k_cache.size(1));
   const int64_t rows = token_ids.numel();
   if (rows == 0) return;
-  kvrelay::PagedDecodeArgs args{attention_args(out, query, k_cache, v_cache, scale),
+  kvrelay::PagedDecodeArgs args{attention_args(out, query, k_cache, v_cache, scale, window, soft_cap),
                                 token_ids.data_ptr<int64_t>(), seq_lens.data_ptr<int32_t>(),
                                 block_tables.data_ptr<int32_t>(), block_tables.stride(0), rows};
   // torch's intra-op thread count governs, as it does for torch's own CPU ops.
@@ -89,7 +92,8 @@ void paged_decode_attention_op(
 }
 
 // Prefill rows: each sequence's query_lens[s] queries sit at rows token_starts[s].. of the flat
-// batch and are the last of its seq_lens[s] keys; query j sees keys 0 .. context + j.
+// batch and are the last of its seq_lens[s] keys; query j sees keys 0 .. context + j (with a
+// window, only the last `window` of them).
 void paged_prefill_attention_op(
     const at::Tensor& out,           // [num_tokens, num_q_heads, head_dim]
     const at::Tensor& query,         // [num_tokens, num_q_heads, head_dim]
@@ -99,7 +103,7 @@ void paged_prefill_attention_op(
     const at::Tensor& query_lens,    // [seqs] int32
     const at::Tensor& seq_lens,      // [seqs] int32
     const at::Tensor& block_tables,  // [seqs, max_blocks] int32
-    double scale) {
+    double scale, int64_t window, double soft_cap) {
   check_shapes(out, query, k_cache, v_cache, token_starts, seq_lens, block_tables);
   TORCH_CHECK(query_lens.scalar_type() == at::kInt && query_lens.is_contiguous() &&
                   query_lens.numel() == token_starts.numel(),
@@ -120,7 +124,8 @@ void paged_prefill_attention_op(
   }
   const int64_t seqs = token_starts.numel();
   if (seqs == 0) return;
-  kvrelay::PagedPrefillArgs args{attention_args(out, query, k_cache, v_cache, scale), starts, queries, lens,
+  kvrelay::PagedPrefillArgs args{attention_args(out, query, k_cache, v_cache, scale, window, soft_cap), starts,
+                                 queries, lens,
                                  block_tables.data_ptr<int32_t>(), block_tables.stride(0), seqs};
   const int num_threads = at::get_num_threads();
   const bool ok = kvrelay::paged_prefill_attention(args, num_threads);

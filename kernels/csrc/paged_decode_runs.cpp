@@ -17,13 +17,16 @@
 namespace kvrelay {
 namespace {
 
-// Row `next` is the query after row `prev` in the same sequence: the next token, one key more,
-// and a block table that holds the same blocks for every key of `prev`.
-bool continues(const PagedDecodeArgs& a, int64_t prev, int64_t next) {
+// Row `next` is the query after row `prev` in a run that starts at row `first`: the next token,
+// one key more, and a block table that holds the same blocks for every key of `prev` from the
+// run's first visible one (with a window, the entries before it may be stale: never compared).
+bool continues(const PagedDecodeArgs& a, int64_t first, int64_t prev, int64_t next) {
   if (a.token_ids[next] != a.token_ids[prev] + 1 || a.seq_lens[next] != a.seq_lens[prev] + 1) return false;
+  const int64_t first_block = first_visible_key(a.seq_lens[first] - 1, a.window) / a.block_size;
   const int64_t blocks = (a.seq_lens[prev] + a.block_size - 1) / a.block_size;
   const int32_t* prev_table = a.block_tables + prev * a.block_table_stride;
-  return std::equal(prev_table, prev_table + blocks, a.block_tables + next * a.block_table_stride);
+  return std::equal(prev_table + first_block, prev_table + blocks,
+                    a.block_tables + next * a.block_table_stride + first_block);
 }
 
 // The rows of one call sorted into runs (as prefill sequences) and lone rows (as decode rows),
@@ -41,7 +44,7 @@ RowSplit split_rows(const PagedDecodeArgs& a) {
   RowSplit split;
   const int64_t stride = a.block_table_stride;
   for (int64_t first = 0, end; first < a.rows; first = end) {
-    for (end = first + 1; end < a.rows && continues(a, end - 1, end);) ++end;
+    for (end = first + 1; end < a.rows && continues(a, first, end - 1, end);) ++end;
     const int64_t last = end - 1;
     const int32_t* table = a.block_tables + last * stride;
     if (end - first > 1) {
@@ -65,7 +68,7 @@ bool runs_enabled() {
 
 bool has_run(const PagedDecodeArgs& a) {
   for (int64_t row = 1; row < a.rows; ++row)
-    if (continues(a, row - 1, row)) return true;
+    if (continues(a, row - 1, row - 1, row)) return true;
   return false;
 }
 

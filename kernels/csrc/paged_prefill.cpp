@@ -13,6 +13,10 @@
 // (~260 GFLOP/s on 2 cores here; its error against float32 attention is SDPA's). Otherwise
 // (fp32, or no AVX512-BF16): fp32 FMAs, 16 keys a tile, K transposed so one query row's scores
 // are head_dim FMAs of a broadcast query value (~110 GFLOP/s).
+//
+// A sliding window starts an item's tiles at its first query's first visible key (block-table
+// entries before it are never looked up), and each query's lanes outside [its first visible
+// key, its own key] weigh 0. A soft cap bends the scores before that mask, in every form.
 #include "paged_prefill.h"
 
 #include <algorithm>
@@ -40,8 +44,28 @@ constexpr int kPartials = 4;  // independent FMA chains per score vector
 
 struct Item {
   int64_t seq, first_query, kv_head;
-  int64_t last_key;  // keys 0..last_key serve the item's last query: its work, for ordering
+  // keys first_key..last_key serve the item's queries: first_key is its first query's first
+  // visible key (0 without a window), last_key its last query's own
+  int64_t first_key, last_key;
 };
+
+// The lanes [low, limit) of a tile of `count` keys from first_key that the query at `position`
+// sees; none where low >= limit (the tile lies wholly after the query or before its window).
+struct Span {
+  int low, limit;
+  bool empty() const { return low >= limit; }
+};
+inline Span visible_span(const PagedAttentionArgs& a, int64_t position, int64_t first_key, int count) {
+  const int64_t low = first_visible_key(position, a.window) - first_key;
+  const int64_t limit = position + 1 - first_key;
+  return {int(std::clamp<int64_t>(low, 0, count)), int(std::clamp<int64_t>(limit, 0, count))};
+}
+
+// True in the lanes first_lane + l (l < kLanes) that lie in the span.
+inline auto in_span(const Span& span, int first_lane) {
+  const Lanes lane = Lanes{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + float(first_lane);
+  return (lane >= float(span.low)) & (lane < float(span.limit));
+}
 
 // One tile of up to kLanes keys for one kv head, widened to fp32: K transposed, V as rows.
 // Lanes past `count` hold zeros (their weights are exactly 0, and 0 * 0 stays 0).
@@ -86,26 +110,29 @@ struct QueryState {
   float max[G], sum[G];
 };
 
-// Scores of one query token's G heads against a tile, valid in lanes < limit (-inf beyond).
+// Scores of one query token's G heads against a tile, soft-capped where cap_base2 > 0, valid in
+// the span's lanes (-inf elsewhere).
 template <int G, int D>
-inline void score(const QueryState<G, D>& q, const KeyTile<D>& tile, int limit, Lanes (&scores)[G]) {
+inline void score(const QueryState<G, D>& q, const KeyTile<D>& tile, Span span, float cap_base2,
+                  Lanes (&scores)[G]) {
   Lanes partial[G][kPartials] = {};
   for (int d = 0; d < D; d += kPartials)
     for (int p = 0; p < kPartials; ++p) {
       const Lanes keys = load_lanes(tile.keys[d + p]);
       for (int g = 0; g < G; ++g) partial[g][p] += q.query[g][d + p] * keys;
     }
-  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
+  const auto visible = in_span(span, 0);
   for (int g = 0; g < G; ++g) {
-    const Lanes sum = (partial[g][0] + partial[g][1]) + (partial[g][2] + partial[g][3]);
-    scores[g] = lane_index < float(limit) ? sum : minus_inf;
+    Lanes sum = (partial[g][0] + partial[g][1]) + (partial[g][2] + partial[g][3]);
+    if (cap_base2 > 0.0f) sum = soft_cap_lanes(sum, cap_base2);
+    scores[g] = visible ? sum : minus_inf;
   }
 }
 
 // Online softmax and the weighted sum of the tile's values for one query token's G heads.
 template <int G, int D>
-inline void accumulate(QueryState<G, D>& q, const KeyTile<D>& tile, int limit, const Lanes (&scores)[G]) {
+inline void accumulate(QueryState<G, D>& q, const KeyTile<D>& tile, Span span, const Lanes (&scores)[G]) {
   constexpr int NC = D / kLanes;
   alignas(64) float weights[G][kLanes];
   float rescale[G];
@@ -120,7 +147,7 @@ inline void accumulate(QueryState<G, D>& q, const KeyTile<D>& tile, int limit, c
   Lanes acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = load_lanes(q.acc[g] + c * kLanes) * rescale[g];
-  for (int j = 0; j < limit; ++j)
+  for (int j = span.low; j < span.limit; ++j)
     for (int c = 0; c < NC; ++c) {
       const Lanes values = load_lanes(tile.values[j] + c * kLanes);
       for (int g = 0; g < G; ++g) acc[g][c] += weights[g][j] * values;
@@ -165,17 +192,17 @@ bool attend_item(const PagedPrefillArgs& a, const Item& item, KeyTile<D>& tile, 
   const int64_t context = a.seq_lens[item.seq] - a.query_lens[item.seq];
   const int num_queries = int(std::min<int64_t>(kQueryBlock, a.query_lens[item.seq] - item.first_query));
   const int64_t first_position = context + item.first_query;  // key index of the first query's own key
+  const float cap_base2 = a.soft_cap * kLog2e;
   start_queries<G, D, T>(a, item, num_queries, states);
-  for (int64_t first_key = 0; first_key <= item.last_key; first_key += kLanes) {
+  for (int64_t first_key = item.first_key; first_key <= item.last_key; first_key += kLanes) {
     const int count = int(std::min<int64_t>(kLanes, item.last_key + 1 - first_key));
     if (!load_tile<D, T>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
     for (int i = 0; i < num_queries; ++i) {
-      const int64_t visible = first_position + i + 1 - first_key;  // keys of this tile query i sees
-      if (visible <= 0) continue;  // the whole tile lies after this query
-      const int limit = int(std::min<int64_t>(count, visible));
+      const Span span = visible_span(a, first_position + i, first_key, count);
+      if (span.empty()) continue;
       Lanes scores[G];
-      score(states[i], tile, limit, scores);
-      accumulate(states[i], tile, limit, scores);
+      score(states[i], tile, span, cap_base2, scores);
+      accumulate(states[i], tile, span, scores);
     }
   }
   finish_queries<G, D, T>(a, item, num_queries, states);
@@ -188,12 +215,16 @@ std::vector<Item> work_items(const PagedPrefillArgs& a) {
     const int64_t context = a.seq_lens[seq] - a.query_lens[seq];
     for (int64_t first = 0; first < a.query_lens[seq]; first += kQueryBlock) {
       const int64_t last_query = std::min<int64_t>(first + kQueryBlock, a.query_lens[seq]) - 1;
-      for (int64_t head = 0; head < a.num_kv_heads; ++head) items.push_back({seq, first, head, context + last_query});
+      const int64_t first_key = first_visible_key(context + first, a.window);
+      for (int64_t head = 0; head < a.num_kv_heads; ++head)
+        items.push_back({seq, first, head, first_key, context + last_query});
     }
   }
   // The longest first: the causal triangle makes late blocks of a long prompt the heaviest, and
   // a thread that draws one last would leave the other idle.
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.last_key > y.last_key; });
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.last_key - x.first_key > y.last_key - y.first_key;
+  });
   return items;
 }
 
@@ -344,12 +375,12 @@ struct PairQueryState {
 
 inline __m512bh as_pairs(__m512i words) { return (__m512bh)words; }
 
-// Scores of one query token's G heads against a tile, valid for keys < limit (-inf beyond).
-// Only the first V vectors (V * 16 keys >= limit) are computed: on the causal diagonal and at a
-// prompt's last tile the rest would be masked anyway.
+// Scores of one query token's G heads against a tile, soft-capped where cap_base2 > 0, valid for
+// the span's keys (-inf elsewhere). Only the first V vectors (V * 16 keys >= span.limit) are
+// computed: on the causal diagonal and at a prompt's last tile the rest would be masked anyway.
 template <int G, int D, int V>
-inline void score_pairs(const PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale,
-                        Lanes (&scores)[G][kScoreVectors]) {
+inline void score_pairs(const PairQueryState<G, D>& q, const PairTile<D>& tile, Span span, float scale,
+                        float cap_base2, Lanes (&scores)[G][kScoreVectors]) {
   __m512 partial[G][V];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < V; ++v) partial[g][v] = _mm512_setzero_ps();
@@ -359,11 +390,15 @@ inline void score_pairs(const PairQueryState<G, D>& q, const PairTile<D>& tile, 
       for (int g = 0; g < G; ++g)
         partial[g][v] = _mm512_dpbf16_ps(partial[g][v], as_pairs(_mm512_set1_epi32(int(q.query[g][i]))), keys);
     }
-  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
-  for (int g = 0; g < G; ++g)
-    for (int v = 0; v < V; ++v)
-      scores[g][v] = lane_index < float(limit - v * kLanes) ? (Lanes)partial[g][v] * scale : minus_inf;
+  for (int v = 0; v < V; ++v) {
+    const auto visible = in_span(span, v * kLanes);
+    for (int g = 0; g < G; ++g) {
+      Lanes raw = (Lanes)partial[g][v] * scale;
+      if (cap_base2 > 0.0f) raw = soft_cap_lanes(raw, cap_base2);
+      scores[g][v] = visible ? raw : minus_inf;
+    }
+  }
 }
 
 // The online softmax step of one score row over a tile's first V vectors: the weights against
@@ -388,7 +423,7 @@ inline float softmax_step(const Lanes* scores, float& max, float& sum, uint16_t*
 }
 
 template <int G, int D, int V>
-inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit,
+inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, Span span,
                              const Lanes (&scores)[G][kScoreVectors]) {
   constexpr int NC = D / kLanes;
   alignas(64) uint32_t weights[G][kPairTileKeys / 2];  // bf16 weights, a pair of keys per word
@@ -398,7 +433,7 @@ inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, i
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(_mm512_load_ps(q.acc[g] + c * kLanes), _mm512_set1_ps(rescale[g]));
-  for (int m = 0; m < (limit + 1) / 2; ++m)
+  for (int m = span.low / 2; m < (span.limit + 1) / 2; ++m)
     for (int c = 0; c < NC; ++c) {
       const __m512bh values = as_pairs(_mm512_load_si512(tile.values[m] + c * kLanes));
       for (int g = 0; g < G; ++g)
@@ -409,21 +444,23 @@ inline void accumulate_pairs(PairQueryState<G, D>& q, const PairTile<D>& tile, i
 }
 
 template <int G, int D, int V>
-inline void attend_tile_vectors(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale) {
+inline void attend_tile_vectors(PairQueryState<G, D>& q, const PairTile<D>& tile, Span span, float scale,
+                                float cap_base2) {
   Lanes scores[G][kScoreVectors];
-  score_pairs<G, D, V>(q, tile, limit, scale, scores);
-  accumulate_pairs<G, D, V>(q, tile, limit, scores);
+  score_pairs<G, D, V>(q, tile, span, scale, cap_base2, scores);
+  accumulate_pairs<G, D, V>(q, tile, span, scores);
 }
 
-// One query token against the first `limit` keys of a tile, in as many score vectors as cover them.
+// One query token against the span's keys of a tile, in as many score vectors as cover them.
 template <int G, int D>
-inline void attend_tile(PairQueryState<G, D>& q, const PairTile<D>& tile, int limit, float scale) {
+inline void attend_tile(PairQueryState<G, D>& q, const PairTile<D>& tile, Span span, float scale,
+                        float cap_base2) {
   static_assert(kScoreVectors == 4, "one case per live vector count");
-  switch ((limit + kLanes - 1) / kLanes) {
-    case 1: return attend_tile_vectors<G, D, 1>(q, tile, limit, scale);
-    case 2: return attend_tile_vectors<G, D, 2>(q, tile, limit, scale);
-    case 3: return attend_tile_vectors<G, D, 3>(q, tile, limit, scale);
-    default: return attend_tile_vectors<G, D, 4>(q, tile, limit, scale);
+  switch ((span.limit + kLanes - 1) / kLanes) {
+    case 1: return attend_tile_vectors<G, D, 1>(q, tile, span, scale, cap_base2);
+    case 2: return attend_tile_vectors<G, D, 2>(q, tile, span, scale, cap_base2);
+    case 3: return attend_tile_vectors<G, D, 3>(q, tile, span, scale, cap_base2);
+    default: return attend_tile_vectors<G, D, 4>(q, tile, span, scale, cap_base2);
   }
 }
 
@@ -443,14 +480,13 @@ bool attend_item_pairs(const PagedPrefillArgs& a, const Item& item, PairTile<D>&
       states[i].sum[g] = 0.0f;
     }
   const float scale = a.scale * kLog2e;
-  for (int64_t first_key = 0; first_key <= item.last_key; first_key += kPairTileKeys) {
+  const float cap_base2 = a.soft_cap * kLog2e;
+  for (int64_t first_key = item.first_key; first_key <= item.last_key; first_key += kPairTileKeys) {
     const int count = int(std::min<int64_t>(kPairTileKeys, item.last_key + 1 - first_key));
     if (!load_pair_tile<D>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
     for (int i = 0; i < num_queries; ++i) {
-      const int64_t visible = first_position + i + 1 - first_key;
-      if (visible <= 0) continue;
-      const int limit = int(std::min<int64_t>(count, visible));
-      attend_tile(states[i], tile, limit, scale);
+      const Span span = visible_span(a, first_position + i, first_key, count);
+      if (!span.empty()) attend_tile(states[i], tile, span, scale, cap_base2);
     }
   }
   uint16_t* out = static_cast<uint16_t*>(a.out);
@@ -540,21 +576,21 @@ void value_tiles(AmxRows<G>& rows, const PairTile<kAmxDim>& tile, int m_tile, in
 #undef KVRELAY_STORE_SCORES
 #undef KVRELAY_WEIGH_VALUES
 
-// One row's online softmax step over a tile's scores: its first `limit` keys are visible
-// (none where limit <= 0: its weights are zeros and its state stays).
+// One row's online softmax step over a tile's scores, soft-capped where cap_base2 > 0: the
+// span's keys are visible (none where it is empty: its weights are zeros and its state stays).
 template <int G>
-void softmax_row(AmxRows<G>& rows, int row, int limit, float scale) {
+void softmax_row(AmxRows<G>& rows, int row, Span span, float scale, float cap_base2) {
   uint16_t* weights = rows.weights[row];
-  if (limit <= 0) {
+  if (span.empty()) {
     std::memset(weights, 0, sizeof(rows.weights[row]));
     return;
   }
-  const Lanes lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Lanes minus_inf = Lanes{} + kMinusInf;
   Lanes scores[kScoreVectors];
   for (int v = 0; v < kScoreVectors; ++v) {
-    const Lanes raw = load_lanes(rows.scores[row] + v * kLanes) * scale;
-    scores[v] = lane_index < float(limit - v * kLanes) ? raw : minus_inf;
+    Lanes raw = load_lanes(rows.scores[row] + v * kLanes) * scale;
+    if (cap_base2 > 0.0f) raw = soft_cap_lanes(raw, cap_base2);
+    scores[v] = in_span(span, v * kLanes) ? raw : minus_inf;
   }
   const float rescale = softmax_step<kScoreVectors>(scores, rows.max[row], rows.sum[row], weights);
   if (rescale != 1.0f)
@@ -602,9 +638,10 @@ bool attend_item_amx(const PagedPrefillArgs& a, const Item& item, PairTile<kAmxD
   const int live_m_tiles = (live_rows + 15) / 16;
   start_rows<G>(a, item, first_token, live_rows, rows);
   const float scale = a.scale * kLog2e;
+  const float cap_base2 = a.soft_cap * kLog2e;
   configure_full_tiles();
   bool ok = true;
-  for (int64_t first_key = 0; first_key <= item.last_key; first_key += kPairTileKeys) {
+  for (int64_t first_key = item.first_key; first_key <= item.last_key; first_key += kPairTileKeys) {
     const int count = int(std::min<int64_t>(kPairTileKeys, item.last_key + 1 - first_key));
     if (!load_pair_tile<kAmxDim>(a, item.seq, item.kv_head, first_key, count, tile)) {
       ok = false;
@@ -624,10 +661,8 @@ bool attend_item_amx(const PagedPrefillArgs& a, const Item& item, PairTile<kAmxD
     // code has just stored waits for those stores to drain (measured: a fifth of this kernel's
     // time at the first product after each load), and the other tiles' work covers that wait.
     for (int m_tile = first_m_tile; m_tile < live_m_tiles; ++m_tile) score_tiles<G>(rows, tile, m_tile, key_tiles);
-    for (int row = 16 * first_m_tile; row < live_rows; ++row) {
-      const int64_t visible = first_position + row / G + 1 - first_key;
-      softmax_row<G>(rows, row, int(std::min<int64_t>(count, visible)), scale);
-    }
+    for (int row = 16 * first_m_tile; row < live_rows; ++row)
+      softmax_row<G>(rows, row, visible_span(a, first_position + row / G, first_key, count), scale, cap_base2);
     for (int m_tile = first_m_tile; m_tile < live_m_tiles; ++m_tile) value_tiles<G>(rows, tile, m_tile, key_chunks);
   }
   _tile_release();

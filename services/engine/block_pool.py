@@ -25,12 +25,13 @@ def hash_block(parent: BlockHash | None, token_ids: Iterable[int], extra_keys=No
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.group = 0  # the KV group (kv_groups.py) whose pages it holds, while hashed
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -89,7 +90,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVBlock] = {}  # hash value -> block holding that prefix block
+        # (KV group, hash value) -> block holding that prefix block: each group's layers have
+        # their own pages for the same tokens, so groups never share a block
+        self.cached: dict[tuple[int, int], KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,8 +102,8 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
-        block = self.cached.get(block_hash.value)
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> KVBlock | None:
+        block = self.cached.get((group, block_hash.value))
         # Verify on hit: a hash collision must never hand out another prefix's KV.
         if block is None or block.block_hash != block_hash:
             return None
@@ -133,16 +136,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group: int = 0) -> None:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
+        block.group = group
         # First writer wins: an identical block cached earlier keeps serving hits.
-        self.cached.setdefault(block_hash.value, block)
+        self.cached.setdefault((group, block_hash.value), block)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash.value) is block:
-            del self.cached[block.block_hash.value]
+        key = (block.group, block.block_hash.value)
+        if self.cached.get(key) is block:
+            del self.cached[key]
         block.block_hash = None

@@ -53,7 +53,8 @@ class EngineCore:
         drafter = None if config.speculative_config is None else \
             Drafter(config.speculative_config)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
-                                   attention_crossover(self.hf_config), drafter)
+                                   attention_crossover(self.hf_config), drafter,
+                                   self.runner.kv_layout.windows)
         self.sampler = Sampler()
         # A factory of plain values, not a bound method: a cycle through self would outlive
         # the gc.freeze() below, and with it every tensor of a discarded engine.

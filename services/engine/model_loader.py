@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from kvrelay.common.env_switches import CACHE_DIR
+from kvrelay.engine.gguf_metadata import GGUFMetadata, check_supported, complete_config_
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -94,12 +95,17 @@ def _converted_gguf_dir(gguf_path: Path) -> Path:
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
+    metadata = GGUFMetadata.read(gguf_path)
+    check_supported(metadata, gguf_path)  # before the many seconds of converting
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    complete_config_(config, metadata)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config,
+                                                 dtype=torch.float32)
     model.config.quantization_config = None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
 from kvrelay.engine import shared_pages
+from kvrelay.engine.kv_groups import KVGroupLayout
 from kvrelay.engine.models import gguf_int4, gguf_q8_head, small_steps
 from kvrelay.engine.models.decoder import DecoderLM
 from kvrelay.engine.models.no_init import skip_weight_init
@@ -21,6 +23,8 @@ from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_support
 from kvrelay.engine.models.weights import load_weights
 from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class StepInput:
@@ -28,10 +32,10 @@ class StepInput:
     T may exceed the scheduled tokens (cu_seqlens_q[-1]) by pad rows (step_padding.py)."""
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64, -1 on pad rows
+    slot_mappings: list[torch.Tensor]  # per KV group: [T] int64, -1 on pad rows
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: list[torch.Tensor]  # per KV group: [B, max_blocks] int32
     # [S] int64: the last token of each sampling sequence; a speculative one's drafts too
     logits_indices: torch.Tensor
     sample_rows: list[int]  # [S] index into the scheduled list (repeated for drafts)
@@ -68,20 +72,28 @@ class ModelRunner:
         self.head_dim = (getattr(hf_config, "head_dim", None)
                          or hf_config.hidden_size // hf_config.num_attention_heads)
         self.num_layers = hf_config.num_hidden_layers
-        self.layer_windows_set = sorted(set(self.model.layer_windows))
+        # Layers in KV groups of equal size, one window each (kv_groups.py); without windows,
+        # one group of every layer.
+        self.kv_layout = KVGroupLayout.from_windows(self.model.layer_windows)
+        self.slots_per_block = self.kv_layout.slots_per_block
+        self.slots_done_after = self.kv_layout.slots_done_after()  # (KV pushes: kv_connector)
+        log.info("%s", self.kv_layout.describe())
         self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
-        # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: the one KV layout.
-        shape = (self.num_layers, 2, self.num_blocks, block_size, self.num_kv_heads,
+        # [slots, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a block holds the
+        # pages of `slots` layers (every layer without windows); layer l uses slot(l) through
+        # its group's block table.
+        shape = (self.slots_per_block, 2, self.num_blocks, block_size, self.num_kv_heads,
                  self.head_dim)
         self.kv_cache = allocate_kv_cache(shape, dtype, device, kv_cache_path)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.kv_caches = [(self.kv_cache[slot][0], self.kv_cache[slot][1])
+                          for slot in self.kv_layout.layer_slot]  # per layer
         if device.type == "cpu":
             paged_decode_op()  # build or load the native decode kernel now, not on step one
 
     @property
     def bytes_per_block(self) -> int:
         element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+        return (2 * self.slots_per_block * self.block_size * self.num_kv_heads * self.head_dim
                 * element_size)
 
     def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
@@ -106,6 +118,8 @@ class ModelRunner:
             ops = elementwise_ops()
             if ops is not None:
                 model.use_native_cpu_ops_(ops)
+                for fallback in model.torch_fallbacks():
+                    log.info("%s: %s on torch ops", hf_config.model_type, fallback)
             self._use_small_step_kernels(model, q4_blocks or {}, q8_head)
         return model
 
@@ -144,21 +158,25 @@ class ModelRunner:
 
     def prepare(self, scheduled) -> StepInput:
         """scheduled: list of ScheduledRequest, in batch order."""
-        token_chunks, position_chunks, slot_chunks = [], [], []
+        token_chunks, position_chunks = [], []
+        num_groups = self.kv_layout.num_groups
+        slot_chunks = [[] for _ in range(num_groups)]  # per group, per item
         cu_seqlens, seq_lens, logits_indices, sample_rows = [0], [], [], []
-        max_blocks = max(len(item.block_ids) for item in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        block_tables = [np.zeros((len(scheduled), max(len(item.block_ids[group])
+                                                      for item in scheduled)), dtype=np.int32)
+                        for group in range(num_groups)]
         for row, item in enumerate(scheduled):
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            block_ids = np.asarray(item.block_ids, dtype=np.int64)
-            block_tables[row, :len(block_ids)] = block_ids
             positions = np.arange(start, end, dtype=np.int64)
+            for group in range(num_groups):
+                block_ids = np.asarray(item.block_ids[group], dtype=np.int64)
+                block_tables[group][row, :len(block_ids)] = block_ids
+                slot_chunks[group].append(block_ids[positions // self.block_size]
+                                          * self.block_size + positions % self.block_size)
             token_chunks.append(request.all_token_ids[start:end] + item.draft_token_ids)
             position_chunks.append(positions)
-            slot_chunks.append(block_ids[positions // self.block_size] * self.block_size
-                               + positions % self.block_size)
             cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
             seq_lens.append(end)
             if item.samples:
@@ -177,15 +195,17 @@ class ModelRunner:
         if num_pad:
             flat_tokens += [PAD_TOKEN_ID] * num_pad
             position_chunks = [*position_chunks, np.zeros(num_pad, dtype=np.int64)]
-            slot_chunks = [*slot_chunks, np.full(num_pad, PAD_SLOT, dtype=np.int64)]
+            pad_slots = np.full(num_pad, PAD_SLOT, dtype=np.int64)
+            slot_chunks = [[*chunks, pad_slots] for chunks in slot_chunks]
         query_lens = np.diff(cu_seqlens)
         return StepInput(
             input_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),
             positions=torch.from_numpy(np.concatenate(position_chunks)).to(device),
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(device),
+            slot_mappings=[torch.from_numpy(np.concatenate(chunks)).to(device)
+                           for chunks in slot_chunks],
             cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.from_numpy(block_tables).to(device),
+            block_tables=[torch.from_numpy(table).to(device) for table in block_tables],
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sample_rows=sample_rows,
             max_seqlen_q=int(query_lens.max()),
@@ -195,18 +215,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, on_layer_done=None) -> torch.Tensor:
         """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
-        by_window = {window: self._metadata(step, window) for window in self.layer_windows_set}
-        attn_metas = [by_window[window] for window in self.model.layer_windows]
-        slot_mappings = [step.slot_mapping] * self.num_layers
-        return self.model(step.input_ids, step.positions, self.kv_caches, slot_mappings,
-                          attn_metas, step.logits_indices, on_layer_done)
+        # One metadata per KV group, with the group's window (layers of a window group see
+        # only the last W keys; the blocks before those may already be freed).
+        group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
+                                                self.block_size, max_seqlen_q=step.max_seqlen_q,
+                                                max_seqlen_k=step.max_seqlen_k,
+                                                **self._window_kwargs(group))
+                       for group, table in enumerate(step.block_tables)]
+        layer_groups = self.kv_layout.layer_group
+        return self.model(step.input_ids, step.positions, self.kv_caches,
+                          [step.slot_mappings[group] for group in layer_groups],
+                          [group_metas[group] for group in layer_groups],
+                          step.logits_indices, on_layer_done)
 
-    def _metadata(self, step: StepInput, window: int):
-        """The step's attention metadata for the layers of one window (0: full attention)."""
-        extra = {"window": window} if window else {}
-        return build_attention_metadata(step.cu_seqlens_q, step.seq_lens, step.block_tables,
-                                        self.block_size, max_seqlen_q=step.max_seqlen_q,
-                                        max_seqlen_k=step.max_seqlen_k, **extra)
+    def _window_kwargs(self, group: int) -> dict:
+        window = self.kv_layout.groups[group].window
+        return {"window": window} if window else {}
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

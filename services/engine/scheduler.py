@@ -22,7 +22,7 @@ from kvrelay.engine.waiting_queue import WaitingQueue
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # the draft tokens included
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV group of the model's layers, its block table
     # Speculative decoding: tokens proposed to follow the request's last one, computed in
     # this step after it and verified by sampling at every position (spec/verify.py).
     draft_token_ids: list[int] = field(default_factory=list)
@@ -56,13 +56,16 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 attention_crossover: int = 0, drafter: Drafter | None = None) -> None:
+                 attention_crossover: int = 0, drafter: Drafter | None = None,
+                 group_windows: tuple[int, ...] = (0,)) -> None:
         self.config = config
         self.max_model_len = max_model_len
         # The model's context length at which attention costs as much as the weight matmuls
         # (prefill_chunks.py); 0: long-prompt chunks keep one size.
         self.attention_crossover = attention_crossover
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # group_windows: per KV group of the model's layers, its window (kv_groups.py)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 group_windows)
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -91,7 +94,9 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens; the model's context is "
                              f"{self.max_model_len} tokens including at least one output token")
-        blocks_needed = -(-(request.num_tokens + 1) // self.config.block_size)
+        # every group holds the whole prompt while it computes in one step
+        blocks_needed = self.kv.num_groups * -(-(request.num_tokens + 1)
+                                               // self.config.block_size)
         if blocks_needed > self.kv.pool.num_blocks:
             raise ValueError(f"prompt needs {blocks_needed} KV blocks; the cache has only "
                              f"{self.kv.pool.num_blocks}")
@@ -266,16 +271,17 @@ class Scheduler:
         skipped = []  # long prompts waiting for a long-prompt slot
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_cached = [], 0
+            computed, num_cached = None, 0
             if request.num_computed_tokens == 0:
-                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+                computed = self.kv.get_computed_blocks(request)
+                num_cached = computed.num_blocks * self.config.block_size
             num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached), budget)
             if num_new <= 0:
                 # A long prompt, and this step's long-prompt slots are taken: the shorter ones
                 # behind it go now (it keeps its place in the queue for the next free slot).
                 skipped.append(self.waiting.pop())
                 continue
-            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+            if not self.kv.allocate_slots(request, num_new, computed):
                 break
             self.waiting.pop()
             if request.num_computed_tokens == 0:
@@ -388,14 +394,17 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_new_tokens
             token_ids = sampled.get(request.sequence_id)
-            if not token_ids:
-                continue
-            if item.draft_token_ids:
-                self._verified(request, item, len(token_ids) - 1)
-            status = self._append(request, token_ids)
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
+            if token_ids:
+                if item.draft_token_ids:
+                    self._verified(request, item, len(token_ids) - 1)
+                status = self._append(request, token_ids)
+                if status is not None:
+                    self._finish(request, status)
+                    finished.append(request)
+                    continue
+            # Only verified progress counts: no later query (drafts and the step planned
+            # ahead included) reaches behind the window of the computed tokens.
+            self.kv.free_out_of_window(request)
         return finished
 
     def _verified(self, request: Request, item: ScheduledRequest, num_accepted: int) -> None:

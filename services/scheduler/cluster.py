@@ -186,7 +186,9 @@ class ClusterScheduler:
         """The prefill worker's core checks its own pool; a prompt that no decode worker could
         ever hold would wait for a decode reservation forever."""
         largest = max(w.info.num_blocks for w in self.registry.live(DECODE))
-        blocks_needed = -(-(len(prompt) + 1) // block_size)
+        # (every KV group holds the whole prompt while it computes)
+        num_groups = max(len(w.info.kv_group_windows) for w in self.registry.live(DECODE))
+        blocks_needed = num_groups * -(-(len(prompt) + 1) // block_size)
         if blocks_needed > largest:
             raise ValueError(f"prompt needs {blocks_needed} KV blocks; the decode workers' "
                              f"caches have at most {largest}")
@@ -215,9 +217,8 @@ class ClusterScheduler:
             num_held = decode.core.reserve_for_transfer(clone)
             if num_held is None:
                 continue
-            num_blocks = -(-num_pushed // source.info.block_size)
             sample.transfer = self.transfers.open_transfer(
-                sample.sequence_id, source, decode, clone, num_blocks, num_held,
+                sample.sequence_id, source, decode, clone, num_held,
                 self._transport(source, decode), during_step)
             if not during_step:
                 self.wake(source)

@@ -6,7 +6,7 @@ from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
 from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, Role, Sampled,
                                          ScheduledSequence, SendOrder, SendResult, StepOrder,
                                          StepOutcome, TokenLogprob, WorkerInfo)
-from kvrelay.wire import params_to_proto, token_logprob_to_proto
+from kvrelay.wire import group_tables_to_wire, params_to_proto, token_logprob_to_proto
 
 ROLES = {scheduler_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
          scheduler_pb2.WORKER_ROLE_DECODE: Role.DECODE,
@@ -36,7 +36,8 @@ def worker_info_from_proto(message: scheduler_pb2.RegisterWorkerRequest) -> Work
         eos_token_ids=tuple(message.eos_token_ids),
         kv_transports=tuple(message.kv_transports), host_id=message.host_id,
         shm_path=message.shm_path, compute_domain=message.compute_domain,
-        attention_crossover=message.attention_crossover, num_threads=message.num_threads)
+        attention_crossover=message.attention_crossover, num_threads=message.num_threads,
+        kv_group_windows=tuple(message.kv_group_windows) or (0,))
 
 
 # ---- steps --------------------------------------------------------------------------------------
@@ -44,22 +45,26 @@ def step_to_proto(order: StepOrder) -> worker_pb2.StepRequest:
     return worker_pb2.StepRequest(
         step_id=order.step_id,
         new_sequences=[_new_sequence_to_proto(seq) for seq in order.new_sequences],
-        scheduled=[worker_pb2.ScheduledSequence(seq_id=item.sequence_id,
-                                                num_new_tokens=item.num_new_tokens,
-                                                new_block_ids=item.new_block_ids,
-                                                token_bitmask=item.token_bitmask,
-                                                draft_token_ids=item.draft_token_ids,
-                                                new_token_ids=item.new_token_ids)
-                   for item in order.scheduled],
+        scheduled=[_scheduled_to_proto(item) for item in order.scheduled],
         finished_seq_ids=order.finished_sequence_ids,
         kv_sends=[send_order_to_proto(send) for send in order.kv_sends],
         num_threads=order.num_threads)
 
 
+def _scheduled_to_proto(item: ScheduledSequence) -> worker_pb2.ScheduledSequence:
+    block_ids, counts = group_tables_to_wire(item.new_block_ids)
+    return worker_pb2.ScheduledSequence(
+        seq_id=item.sequence_id, num_new_tokens=item.num_new_tokens, new_block_ids=block_ids,
+        group_block_counts=counts, token_bitmask=item.token_bitmask,
+        draft_token_ids=item.draft_token_ids, new_token_ids=item.new_token_ids)
+
+
 def _new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
+    block_ids, counts = group_tables_to_wire(seq.block_ids)
     return worker_pb2.NewSequence(
         seq_id=seq.sequence_id, token_ids=seq.token_ids, params=params_to_proto(seq.params),
-        block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
+        block_ids=block_ids, group_block_counts=counts,
+        num_computed_tokens=seq.num_computed_tokens,
         eos_token_ids=seq.eos_token_ids, child_index=seq.child_index,
         num_prompt_tokens=seq.num_prompt_tokens)
 

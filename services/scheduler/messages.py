@@ -52,6 +52,8 @@ class WorkerInfo:
     attention_crossover: int = 0  # see prefill_chunks.py; 0: unknown
     num_threads: int = 0  # its forward pass's threads (0: not reported)
     kv_address: str = ""  # where other workers push KV pages over gRPC (empty: address)
+    # per KV group of the model's layers, its window (0: full attention; engine/kv_groups.py)
+    kv_group_windows: tuple[int, ...] = (0,)
 
     @property
     def push_address(self) -> str:

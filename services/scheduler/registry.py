@@ -19,7 +19,8 @@ class WorkerRecord:
     lease_deadline: float  # monotonic
     draining: bool = False
     alive: bool = True
-    known_blocks: dict[str, int] = field(default_factory=dict)  # sequence id -> blocks it was sent
+    # sequence id -> per KV group, the blocks it was sent
+    known_blocks: dict[str, list[int]] = field(default_factory=dict)
     forget: list[str] = field(default_factory=list)  # sequence ids to drop at the next step
 
     @property
@@ -57,7 +58,8 @@ class WorkerRegistry:
         replaced = self.workers.get(info.worker_id)
         core = Scheduler(self._engine_config(info), info.num_blocks, info.max_model_len,
                          info.attention_crossover,
-                         None if info.role is PREFILL else self.drafter)
+                         None if info.role is PREFILL else self.drafter,
+                         info.kv_group_windows)
         self.workers[info.worker_id] = WorkerRecord(info, core,
                                                     time.monotonic() + self.config.lease_s)
         return replaced if replaced is not None and replaced.alive else None
@@ -135,4 +137,4 @@ class WorkerRegistry:
 
 def _identity(info: WorkerInfo) -> tuple:
     """What every worker of one group must agree on."""
-    return (info.block_size, info.dtype, info.model)
+    return (info.block_size, info.dtype, info.model, info.kv_group_windows)

@@ -22,6 +22,9 @@ PREFIX_QUERIES = metrics.counter("prefix_cache_queries", "Prompt tokens looked u
 PREFIX_HITS = metrics.counter("prefix_cache_hits", "Prompt tokens found in a worker's prefix "
                               "cache", ("worker",))
 PREEMPTIONS = metrics.counter("num_preemptions", "Preemptions on a worker", ("worker",))
+WINDOW_FREED = metrics.counter("kv_window_freed_blocks", "KV blocks a worker freed while their "
+                               "request ran: out of reach of every window layer that held them",
+                               ("worker",))
 PROMPT_TOKENS = metrics.counter("prompt_tokens", "Prompt tokens computed (prefill)")
 GENERATION_TOKENS = metrics.counter("generation_tokens", "Tokens generated")
 QUEUE_TIME = metrics.histogram("request_queue_time_seconds", "Arrival to first scheduled step")
@@ -80,6 +83,7 @@ def after_step(cluster: ClusterScheduler, worker: WorkerRecord, plan: StepPlan,
     _advance(PREFIX_QUERIES, name, "queries", core.kv.stats.queries)
     _advance(PREFIX_HITS, name, "hits", core.kv.stats.hits)
     _advance(PREEMPTIONS, name, "preemptions", core.stats.num_preemptions)
+    _advance(WINDOW_FREED, name, "window_freed", core.kv.num_window_freed)
     STEPS.labels(name).inc()
     if plan.ahead:
         AHEAD_STEPS.labels(name).inc()

@@ -85,20 +85,25 @@ class StepPlanner:
             sample = self.cluster.samples[sequence_id]
             order.new_sequences.append(NewSequence(
                 sequence_id=sequence_id, token_ids=tuple(request.all_token_ids),
-                params=sample.parent.params, block_ids=tuple(item.block_ids),
+                params=sample.parent.params,
+                block_ids=tuple(tuple(table) for table in item.block_ids),
                 num_computed_tokens=request.num_computed_tokens,
                 eos_token_ids=tuple(request.eos_token_ids), child_index=sample.index,
                 num_prompt_tokens=request.num_prompt_tokens))
-            known = len(item.block_ids)
+            known = [len(table) for table in item.block_ids]
         bitmask = b""
         if item.samples and request.grammar is not None:
             # the allowed tokens in the matcher's state after its last token
             bitmask = step_bitmasks(request.grammar, item.draft_token_ids,
                                     worker.info.vocab_size).tobytes()
+        # per KV group, the entries the worker has not seen (the ones it has keep their ids:
+        # those a window group freed since are never read)
+        new_block_ids = tuple(tuple(table[count:])
+                              for table, count in zip(item.block_ids, known))
         order.scheduled.append(ScheduledSequence(sequence_id, item.num_new_tokens,
-                                                 tuple(item.block_ids[known:]), bitmask,
+                                                 new_block_ids, bitmask,
                                                  tuple(item.draft_token_ids)))
-        worker.known_blocks[sequence_id] = len(item.block_ids)
+        worker.known_blocks[sequence_id] = [len(table) for table in item.block_ids]
         if worker.role is PREFILL and item.samples:
             return self.cluster.reserve_decode(self.cluster.samples[sequence_id], during_step=True)
         return None

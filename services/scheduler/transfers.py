@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvrelay.engine.block_pool import KVBlock
+from kvrelay.engine.kv_cache_manager import KVCacheManager
+from kvrelay.engine.prefix_hits import first_in_window
 from kvrelay.engine.request import Request
 from kvrelay.scheduler.messages import SendOrder
 from kvrelay.scheduler.registry import WorkerRecord
@@ -71,8 +73,9 @@ class Transfer:
     source: WorkerRecord  # the prefill worker holding the pages
     destination: WorkerRecord  # the decode worker whose blocks are reserved for them
     decode_request: Request  # the sample's engine request on the destination
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
+    # per KV group, the blocks to push and where: pairs, a block of a group moving whole
+    src_block_ids: list[list[int]]
+    dst_block_ids: list[list[int]]
     transport: str
     deadline: float  # monotonic: no page of the order is written after it
     deadline_unix_ms: int  # the same deadline on the wall clock, for the sender
@@ -103,11 +106,33 @@ class Transfer:
     def order(self) -> SendOrder:
         return SendOrder(
             transfer_id=self.transfer_id, sequence_id=self.sequence_id,
-            src_block_ids=tuple(self.src_block_ids), dst_address=self.destination.info.push_address,
-            dst_block_ids=tuple(self.dst_block_ids), transport=self.transport,
+            src_block_ids=_flat(self.src_block_ids),
+            dst_address=self.destination.info.push_address,
+            dst_block_ids=_flat(self.dst_block_ids), transport=self.transport,
             dst_shm_path=self.destination.info.shm_path if self.transport == "shm" else "",
             during_step=self.during_step, deadline_unix_ms=self.deadline_unix_ms,
             dst_instance_id=self.destination.info.instance_id)
+
+
+def _flat(tables: list[list[int]]) -> tuple[int, ...]:
+    return tuple(block_id for table in tables for block_id in table)
+
+
+def pushed_blocks(source: KVCacheManager, destination: KVCacheManager, sequence_id: str,
+                  num_tokens: int, num_held: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per KV group, the source and destination blocks of a push of the first `num_tokens`
+    tokens' pages, of which the destination holds the first `num_held` blocks: the rest of a
+    full-attention group's; of a window group's, only those its window reaches from the next
+    token (the destination reserved no others)."""
+    num_blocks = -(-num_tokens // destination.block_size)
+    src, dst = [], []
+    for window, src_table, dst_table in zip(destination.windows,
+                                            source.block_ids(sequence_id),
+                                            destination.block_ids(sequence_id)):
+        first = max(num_held, first_in_window(num_tokens, window, destination.block_size))
+        src.append(src_table[first:num_blocks])
+        dst.append(dst_table[first:num_blocks])
+    return src, dst
 
 
 @dataclass(slots=True)
@@ -141,16 +166,18 @@ class TransferBook:
 
     # ---- opening and sending -----------------------------------------------------------------
     def open_transfer(self, sequence_id: str, source: WorkerRecord, destination: WorkerRecord,
-                      decode_request: Request, num_blocks: int, num_held: int,
+                      decode_request: Request, num_held: int,
                       transport: str, during_step: bool) -> Transfer:
-        """A reservation of `num_blocks` blocks on the destination, of which it already holds
-        the first `num_held` (a prefix hit: their pages need no push)."""
+        """A reservation on the destination for the pages of decode_request's tokens, of which
+        it already holds the first `num_held` blocks (a prefix hit: their pages need no
+        push)."""
         self.num_shared_prefix_tokens += num_held * source.info.block_size
+        src_block_ids, dst_block_ids = pushed_blocks(
+            source.core.kv, destination.core.kv, sequence_id, decode_request.num_tokens, num_held)
         transfer = Transfer(
             transfer_id=f"{sequence_id}#{next(self._ids)}", sequence_id=sequence_id, source=source,
             destination=destination, decode_request=decode_request,
-            src_block_ids=source.core.kv.block_ids(sequence_id)[num_held:num_blocks],
-            dst_block_ids=destination.core.kv.block_ids(sequence_id)[num_held:],
+            src_block_ids=src_block_ids, dst_block_ids=dst_block_ids,
             transport=transport, deadline=time.monotonic() + self.timeout_s,
             deadline_unix_ms=int((time.time() + self.timeout_s) * 1000),
             # an order reserved outside a step's planning follows the first token
@@ -185,20 +212,24 @@ class TransferBook:
         pushed: dict[tuple[str, int], str] = {}  # (decode instance, block id) -> its pusher
         for transfer in transfers:
             instance = transfer.destination.info.instance_id
-            dst = transfer.dst_block_ids
-            num_shared = 0
-            while num_shared < len(dst) - 1 and (instance, dst[num_shared]) in pushed:
-                num_shared += 1  # the last block is always this order's own to push
-            if num_shared:
-                transfer.relies_on = frozenset(pushed[(instance, block_id)]
-                                               for block_id in dst[:num_shared])
+            relies_on, most_shared = set(), 0
+            for src, dst in zip(transfer.src_block_ids, transfer.dst_block_ids):  # per group
+                num_shared = 0
+                while num_shared < len(dst) - 1 and (instance, dst[num_shared]) in pushed:
+                    num_shared += 1  # a group's last block is always this order's own to push
+                relies_on.update(pushed[(instance, block_id)] for block_id in dst[:num_shared])
+                most_shared = max(most_shared, num_shared)
+                del dst[:num_shared]
+                del src[:num_shared]
+            if relies_on:
+                transfer.relies_on = frozenset(relies_on)
                 for transfer_id in transfer.relies_on:
                     self.dependents.setdefault(transfer_id, []).append(transfer)
-                self.num_shared_prefix_tokens += num_shared * transfer.source.info.block_size
-                del transfer.dst_block_ids[:num_shared]
-                del transfer.src_block_ids[:num_shared]
-            for block_id in transfer.dst_block_ids:
-                pushed.setdefault((instance, block_id), transfer.transfer_id)
+                # (tokens: a full-attention group shares the most blocks)
+                self.num_shared_prefix_tokens += most_shared * transfer.source.info.block_size
+            for dst in transfer.dst_block_ids:
+                for block_id in dst:
+                    pushed.setdefault((instance, block_id), transfer.transfer_id)
 
     # ---- events ------------------------------------------------------------------------------
     def result(self, transfer_id: str, ok: bool, error: str) -> ResultEffects:

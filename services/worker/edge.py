@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvrelay.api.kvrelay.v1 import worker_pb2
 from kvrelay.step_messages import (NewSequence, Sampled, ScheduledSequence, SendOrder,
                                    SendResult, StepOrder, StepOutcome)
-from kvrelay.wire import params_from_proto, token_logprob_to_proto
+from kvrelay.wire import group_tables_from_wire, params_from_proto, token_logprob_to_proto
 
 
 # ---- orders -------------------------------------------------------------------------------------
@@ -17,7 +17,9 @@ def step_from_proto(message: worker_pb2.StepRequest) -> StepOrder:
         step_id=message.step_id,
         new_sequences=[_new_sequence_from_proto(new) for new in message.new_sequences],
         scheduled=[ScheduledSequence(item.seq_id, item.num_new_tokens,
-                                     tuple(item.new_block_ids), item.token_bitmask,
+                                     group_tables_from_wire(item.new_block_ids,
+                                                            item.group_block_counts),
+                                     item.token_bitmask,
                                      tuple(item.draft_token_ids), tuple(item.new_token_ids))
                    for item in message.scheduled],
         finished_sequence_ids=list(message.finished_seq_ids),
@@ -28,7 +30,8 @@ def step_from_proto(message: worker_pb2.StepRequest) -> StepOrder:
 def _new_sequence_from_proto(message: worker_pb2.NewSequence) -> NewSequence:
     return NewSequence(
         sequence_id=message.seq_id, token_ids=tuple(message.token_ids),
-        params=params_from_proto(message.params), block_ids=tuple(message.block_ids),
+        params=params_from_proto(message.params),
+        block_ids=group_tables_from_wire(message.block_ids, message.group_block_counts),
         num_computed_tokens=message.num_computed_tokens,
         eos_token_ids=tuple(message.eos_token_ids), child_index=message.child_index,
         # unset (0) on the wire: every token is the prompt's

@@ -82,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
         vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
         compute_domain=compute_domain(runner.device),
         attention_crossover=loaded.attention_crossover, instance_id=instance_id,
-        num_threads=loaded.num_threads))
+        num_threads=loaded.num_threads, kv_group_windows=runner.kv_layout.windows))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,
@@ -140,7 +140,7 @@ def _remove_stale_shm_files(shm_dir: str) -> None:
 def _transports(names: list[str], runner) -> dict:
     transports = {"grpc": GrpcKvTransport()}
     if "shm" in names:
-        block_shape = (runner.num_layers, runner.block_size, runner.num_kv_heads,
+        block_shape = (runner.slots_per_block, runner.block_size, runner.num_kv_heads,
                        runner.head_dim)
         transports["shm"] = ShmKvTransport(block_shape, runner.dtype)
     return transports

@@ -16,7 +16,7 @@ from kvrelay.step_messages import NewSequence, ScheduledSequence
 class SequenceTable:
     def __init__(self) -> None:
         self.sequences: dict[str, Request] = {}
-        self.block_ids: dict[str, list[int]] = {}
+        self.block_ids: dict[str, list[list[int]]] = {}  # per KV group, its block table
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -33,13 +33,15 @@ class SequenceTable:
         _skip_draws(generator, sequence.num_output_tokens)
         sequence.num_computed_tokens = new.num_computed_tokens
         self.sequences[new.sequence_id] = sequence
-        self.block_ids[new.sequence_id] = list(new.block_ids)
+        self.block_ids[new.sequence_id] = [list(table) for table in new.block_ids]
 
     def update(self, scheduled: ScheduledSequence) -> Request:
         sequence = self.sequences.get(scheduled.sequence_id)
         if sequence is None:
             raise KeyError(f"unknown sequence {scheduled.sequence_id!r}")
-        self.block_ids[scheduled.sequence_id].extend(scheduled.new_block_ids)
+        for table, new_block_ids in zip(self.block_ids[scheduled.sequence_id],
+                                        scheduled.new_block_ids):
+            table.extend(new_block_ids)
         for token_id in scheduled.new_token_ids:
             sequence.append_token(token_id)
         return sequence

@@ -115,8 +115,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         for order in orders:
             # pages that stream layer by layer during the pass go through the feed's queue
             streams = order.during_step and self.layerwise_push
-            feed = LayerFeed(self.executor.runner.kv_cache, list(order.src_block_ids), loop,
-                             None if streams else self.sender.lander(order))
+            runner = self.executor.runner
+            feed = LayerFeed(runner.kv_cache, list(order.src_block_ids), loop,
+                             None if streams else self.sender.lander(order),
+                             runner.slots_done_after)
             if order.during_step:
                 during_step.append(feed)
             else:

@@ -46,7 +46,7 @@ class _Sequence:
 class _Item:
     request: _Sequence
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV group
     draft_token_ids: list[int] = field(default_factory=list)
     samples: bool = True
 
@@ -64,7 +64,7 @@ def warm_up(runner: ModelRunner, role: str) -> float:
     if role in ("decode", "both"):
         shapes += [[(DECODE_CONTEXT, 1)] * batch for batch in DECODE_BATCHES]
     for shape in shapes:
-        items = _items(shape, runner.block_size, runner.num_blocks)
+        items = _items(shape, runner.block_size, runner.num_blocks, runner.kv_layout.num_groups)
         if items:
             greedy_tokens(runner.execute(runner.prepare(items)))
     warm_onednn_rows(runner.model.layers[0], warm_bucket_rows(runner))
@@ -76,16 +76,18 @@ def warm_bucket_rows(runner: ModelRunner) -> list[int]:
     return bucket_sizes(runner.pad_from_rows, WARM_BUCKET_ROWS)
 
 
-def _items(shape: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[_Item]:
-    """(context, new tokens) per sequence -> items on distinct blocks; [] if the cache is too
-    small for the shape (a tiny test cache)."""
+def _items(shape: list[tuple[int, int]], block_size: int, num_blocks: int,
+           num_groups: int = 1) -> list[_Item]:
+    """(context, new tokens) per sequence -> items on distinct blocks (a table per KV group);
+    [] if the cache is too small for the shape (a tiny test cache)."""
     items, next_block = [], 0
     for context, num_new in shape:
         total = context + num_new
         count = -(-total // block_size)
-        if next_block + count > num_blocks:
+        if next_block + count * num_groups > num_blocks:
             return []
-        items.append(_Item(_Sequence([1] * total, context), num_new,
-                           list(range(next_block, next_block + count))))
-        next_block += count
+        tables = [list(range(next_block + count * group, next_block + count * (group + 1)))
+                  for group in range(num_groups)]
+        items.append(_Item(_Sequence([1] * total, context), num_new, tables))
+        next_block += count * num_groups
     return items

@@ -69,8 +69,13 @@ CONFIGS = {
 
 def write_checkpoint(name: str, folder: Path, tokenizer_dir: Path, seed: int = 0):
     """The HF model (float32, eval) after saving it and the tokenizer files into `folder`."""
+    return write_model(CONFIGS[name](), folder, tokenizer_dir, seed)
+
+
+def write_model(config, folder: Path, tokenizer_dir: Path, seed: int = 0):
+    """write_checkpoint of a config given whole."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms off 1 and random biases, so a misplaced one shows
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias") or "norm" in param_name:

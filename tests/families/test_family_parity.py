@@ -33,16 +33,18 @@ def _hf_greedy(hf_model, prompt: list[int]) -> list[int]:
 def _whole_sequence_logits(folder, token_ids: list[int]) -> torch.Tensor:
     """kvrelay's logits at every position of token_ids, in one prefill step: [T, vocab]."""
     config = AutoConfig.from_pretrained(folder)
-    block_size = 16
-    num_blocks = -(-len(token_ids) // block_size)
+    block_size, count = 16, len(token_ids)
+    per_group = -(-count // block_size)
     runner = ModelRunner(config, folder, torch.float32, torch.device("cpu"), block_size,
-                         num_blocks, 0)
-    count = len(token_ids)
+                         4 * per_group * len(config.to_dict().get("layer_types") or [0]), 0)
+    groups = range(runner.kv_layout.num_groups)  # each KV group its own blocks
+    tables = [torch.arange(g * per_group, (g + 1) * per_group, dtype=torch.int32)[None]
+              for g in groups]
     rows = torch.arange(count)
-    step = StepInput(input_ids=torch.tensor(token_ids), positions=rows, slot_mapping=rows,
+    step = StepInput(input_ids=torch.tensor(token_ids), positions=rows,
+                     slot_mappings=[rows + g * per_group * block_size for g in groups],
                      cu_seqlens_q=torch.tensor([0, count], dtype=torch.int32),
-                     seq_lens=torch.tensor([count], dtype=torch.int32),
-                     block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+                     seq_lens=torch.tensor([count], dtype=torch.int32), block_tables=tables,
                      logits_indices=rows, sample_rows=[0] * count, max_seqlen_q=count,
                      max_seqlen_k=count)
     return runner.execute(step)

@@ -19,14 +19,16 @@ def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
     }
 
 
-def compile_attention(dtype: str, group_size: int, block_m: int, head_dim_padded: int):
+def compile_attention(dtype: str, group_size: int, block_m: int, head_dim_padded: int, window: bool = False,
+                      soft_cap: bool = False):
     constexprs = dict(
         GROUP_SIZE=group_size, BLOCK_Q=block_m // group_size, BLOCK_M=block_m, TILE_N=32,
         HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=16, DOT_IN_FP32=False,
-        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", HAS_WINDOW=window, HAS_SOFT_CAP=soft_cap,
     )
     pointers = {name: f"*{dtype}" for name in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr")}
-    pointers.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", qk_scale_log2="fp32")
+    pointers.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", qk_scale_log2="fp32",
+                    soft_cap_log2="fp32")
     signature = _signature(_paged_attention_kernel, pointers, constexprs)
     return triton.compile(ASTSource(_paged_attention_kernel, signature, constexprs), target=HOPPER)
 
@@ -64,6 +66,9 @@ if __name__ == "__main__":
     bf16_prefill = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64)
     assert "wgmma" in bf16_prefill.asm["ptx"], "bf16 attention should use Hopper tensor cores"
     compile_attention("fp32", group_size=8, block_m=16, head_dim_padded=128)
+    windowed = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64, window=True, soft_cap=True)
+    assert "wgmma" in windowed.asm["ptx"], "windowed, capped bf16 attention should use Hopper tensor cores"
+    compile_attention("fp32", group_size=1, block_m=16, head_dim_padded=64, window=True)
     compile_store("bf16")
     compile_rejection()
     compile_moe("bf16", block_m=16)

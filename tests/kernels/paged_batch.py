@@ -53,6 +53,7 @@ def make_paged_batch(
     dtype: torch.dtype = torch.float32,
     pad: int = 0,
     strided_query: bool = False,
+    window: int = 0,
 ) -> PagedBatch:
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
@@ -73,6 +74,6 @@ def make_paged_batch(
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
     meta = build_attention_metadata(
-        cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32), block_tables, block_size
+        cu_seqlens_q, torch.tensor(seq_lens, dtype=torch.int32), block_tables, block_size, window=window
     )
     return PagedBatch(query, k_cache, v_cache, meta, scale=head_dim**-0.5)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2
 from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.prefix_hits import first_in_window
 from kvrelay.engine.request import RequestStatus, make_sequence_id
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.scheduler import ScheduledRequest
@@ -34,14 +35,15 @@ ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
 
 
 def worker_info(worker_id: str, role: Role, num_blocks: int, max_model_len: int = 128,
-                compute_domain: str = "", num_threads: int = 0) -> WorkerInfo:
+                compute_domain: str = "", num_threads: int = 0,
+                kv_group_windows: tuple[int, ...] = (0,)) -> WorkerInfo:
     """A fresh worker process: a replacement under the same id gets a new instance id."""
     return WorkerInfo(
         worker_id=worker_id, role=role, address=f"{worker_id}.test:1", num_blocks=num_blocks,
         block_size=BLOCK_SIZE, model="tiny", dtype="float32", kv_transports=("grpc",),
         max_model_len=max_model_len, vocab_size=VOCAB_SIZE, eos_token_ids=(EOS,),
         compute_domain=compute_domain, instance_id=f"{worker_id}#{next(_instance_ids)}",
-        num_threads=num_threads)
+        num_threads=num_threads, kv_group_windows=kv_group_windows)
 
 
 _instance_ids = itertools.count()
@@ -65,6 +67,7 @@ class InFlightSend:
     decode: WorkerRecord
     # the tokens whose KV the pages hold: the prompt, and a recovered sample's earlier outputs
     tokens: tuple[int, ...]
+    indices: tuple[int, ...]  # per destination block, its place in its group's table
 
 
 @dataclass
@@ -154,7 +157,8 @@ class ClusterDriver:
             self._check_order(order, worker, pushed_now)
             transfer = self.cluster.transfers.open[order.transfer_id]
             self.sends[order.transfer_id] = InFlightSend(
-                order, worker, transfer.destination, tuple(transfer.decode_request.all_token_ids))
+                order, worker, transfer.destination, tuple(transfer.decode_request.all_token_ids),
+                _table_indices(transfer.destination, order))
             self.num_pushed[order.sequence_id] = transfer.decode_request.num_tokens
         self.steps[worker_id] = self._in_flight(worker, plan, ahead=False)
         return True
@@ -185,7 +189,7 @@ class ClusterDriver:
             # A step planned ahead computes the token the one before it samples.
             start = item.request.num_computed_tokens + (1 if ahead else 0)
             for position in range(start, start + item.num_new_tokens):
-                writes.add(item.block_ids[position // BLOCK_SIZE])
+                writes.update(table[position // BLOCK_SIZE] for table in item.block_ids)
         sampling = [item for item in plan.output.scheduled if item.samples]
         return InFlightStep(plan, sampling, writes)
 
@@ -258,9 +262,7 @@ class ClusterDriver:
     def _write_pages(self, send: InFlightSend, ok: bool) -> None:
         """What the push wrote: the pages of its tokens, whole, or torn when it failed part
         way."""
-        dst_block_ids = list(send.order.dst_block_ids)
-        first = _num_blocks(len(send.tokens)) - len(dst_block_ids)
-        for index, block_id in enumerate(dst_block_ids, start=first):
+        for index, block_id in zip(send.indices, send.order.dst_block_ids):
             pages = _prompt_pages(send.tokens, index)
             key = (send.order.dst_instance_id, block_id)
             if ok or self.pages.get(key) == pages:  # a torn write of the same pages is harmless
@@ -276,14 +278,21 @@ class ClusterDriver:
         start, end = request.num_computed_tokens, request.num_computed_tokens + item.num_new_tokens
         num_pushed = self.num_pushed[request.sequence_id]
         pushed = request.all_token_ids[:num_pushed]
-        block_ids = worker.core.kv.block_ids(request.sequence_id)
-        for index in range(min(_num_blocks(num_pushed), _num_blocks(end))):
-            key, pages = (worker.info.instance_id, block_ids[index]), _prompt_pages(pushed, index)
-            if (index + 1) * BLOCK_SIZE <= start or start >= num_pushed:
-                assert self.pages.get(key) == pages, \
-                    f"{request.sequence_id} block {index} on {worker.worker_id} holds other pages"
-            elif index * BLOCK_SIZE < end:
-                self.pages[key] = pages
+        kv = worker.core.kv
+        for window, table in zip(kv.windows, kv.req_blocks[request.sequence_id]):
+            # a window group's step reads only the blocks its window reaches
+            for index in range(first_in_window(start, window, BLOCK_SIZE),
+                               min(_num_blocks(num_pushed), _num_blocks(end))):
+                block = table[index]
+                assert block is not None, f"{request.sequence_id} block {index} was freed"
+                key = (worker.info.instance_id, block.block_id)
+                pages = _prompt_pages(pushed, index)
+                if (index + 1) * BLOCK_SIZE <= start or start >= num_pushed:
+                    assert self.pages.get(key) == pages, \
+                        f"{request.sequence_id} block {index} on {worker.worker_id} holds " \
+                        f"other pages"
+                elif index * BLOCK_SIZE < end:
+                    self.pages[key] = pages
 
     def _check_order(self, order: SendOrder, prefill: WorkerRecord,
                      pushed_now: set[tuple[str, int]]) -> None:
@@ -303,10 +312,6 @@ class ClusterDriver:
                                 if self.worker(worker_id) is decode))
         assert not written & set(order.dst_block_ids), \
             f"a push into blocks a running step of {decode.worker_id} writes: {self.describe()}"
-        decode_blocks = decode.core.kv.block_ids(order.sequence_id)
-        num_held = len(decode_blocks) - len(order.dst_block_ids)
-        assert 0 <= num_held < len(decode_blocks)  # at least one block is always pushed
-        assert list(order.dst_block_ids) == decode_blocks[num_held:]
         clone = transfer.decode_request
         assert decode.core.requests[order.sequence_id] is clone
         assert clone.status is RequestStatus.TRANSFERRING
@@ -319,13 +324,26 @@ class ClusterDriver:
                                     else request.num_tokens - 1)
         assert clone.params is request.params and clone.grammar is request.grammar
         num_blocks = _num_blocks(clone.num_tokens)
-        assert len(decode_blocks) == num_blocks
-        assert list(order.src_block_ids) == \
-            prefill.core.kv.block_ids(order.sequence_id)[num_held:num_blocks]
-        for index, block_id in enumerate(decode_blocks[:num_held]):
-            assert (order.dst_instance_id, block_id) in pushed_now or \
-                self.pages.get((decode.info.instance_id, block_id)) == \
-                _prompt_pages(clone.all_token_ids, index), "skipped unlanded pages"
+        assert list(order.dst_block_ids) == [block_id for table in transfer.dst_block_ids
+                                             for block_id in table]
+        assert list(order.src_block_ids) == [block_id for table in transfer.src_block_ids
+                                             for block_id in table]
+        groups = zip(decode.core.kv.windows, decode.core.kv.block_ids(order.sequence_id),
+                     prefill.core.kv.block_ids(order.sequence_id), transfer.dst_block_ids,
+                     transfer.src_block_ids)
+        for window, decode_blocks, prefill_blocks, dst, src in groups:
+            # per group: a tail of the blocks the decode worker reads, at least one
+            assert len(decode_blocks) == num_blocks
+            first = first_in_window(clone.num_tokens, window, BLOCK_SIZE)
+            num_held = len(decode_blocks) - len(dst)
+            assert first <= num_held < len(decode_blocks) or (not dst and first >= num_blocks)
+            assert dst == decode_blocks[num_held:]
+            assert src == prefill_blocks[num_held:num_blocks]
+            for index in range(first, num_held):
+                block_id = decode_blocks[index]
+                assert (order.dst_instance_id, block_id) in pushed_now or \
+                    self.pages.get((decode.info.instance_id, block_id)) == \
+                    _prompt_pages(clone.all_token_ids, index), "skipped unlanded pages"
 
     # ---- driving to the end ------------------------------------------------------------------------
     def run(self, sends: str = "after", max_rounds: int = 1000) -> None:
@@ -549,12 +567,21 @@ def _prompt_pages(prompt_ids: list[int], index: int) -> tuple[int, ...]:
     return tuple(prompt_ids[:(index + 1) * BLOCK_SIZE])
 
 
+def _table_indices(decode: WorkerRecord, order: SendOrder) -> tuple[int, ...]:
+    """Per block the order writes, its place in its group's table on the decode worker."""
+    index_of = {block.block_id: index
+                for table in decode.core.kv.req_blocks[order.sequence_id]
+                for index, block in enumerate(table) if block is not None}
+    return tuple(index_of[block_id] for block_id in order.dst_block_ids)
+
+
 def _check_pool(worker: WorkerRecord, set_aside: list[SetAside]) -> None:
     kv = worker.core.kv
     for block in kv.landing.values():  # reserved, pages not in yet: never a prefix hit
         assert block.block_hash is None and block.ref_cnt > 0, (worker.worker_id, block)
     holders: dict[int, int] = defaultdict(int)
-    for blocks in [*kv.req_blocks.values(), *(entry.blocks for entry in set_aside),
+    held = [kv.held_blocks(sequence_id) for sequence_id in kv.req_blocks]
+    for blocks in [*held, *(entry.blocks for entry in set_aside),
                    *worker.core.held_for_steps]:
         for block in blocks:
             holders[block.block_id] += 1

@@ -24,7 +24,8 @@ def model_worker_info(runner: ModelRunner, worker_id: str, role: Role, num_block
                       vocab_size: int, eos_token_ids: tuple[int, ...],
                       max_model_len: int = 512) -> WorkerInfo:
     assert runner.block_size == BLOCK_SIZE
-    return dataclasses.replace(worker_info(worker_id, role, num_blocks, max_model_len),
+    return dataclasses.replace(worker_info(worker_id, role, num_blocks, max_model_len,
+                                           kv_group_windows=runner.kv_layout.windows),
                                vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
 
@@ -38,9 +39,10 @@ class ModelClusterDriver(ClusterDriver):
         """A fresh worker process: an empty sequence table and a zeroed KV cache."""
         runner = copy.copy(self.runner)  # the weights are shared, the cache is its own
         runner.num_blocks = info.num_blocks
-        runner.kv_cache = torch.zeros((runner.num_layers, 2, info.num_blocks, BLOCK_SIZE,
+        runner.kv_cache = torch.zeros((runner.slots_per_block, 2, info.num_blocks, BLOCK_SIZE,
                                        runner.num_kv_heads, runner.head_dim), dtype=runner.dtype)
-        runner.kv_caches = [(layer[0], layer[1]) for layer in runner.kv_cache]
+        runner.kv_caches = [(runner.kv_cache[slot][0], runner.kv_cache[slot][1])
+                            for slot in runner.kv_layout.layer_slot]
         self.executors[info.instance_id] = StepExecutor(runner)
         super().register(info)
 

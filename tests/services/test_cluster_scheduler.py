@@ -468,7 +468,7 @@ def test_decode_reservations_are_prompt_sized_and_on_a_decode_worker():
     transfer = driver.cluster.samples["r/0"].transfer
     assert transfer.destination.role is DECODE
     assert transfer.decode_request.status is RequestStatus.TRANSFERRING
-    assert len(driver.worker("d0").core.kv.block_ids("r/0")) == 3  # ceil(33 / 16)
+    assert len(driver.worker("d0").core.kv.block_ids("r/0")[0]) == 3  # ceil(33 / 16)
     _finish(driver)
 
 
@@ -481,10 +481,11 @@ class PDClusterMachine(RuleBasedStateMachine):
 
     WORKERS = (("p0", PREFILL, 8), ("d0", DECODE, 6))
     PIPELINE = True  # the teardown's run plans steps ahead too
+    KV_GROUP_WINDOWS = (0,)  # per KV group of the model's layers, its window
 
     def __init__(self):
         super().__init__()
-        self.driver = ClusterDriver([worker_info(*w, max_model_len=64) for w in self.WORKERS],
+        self.driver = ClusterDriver([self._info(*w) for w in self.WORKERS],
                                     max_num_batched_tokens=24, max_num_seqs=3)
         self.driver.pipeline = self.PIPELINE
         self.next_id = 0
@@ -546,7 +547,11 @@ class PDClusterMachine(RuleBasedStateMachine):
     def kill_and_replace(self, index):
         worker_id, role, num_blocks = self.WORKERS[index % len(self.WORKERS)]
         self.driver.kill(worker_id)
-        self.driver.register(worker_info(worker_id, role, num_blocks, max_model_len=64))
+        self.driver.register(self._info(worker_id, role, num_blocks))
+
+    def _info(self, worker_id, role, num_blocks):
+        return worker_info(worker_id, role, num_blocks, max_model_len=64,
+                           kv_group_windows=self.KV_GROUP_WINDOWS)
 
     @invariant()
     def accounting_holds(self):
@@ -562,6 +567,15 @@ class PDClusterMachine(RuleBasedStateMachine):
 
 class ColocatedClusterMachine(PDClusterMachine):
     WORKERS = (("c0", BOTH, 6),)
+
+
+class WindowPDClusterMachine(PDClusterMachine):
+    """A model with a full-attention group and a window group (kv_groups.py): the window
+    group's blocks out of reach are freed on both workers while the request runs, a push
+    carries only the blocks the decode worker reads (the driver checks every block a decode
+    step reads holds its pages), beside everything else."""
+    WORKERS = (("p0", PREFILL, 12), ("d0", DECODE, 10))
+    KV_GROUP_WINDOWS = (0, 20)
 
 
 class DrainingPDClusterMachine(PDClusterMachine):
@@ -584,6 +598,9 @@ TestPDClusterMachine.settings = settings(max_examples=200, stateful_step_count=5
 TestDrainingPDClusterMachine = DrainingPDClusterMachine.TestCase
 TestDrainingPDClusterMachine.settings = settings(max_examples=80, stateful_step_count=50,
                                                  deadline=None, print_blob=True)
+TestWindowPDClusterMachine = WindowPDClusterMachine.TestCase
+TestWindowPDClusterMachine.settings = settings(max_examples=100, stateful_step_count=50,
+                                               deadline=None, print_blob=True)
 TestColocatedClusterMachine = ColocatedClusterMachine.TestCase
 TestColocatedClusterMachine.settings = settings(max_examples=80, stateful_step_count=40,
                                                 deadline=None, print_blob=True)
@@ -635,7 +652,7 @@ def test_pd_decode_worker_holding_a_prefix_gets_only_the_rest_pushed():
     driver.submit("b", _shared_prompt(60), max_tokens=2)
     driver.start_step("p0")
     order = _order_for(driver, "b/0")
-    decode_blocks = driver.worker("d0").core.kv.block_ids("b/0")
+    decode_blocks = driver.worker("d0").core.kv.block_ids("b/0")[0]
     assert list(order.dst_block_ids) == decode_blocks[2:]  # the shared two blocks stay home
     assert len(order.src_block_ids) == 1
     _finish(driver)  # the driver checks every block b's decode steps read holds b's prefix
@@ -656,7 +673,7 @@ def test_pd_prefix_in_flight_is_shared_and_pushed_once_per_step():
     driver.submit("a", _shared_prompt(50), max_tokens=3)
     driver.submit("b", _shared_prompt(60), max_tokens=3)
     driver.start_step("p0")  # one step prefills both and orders both sends
-    a_blocks, b_blocks = (driver.worker("d0").core.kv.block_ids(s) for s in ("a/0", "b/0"))
+    a_blocks, b_blocks = (driver.worker("d0").core.kv.block_ids(s)[0] for s in ("a/0", "b/0"))
     assert a_blocks[:2] == b_blocks[:2] and a_blocks[2] != b_blocks[2]
     assert list(_order_for(driver, "a/0").dst_block_ids) == a_blocks
     assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks[2:]  # a pushes the rest
@@ -684,8 +701,8 @@ def test_pd_prefix_shared_with_an_earlier_steps_transfer_is_pushed_again():
     driver.submit("b", _shared_prompt(60), max_tokens=3)
     driver.step("p0")  # a, its send still in flight
     driver.start_step("p0")  # b
-    b_blocks = driver.worker("d0").core.kv.block_ids("b/0")
-    assert b_blocks[:2] == driver.worker("d0").core.kv.block_ids("a/0")[:2]
+    b_blocks = driver.worker("d0").core.kv.block_ids("b/0")[0]
+    assert b_blocks[:2] == driver.worker("d0").core.kv.block_ids("a/0")[0][:2]
     assert list(_order_for(driver, "b/0").dst_block_ids) == b_blocks
     driver.finish_step("p0")
     driver.send_result(_order_for(driver, "a/0").transfer_id, ok=False)
@@ -703,7 +720,7 @@ def test_pd_pages_of_a_failed_transfer_are_never_a_prefix_hit():
     driver.submit("b", _shared_prompt(60), max_tokens=2)
     driver.start_step("p0")
     order = _order_for(driver, "b/0")
-    assert len(order.dst_block_ids) == len(driver.worker("d0").core.kv.block_ids("b/0")) == 3
+    assert len(order.dst_block_ids) == len(driver.worker("d0").core.kv.block_ids("b/0")[0]) == 3
     _finish(driver)
 
 
@@ -729,3 +746,20 @@ def test_pd_a_shared_push_failing_while_a_dependent_push_is_in_flight(retries):
         assert len(driver.tokens("b")) == 3 and driver.cluster.num_recoveries == 2
     else:
         assert "shared prefix" in driver.final("b").error
+
+
+def test_pd_window_group_pushes_only_the_blocks_its_window_reaches():
+    windows = (0, 20)  # a full-attention group and a window group
+    driver = ClusterDriver([worker_info(worker_id, role, 32, max_model_len=256,
+                                        kv_group_windows=windows)
+                            for worker_id, role in (("p0", PREFILL), ("d0", DECODE))])
+    driver.submit("r", prompt(100), max_tokens=40)
+    driver.start_step("p0")
+    order = _order_for(driver, "r/0")
+    # 7 blocks of 100 tokens in the full group; the window group's from block (100 - 20) // 16
+    assert len(order.dst_block_ids) == 7 + 2
+    decode_tables = driver.worker("d0").core.kv.block_ids("r/0")
+    assert list(order.dst_block_ids) == decode_tables[0] + decode_tables[1][5:]
+    _finish(driver)  # every block a decode step reads held its pages
+    assert driver.worker("p0").core.kv.num_window_freed == 5
+    assert driver.worker("d0").core.kv.num_window_freed > 0  # the decode ring moved on

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from kvrelay.engine.kv_groups import KVGroupLayout
 from kvrelay.engine.model_runner import allocate_kv_cache, map_kv_cache_file
 from kvrelay.step_messages import SendOrder
 from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
@@ -467,3 +468,27 @@ def test_receiver_refuses_chunks_after_their_deadline():
     ack = asyncio.run(service.Push(chunks(), None))
     assert not ack.ok and "deadline" in ack.error
     assert torch.equal(_bits(destination), _bits(before))
+
+
+def test_a_feed_streams_each_slot_in_order_once_its_last_layer_has_run():
+    # layers 0-1 full attention, 2-4 one window: two slots per block (slot 0: layers 0, 2, 4;
+    # slot 1: layers 1, 3), so nothing is final before layer 4 has run
+    layout = KVGroupLayout.from_windows([0, 0, 8, 8, 8])
+    cache = torch.randn(layout.slots_per_block, 2, 6, 4, 2, 8)
+    src = [4, 1]
+
+    async def scenario():
+        feed = LayerFeed(cache, src, asyncio.get_running_loop(),
+                         slots_done_after=layout.slots_done_after())
+        done = []
+        for layer in range(layout.num_layers):
+            feed.on_layer_done(layer)
+            await asyncio.sleep(0)
+            done.append(feed.queue.qsize())
+        return done, [item async for item in feed.layers()]
+
+    done, slots = asyncio.run(scenario())
+    assert done == [0, 0, 0, 0, 2]
+    assert [slot for slot, _ in slots] == [0, 1]
+    for slot, pages in slots:
+        assert torch.equal(pages, cache[slot][:, src])

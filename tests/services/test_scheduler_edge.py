@@ -41,15 +41,20 @@ def test_a_registration_the_core_cannot_take_is_refused(fields):
 
 def test_a_step_order_goes_out_field_for_field():
     send = SendOrder("r/0#1", "r/0", (1, 2), "d0:1", (5, 6), "grpc", "", True, 123, "d0#1")
-    order = StepOrder(7, [NewSequence("r/0", (3, 4), SamplingParams(max_tokens=5, n=2), (1, 2),
-                                      0, (2,), 1, 2)],
-                      [ScheduledSequence("r/0", 2, (1, 2))], ["old/0"], [send], num_threads=1)
+    order = StepOrder(7, [NewSequence("r/0", (3, 4), SamplingParams(max_tokens=5, n=2),
+                                      ((1, 2),), 0, (2,), 1, 2)],
+                      [ScheduledSequence("r/0", 2, ((1, 2),)),
+                       ScheduledSequence("r/1", 1, ((3,), (), (4, 5)))],
+                      ["old/0"], [send], num_threads=1)
     message = edge.step_to_proto(order)
     assert message.step_id == 7 and message.num_threads == 1
     assert list(message.finished_seq_ids) == ["old/0"]
     [new] = message.new_sequences
     assert list(new.token_ids) == [3, 4] and new.params.max_tokens == 5 and new.child_index == 1
     assert list(message.scheduled[0].new_block_ids) == [1, 2]
+    assert not message.scheduled[0].group_block_counts  # one KV group: no counts
+    assert list(message.scheduled[1].new_block_ids) == [3, 4, 5]
+    assert list(message.scheduled[1].group_block_counts) == [1, 0, 2]
     [kv] = message.kv_sends
     assert (kv.transfer_id, list(kv.dst_block_ids), kv.during_step, kv.deadline_unix_ms,
             kv.dst_instance_id) == ("r/0#1", [5, 6], True, 123, "d0#1")

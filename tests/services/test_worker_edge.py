@@ -19,9 +19,12 @@ def _order() -> StepOrder:
     send = SendOrder("r/0#1", "r/0", (1, 2), "d0:1", (5, 6), "shm", "/dev/shm/d0.kv", True,
                      123, "d0#1")
     params = SamplingParams(max_tokens=5, n=2, seed=7, temperature=0.5, logprobs=2)
-    return StepOrder(7, [NewSequence("r/0", (3, 4, 8), params, (1, 2), 1, (2,), 1, 2)],
-                     [ScheduledSequence("r/0", 2, (1, 2), b"\x01\x00\x00\x00", (9,), (4,)),
-                      ScheduledSequence("r/1", 1, ())],
+    # block tables of two KV groups (a full one and a window one: kv_groups.py), and of one
+    return StepOrder(7, [NewSequence("r/0", (3, 4, 8), params, ((1, 2), (5,)), 1, (2,), 1, 2),
+                         NewSequence("r/1", (3,), params, ((6,),), 0, (2,), 0, 1)],
+                     [ScheduledSequence("r/0", 2, ((1,), (2, 3)), b"\x01\x00\x00\x00", (9,),
+                                        (4,)),
+                      ScheduledSequence("r/1", 1, ((),))],
                      ["old/0"], [send], num_threads=3)
 
 

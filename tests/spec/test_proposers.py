@@ -131,7 +131,7 @@ def test_scheduler_computes_drafts_and_steps_back_over_rejected_ones():
     output = scheduler.schedule()
     [item] = output.scheduled
     assert item.draft_token_ids == [3, 1, 2] and item.num_new_tokens == 4 and item.samples
-    assert len(item.block_ids) == 3  # slots for 9 known tokens + 3 drafts
+    assert len(item.block_ids[0]) == 3  # slots for 9 known tokens + 3 drafts
     scheduler.update_from_output(output, {"r": [3, 9]})  # one draft accepted, then 9
     assert request.output_token_ids == [2, 3, 9]
     assert request.num_computed_tokens == request.num_tokens - 1 == 10

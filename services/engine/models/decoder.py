@@ -118,6 +118,20 @@ class DecoderLM(nn.Module):
                 module.native = ops
         self.fused_layers = True
 
+    def torch_fallbacks(self) -> list[str]:
+        """What this family runs on torch ops where Llama's layers run fused native ones
+        (bf16 on CPU), to say once at start."""
+        spec, fallbacks = self.spec, []
+        if spec.norm_offset:
+            fallbacks.append("(1 + w) RMSNorms (the reference scales in float32)")
+        if spec.activation != "silu":
+            fallbacks.append(f"the {spec.activation} gate (no fused kernel)")
+        if spec.rotary_dim is not None and spec.rotary_dim < spec.head_dim:
+            fallbacks.append("partial rotary embedding")
+        if spec.qk_norm and spec.norm_offset:
+            fallbacks.append("(1 + w) q/k norms")
+        return fallbacks
+
     @property
     def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -91,6 +91,12 @@ def concat(parts: list[Q4Blocks]) -> Q4Blocks:
                                                                                 "zero")))
 
 
+# The architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel.permute); the
+# others (qwen2, qwen3, gemma2, gemma3) keep Hugging Face's row order. Norms of q and k (Qwen3,
+# Gemma 3) are vectors, not matmuls: they stay on the loaded weights whatever the file's order.
+PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+
 def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     """The row order that undoes GGUF's rotary permutation of q and k (llama.cpp's converter
     interleaves each head's two rotary halves; transformers un-interleaves them on load)."""
@@ -101,13 +107,17 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
 def load_from_gguf(gguf_path: str, hf_config,
                    checkpoint: dict[str, torch.Tensor]) -> dict[str, Q4Blocks] | None:
     """Every layer matmul's 4-bit blocks, keyed by our parameter name ("layers.3.mlp.down_proj"),
-    or None when the file's matmuls are not all Q4_0/Q4_1. Each is checked against the
+    or None when the file's matmuls are not all Q4_0/Q4_1. q/k rows are put back in Hugging
+    Face's order where the file's architecture has them permuted. Each is checked against the
     checkpoint's dequantized float32 weight (`checkpoint`: our parameter name -> tensor):
     a mismatch (another conversion, another row order) raises ValueError."""
     from gguf import GGUFReader
 
-    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
-    heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
+    reader = GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"].contents()
+    heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads} \
+        if arch in PERMUTED_QK_ARCHITECTURES else {}
     weights = {}
     for layer in range(hf_config.num_hidden_layers):
         for ours, pieces in FUSED.items():

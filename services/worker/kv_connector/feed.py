@@ -1,7 +1,9 @@
 """One send's source pages: a stream of layers (layer index, KV tensor [2, num_blocks, block_size,
 kv_heads, head_dim]) in layer order, produced by the compute thread or straight from the cache;
 or, where the transport can write the destination itself (shm), one copy of the final pages
-straight into it (`land`)."""
+straight into it (`land`). A "layer" here is a slot of the cache's first dimension: a block
+holds the pages of its KV group's layers in slots (engine/kv_groups.py), one slot per layer for
+a model without windows."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +18,13 @@ Lander = Callable[[torch.Tensor, list[int]], int]
 
 class LayerFeed:
     def __init__(self, kv_cache: torch.Tensor, src_block_ids: list[int],
-                 loop: asyncio.AbstractEventLoop, lander: Lander | None = None) -> None:
-        # kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+                 loop: asyncio.AbstractEventLoop, lander: Lander | None = None,
+                 slots_done_after: dict[int, tuple[int, ...]] | None = None) -> None:
+        # kv_cache [slots, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
+        # model layer -> the slots final once it ran (KVGroupLayout.slots_done_after);
+        # None: slot i is layer i
+        self.slots_done_after = slots_done_after
         self.src_block_ids = src_block_ids
         self.src_index = torch.tensor(src_block_ids, dtype=torch.int64)
         self.num_layers = kv_cache.shape[0]
@@ -37,9 +43,13 @@ class LayerFeed:
         return self.kv_cache[layer].index_select(1, self.src_index)
 
     def on_layer_done(self, layer: int) -> None:
-        """Called from the compute thread once `layer`'s KV of the step is stored."""
-        pages = self.gather(layer)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (layer, pages))
+        """Called from the compute thread once model layer `layer`'s KV of the step is
+        stored."""
+        slots = (layer,) if self.slots_done_after is None else \
+            self.slots_done_after.get(layer, ())
+        for slot in slots:
+            pages = self.gather(slot)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (slot, pages))
 
     def fail(self, error: BaseException) -> None:
         """The forward pass failed: wake the consumer with the error."""

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "params", "block_ids", "num_computed_tokens", "eos_token_ids", "child_index", "num_prompt_tokens")
+    __slots__ = ("seq_id", "token_ids", "params", "block_ids", "num_computed_tokens", "eos_token_ids", "child_index", "num_prompt_tokens", "group_block_counts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class NewSequence(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHILD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -25,23 +26,26 @@ class NewSequence(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     child_index: int
     num_prompt_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., child_index: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    group_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., child_index: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_new_tokens", "new_block_ids", "new_token_ids", "token_bitmask", "draft_token_ids")
+    __slots__ = ("seq_id", "num_new_tokens", "new_block_ids", "new_token_ids", "token_bitmask", "draft_token_ids", "group_block_counts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     num_new_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_bitmask: bytes
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., token_bitmask: _Optional[bytes] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    group_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., token_bitmask: _Optional[bytes] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvSendOrder(_message.Message):
     __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport", "dst_shm_path", "during_step", "deadline_unix_ms", "dst_instance_id")
