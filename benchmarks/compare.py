@@ -14,6 +14,13 @@ share the cores. HF static batching has no server: it runs chat-64 in the transf
 A system that fails to start or to run is recorded with its error, and the run goes on.
 A kvrelay system may carry `kvrelay up` flags after `@`, to compare variants in one run:
 `--systems kvrelay-pd,kvrelay-pd@shared-compute-steps=split`.
+
+Another model: `--model DIR` (a Hugging Face directory) is served by every system from that
+directory (`kvrelay up --model DIR`, `vllm serve DIR`, ...; llama-server serves only its own
+GGUF of the default model, so it is refused); `--family NAME` does the same on a random
+checkpoint of that family with the default model's dimensions, written once under
+--checkpoints (benchmarks/family_checkpoints.py). Such a run never touches BENCHMARKS.md's
+marked section, which is the default model's.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from benchmarks import kv_capacity
+from benchmarks import family_checkpoints, kv_capacity
 from benchmarks.memory import tree_memory
 from benchmarks import compare_report
 from benchmarks.peers import hf_transformers, kvrelay_stack, llama_server, vllm_cpu
@@ -52,13 +59,20 @@ DEFAULT_SPECULATIVE_CONFIG = ('{"method": "ngram", "num_speculative_tokens": 4, 
                               '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
 
 
+# Systems that cannot serve another model's directory (llama-server runs its own Q4_0 GGUF).
+DEFAULT_MODEL_ONLY = ("llama-server",)
+DEFAULT_CHECKPOINTS = REPO / "bench-results" / "checkpoints"
+
+
 # compare's workloads that are `bench serve` workloads under another concurrency
 BENCH_WORKLOAD = {"single-stream": "chat-64", "grounded-single": "grounded"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    parser.add_argument("--systems", default=None,
+                        help="default: every system (with --model or --family, every one "
+                             "that serves another model)")
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--rates", default="0.5,1,2,4", help="the poisson sweep, requests/s")
     parser.add_argument("--poisson-requests", type=int, default=None,
@@ -88,11 +102,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default bench-results/compare-<date>")
     parser.add_argument("--benchmarks-md", type=Path, default=REPO / "BENCHMARKS.md")
     parser.add_argument("--no-update", action="store_true", help="leave BENCHMARKS.md alone")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Hugging Face model directory every system serves (default: "
+                             "the default model)")
+    parser.add_argument("--family", choices=family_checkpoints.FAMILIES, default=None,
+                        help="serve a random checkpoint of this family with the default "
+                             "model's dimensions (written once under --checkpoints)")
+    parser.add_argument("--checkpoints", type=Path, default=DEFAULT_CHECKPOINTS,
+                        help="where --family's checkpoints are kept")
     parser.add_argument("--report-from", type=Path, default=None,
                         help="no new runs: report what the run that wrote this --out folder "
                              "left there (also a run stopped part way)")
     args = parser.parse_args(argv)
-    args.systems = [s for s in args.systems.split(",") if s]
+    other_model = args.model or args.family
+    servable = [s for s in ALL_SYSTEMS if not (other_model and s in DEFAULT_MODEL_ONLY)]
+    args.systems = ([s for s in args.systems.split(",") if s] if args.systems is not None
+                    else servable)
     args.workloads = [w for w in args.workloads.split(",") if w]
     bases = {system_variant(s)[0].removesuffix("+spec") for s in args.systems}
     unknown = bases - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
@@ -100,6 +125,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("only kvrelay systems take flags after @")
     if unknown:
         parser.error(f"unknown system or workload: {', '.join(sorted(unknown))}")
+    if args.model and args.family:
+        parser.error("--model and --family are two ways to name the model: give one")
+    if other_model and bases & set(DEFAULT_MODEL_ONLY):
+        parser.error(f"{', '.join(sorted(bases & set(DEFAULT_MODEL_ONLY)))} serves only the "
+                     "default model; leave it out of a --model or --family run")
     args.out = (args.report_from or args.out
                 or REPO / "bench-results" / time.strftime("compare-%Y%m%d-%H%M%S"))
     return args
@@ -140,15 +170,15 @@ def launch(name: str, args, port: int, log_dir: Path) -> Server:
         up_flags = [*up_flags, "--speculative-config", args.speculative_config]
     if base in ("kvrelay-pd", "kvrelay-colocated"):
         return kvrelay_stack.launch(base.removeprefix("kvrelay-"), port, log_dir, args.dtype,
-                                    args.threads, args.startup_timeout, up_flags)
+                                    args.threads, args.startup_timeout, up_flags, args.model)
     if base == "llama-server":
         return llama_server.launch(port, log_dir / "server.log", args.home,
                                    args.llama_parallel, args.threads, args.startup_timeout)
     if base == "vllm-cpu":
         return vllm_cpu.launch(port, log_dir / "server.log", args.home, args.dtype,
-                               args.threads, args.startup_timeout, up_flags)
+                               args.threads, args.startup_timeout, up_flags, args.model)
     return hf_transformers.launch_serve(port, log_dir / "server.log", args.home, args.dtype,
-                                        args.threads, args.startup_timeout)
+                                        args.threads, args.startup_timeout, args.model)
 
 
 def bench_command(server: Server, workload: str, args, out: Path, warmup: int) -> list[str]:
@@ -233,7 +263,7 @@ def run_hf_static(args) -> tuple[dict, dict | None]:
         python = hf_transformers.install(args.home)
         command = hf_transformers.static_command(python, args.dtype, args.threads,
                                                  args.hf_batch_size, out, args.max_requests,
-                                                 args.max_tokens or 128)
+                                                 args.max_tokens or 128, args.model)
         subprocess.run(command, check=True, timeout=args.time_limit * 4,
                        env={**os.environ, **hf_transformers.offline_env(args.threads)})
         result = json.loads(out.read_text())
@@ -295,10 +325,28 @@ def load_run(out: Path, workloads: list[str]) -> tuple[dict, list, dict, list]:
     return meta, systems, by_workload, static
 
 
+def resolve_model(args) -> Path | None:
+    """The directory every system serves: --model's, or --family's checkpoint (written on
+    first use); None for the default model."""
+    if args.family:
+        return family_checkpoints.ensure_checkpoint(args.family,
+                                                    args.checkpoints / args.family).resolve()
+    return args.model.resolve() if args.model else None
+
+
+def model_description(model: Path) -> str:
+    """What the report says was served: the directory and its architecture."""
+    architectures = json.loads((model / "config.json").read_text()).get("architectures") or []
+    return f"{model} ({', '.join(architectures) or 'no architectures in config.json'})"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_from:
+        args.model = resolve_model(args)
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "seed": args.seed,
+            **({"model": model_description(args.model)} if args.model else {}),
             "command": shlex.join([".venv/bin/python", "-m", "benchmarks.compare"]
                                   + (sys.argv[1:] if argv is None else list(argv))),
             "warmup": args.warmup, "slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot,
@@ -316,6 +364,9 @@ def main(argv=None) -> int:
     print(body)
     if args.max_requests or args.max_tokens:
         print("a partial run (--max-requests / --max-tokens): BENCHMARKS.md left alone",
+              file=sys.stderr)
+    elif args.model or args.family:
+        print("another model than the default (--model / --family): BENCHMARKS.md left alone",
               file=sys.stderr)
     elif not args.no_update:
         document = args.benchmarks_md.read_text()

@@ -108,6 +108,7 @@ def section(meta: dict, systems: list[dict], by_workload: dict, static: list[dic
     """The whole generated section: how it was run, the systems, one table per workload."""
     parts = [f"Generated {meta['date']} on {meta['machine']} by:", "",
              f"```bash\n{meta['command']}\n```", "",
+             *([f"Model: {meta['model']}.", ""] if meta.get("model") else []),
              "Every system ran in this one invocation, one after another, on the same workloads "
              f"(seed {meta['seed']}; `kvrelay bench serve`, streaming chat completions; each "
              f"server first got {meta['warmup']} untimed requests). SLOs for goodput: TTFT <= "

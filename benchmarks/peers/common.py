@@ -112,7 +112,8 @@ def log_tail(log_path: Path, lines: int = 15) -> str:
 def install_or_serve(description: str, default_port: int, install, versions, serve_command,
                      serve_env) -> None:
     """The command line of a peer that runs as a server from its own venv: `install` prints
-    the venv's python and versions; `serve` runs the server in the foreground."""
+    the venv's python and versions; `serve` runs the server in the foreground, on the default
+    model or on `--model DIR` (a Hugging Face directory)."""
     import argparse
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("action", choices=["install", "serve"])
@@ -120,10 +121,13 @@ def install_or_serve(description: str, default_port: int, install, versions, ser
     parser.add_argument("--port", type=int, default=default_port)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a Hugging Face model directory (default: the default model's)")
     args = parser.parse_args()
     python = install(args.home)
     if args.action == "install":
         print(python, versions(python))
         return
-    command = serve_command(python, args.port, args.dtype, args.home)
+    command = serve_command(python, args.port, args.dtype, args.home,
+                            args.model.resolve() if args.model else None)
     sys.exit(subprocess.call(command, env={**os.environ, **serve_env(args.threads)}))

@@ -2,7 +2,7 @@
 static batching with `model.generate` (benchmarks/peers/hf_static.py, run in that venv).
 
     python -m benchmarks.peers.hf_transformers install [--home DIR]
-    python -m benchmarks.peers.hf_transformers serve [--port 8090] [--dtype bfloat16]
+    python -m benchmarks.peers.hf_transformers serve [--port 8090] [--dtype bfloat16] [--model DIR]
 
 The venv gets the CPU build of torch pinned like the project's (an unpinned torch pulls CUDA)
 and `transformers[serving]`. Both load the directory kvrelay converts the default GGUF into
@@ -77,16 +77,17 @@ def offline_env(threads: int) -> dict:
             "OMP_NUM_THREADS": str(threads)}
 
 
-def serve_command(python: Path, port: int, dtype: str, home=None) -> list[str]:
-    return [str(python.parent / "transformers"), "serve", str(serve_model_dir(home)),
+def serve_command(python: Path, port: int, dtype: str, home=None,
+                  model: Path | None = None) -> list[str]:
+    return [str(python.parent / "transformers"), "serve", str(model or serve_model_dir(home)),
             "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--device", "cpu", "--log-level", "warning"]
 
 
 def launch_serve(port: int, log_path: Path, home=None, dtype: str = "bfloat16",
-                 threads: int = 2, timeout_s: float = 600) -> Server:
+                 threads: int = 2, timeout_s: float = 600, model: Path | None = None) -> Server:
     python = install(home)
-    command = serve_command(python, port, dtype, home)
+    command = serve_command(python, port, dtype, home, model)
     process = start_process(command, log_path, offline_env(threads))
     server = Server("transformers serve --continuous-batching", process,
                     f"http://127.0.0.1:{port}", "transformers", command,
@@ -97,13 +98,14 @@ def launch_serve(port: int, log_path: Path, home=None, dtype: str = "bfloat16",
 
 
 def static_command(python: Path, dtype: str, threads: int, batch_size: int, out: Path,
-                   max_requests: int | None, max_tokens: int) -> list[str]:
+                   max_requests: int | None, max_tokens: int,
+                   model: Path | None = None) -> list[str]:
     """hf_static.py's command; chat-64's conversations are written beside `out` first, since
     the peer's venv cannot import kvrelay to generate them."""
     conversations = out.with_name("conversations.json")
     conversations.write_text(json.dumps(chat64(0)[:max_requests]))
     return [str(python), str(REPO / "benchmarks" / "peers" / "hf_static.py"),
-            "--model-dir", str(model_dir()), "--dtype", dtype, "--threads", str(threads),
+            "--model-dir", str(model or model_dir()), "--dtype", dtype, "--threads", str(threads),
             "--batch-size", str(batch_size), "--max-tokens", str(max_tokens),
             "--conversations", str(conversations), "--json", str(out)]
 

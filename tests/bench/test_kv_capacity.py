@@ -71,3 +71,20 @@ def test_read_tries_the_metrics_then_props(server):
     assert kv_capacity.read(base_url, []) is None
     assert kv_capacity.read("http://127.0.0.1:9", ["http://127.0.0.1:9/metrics"],
                             timeout_s=2) is None  # nothing listens: no reading, no error
+
+
+def test_usage_reads_each_cache_in_tokens_of_its_capacity():
+    kvrelay = KVRELAY_METRICS + ('kvrelay:kv_cache_usage_perc{worker="prefill-0"} 0.0\n'
+                                 'kvrelay:num_requests_running{worker="decode-0"} 3.0\n')
+    decode, prefill = kv_capacity.usage(kvrelay)
+    assert (decode.name, decode.capacity_tokens, decode.running) == ("decode-0", 32768, 3)
+    assert decode.held_tokens == 16384 and decode.block_size is None
+    assert prefill.held_tokens == 0 and prefill.running == 0
+    vllm = VLLM_METRICS.replace("num_requests_running{engine=\"0\",model_name=\"m\"} 0.0",
+                                "num_requests_running{engine=\"0\",model_name=\"m\"} 2.0")
+    assert kv_capacity.usage(vllm) == []  # no usage gauge: nothing to say
+    vllm += 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    (engine,) = kv_capacity.usage(vllm)
+    assert (engine.capacity_tokens, engine.block_size, engine.running) == (227 * 128, 128, 2)
+    assert engine.num_blocks == 227
+    assert engine.held_tokens == 227 * 128 / 4
