@@ -7,7 +7,6 @@ kernels off within bf16's tolerance; an architecture no family builds is refused
 converting."""
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from kvrelay.engine import LLM, SamplingParams
 from kvrelay.engine.model_loader import resolve_model_dir
 from kvrelay.engine.models import gguf_int4
 from kvrelay.kernels import native_gemv
-from kvrelay.kernels.metadata import build_attention_metadata
 from tests.conftest import reference_logprobs
 from tests.families.checkpoints import COMMON, write_model
 from tests.families.gguf_writer import write_gguf
@@ -56,13 +54,6 @@ def conversion_cache(tmp_path_factory, model_dir):
         yield
 
 
-def _skip_where_windows_do_not_run(name: str) -> None:
-    """Gemma 3's layers all have a window (transformers' default pattern, the file holding
-    none); the engine runs them once the kernels' metadata takes a window."""
-    if name == "gemma3" and "window" not in inspect.signature(build_attention_metadata).parameters:
-        pytest.skip("sliding-window layers do not run yet (kernels/metadata.py takes no window)")
-
-
 def _greedy(llm: LLM, prompts: list[list[int]], together: bool = True) -> list:
     """The completions (token_ids, logprobs of each chosen token); decoded together (steps of
     len(prompts) rows) or each alone (steps of one row)."""
@@ -93,7 +84,6 @@ def twin(request, tmp_path_factory, model_dir):
 
 def test_f32_gguf_greedy_tokens_equal_the_safetensors_twin_and_hf(twin):
     name, folder, hf_model = twin
-    _skip_where_windows_do_not_run(name)
     from_gguf = LLM(model=str(folder / "f32.gguf"), dtype="float32", num_kv_blocks=64)
     from_safetensors = LLM(model=str(folder / "safetensors"), dtype="float32", num_kv_blocks=64)
     for prompt, gguf_out, twin_out in zip(PROMPTS, _greedy(from_gguf, PROMPTS),
@@ -144,7 +134,6 @@ def _check_same_until_a_near_tie(hf_model, prompt, on, off, label: str) -> None:
 
 def test_q4_0_gguf_small_steps_run_on_its_own_blocks(twin):
     name, folder, _ = twin
-    _skip_where_windows_do_not_run(name)
     if native_gemv.gemv_ops() is None and not gguf_int4.int4_supported():
         pytest.skip("no int4 kernel on this machine")
     path = str(folder / "q4_0.gguf")
