@@ -1,31 +1,34 @@
 """The hybrid KV layout through the offline LLM on tiny random checkpoints: layers in groups
 (kv_groups.py) write and read their own blocks, and greedy float32 tokens equal transformers'.
 
-Windows here are at least the context (the engine caps the context at the window until the
-attention kernels take it), so window attention equals full attention and the outputs check the
-per-group tables, slot mappings and metadata; test_kv_cache_windows.py checks the freeing."""
+Qwen3 takes windows per `layer_types`, as Gemma does. Windows here are longer than the
+prompts, so the outputs check the per-group tables, slot mappings and metadata;
+tests/families/ checks windows shorter than the prompts, test_kv_cache_windows.py the freeing."""
 from __future__ import annotations
 
 import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
 from kvrelay.engine import LLM, SamplingParams
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1,
+             eos_token_id=2)
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 CONFIGS = {
-    # Gemma 3's 5 local : 1 global on a Llama: one slot per block, 6 groups
-    "llama_1_global_5_local": (lambda: LlamaConfig(
-        **SMALL, num_hidden_layers=6, sliding_window=256, layer_types=[LOCAL] * 5 + [GLOBAL]),
+    # Gemma 3's 5 local : 1 global: one slot per block, 6 groups
+    "qwen3_1_global_5_local": (lambda: Qwen3Config(
+        **SMALL, use_sliding_window=True, num_hidden_layers=6, sliding_window=256,
+        layer_types=[LOCAL] * 5 + [GLOBAL]),
         1, (256,) * 5 + (0,)),
     # alternating: two slots per block, one window group and one full group
-    "llama_alternating": (lambda: LlamaConfig(
-        **SMALL, num_hidden_layers=4, sliding_window=256, layer_types=[LOCAL, GLOBAL] * 2),
+    "qwen3_alternating": (lambda: Qwen3Config(
+        **SMALL, use_sliding_window=True, num_hidden_layers=4, sliding_window=256,
+        layer_types=[LOCAL, GLOBAL] * 2),
         2, (256, 0)),
     # Mistral: a window on every layer, one group of all layers
     "mistral_window": (lambda: MistralConfig(**SMALL, num_hidden_layers=3, sliding_window=256),
@@ -65,7 +68,7 @@ def test_greedy_tokens_match_hf_through_the_groups_and_their_prefix_hits(tmp_pat
 
 
 def test_fewer_slots_per_block_give_more_blocks_for_the_same_memory(tmp_path, model_dir):
-    make_config, slots, _ = CONFIGS["llama_1_global_5_local"]
+    make_config, slots, _ = CONFIGS["qwen3_1_global_5_local"]
     _checkpoint(tmp_path, model_dir, make_config)
     runner = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory=6 << 20).engine.runner
     # [slots, K/V, block_size 16, kv_heads 2, head_dim 16] in float32

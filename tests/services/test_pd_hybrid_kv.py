@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.scheduler.messages import DECODE, PREFILL
@@ -23,7 +23,8 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attentio
              sliding_window=256)
 CONFIGS = {
     # 1 global : 5 local, as Gemma 3: six groups of one slot
-    "hybrid": lambda: LlamaConfig(**SMALL, num_hidden_layers=6,
+    "hybrid": lambda: Qwen3Config(**SMALL, num_hidden_layers=6, head_dim=16,
+                                  use_sliding_window=True,
                                   layer_types=["sliding_attention"] * 5 + ["full_attention"]),
     # a window on every layer: one group of every layer
     "mistral": lambda: MistralConfig(**SMALL, num_hidden_layers=2),

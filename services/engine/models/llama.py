@@ -14,4 +14,8 @@ def spec(config) -> ArchSpec:
     if config.model_type == "qwen2":
         return dense_spec(config, qkv_bias=True, layer_windows=layer_types_windows(config))
     bias = bool(getattr(config, "attention_bias", False))  # o_proj's too, in transformers
-    return dense_spec(config, qkv_bias=bias, o_bias=bias)
+    if config.model_type == "mistral":
+        return dense_spec(config, qkv_bias=bias, o_bias=bias)
+    # Llama attends to every key whatever `sliding_window` or `layer_types` a config carries
+    return dense_spec(config, qkv_bias=bias, o_bias=bias,
+                      layer_windows=(0,) * config.num_hidden_layers)
