@@ -220,17 +220,13 @@ class ModelRunner:
         group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
                                                 self.block_size, max_seqlen_q=step.max_seqlen_q,
                                                 max_seqlen_k=step.max_seqlen_k,
-                                                **self._window_kwargs(group))
+                                                window=self.kv_layout.groups[group].window)
                        for group, table in enumerate(step.block_tables)]
         layer_groups = self.kv_layout.layer_group
         return self.model(step.input_ids, step.positions, self.kv_caches,
                           [step.slot_mappings[group] for group in layer_groups],
                           [group_metas[group] for group in layer_groups],
                           step.logits_indices, on_layer_done)
-
-    def _window_kwargs(self, group: int) -> dict:
-        window = self.kv_layout.groups[group].window
-        return {"window": window} if window else {}
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -49,11 +49,7 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, slot_mapping)
-        if self.soft_cap:
-            out = paged_attention(q, k_cache, v_cache, attn_meta, self.scale,
-                                  soft_cap=self.soft_cap)
-        else:
-            out = paged_attention(q, k_cache, v_cache, attn_meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, attn_meta, self.scale, soft_cap=self.soft_cap)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
     def _rope(self, qk: torch.Tensor, rope) -> torch.Tensor:  # qk [T, heads, D]
