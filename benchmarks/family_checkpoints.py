@@ -1,7 +1,7 @@
 """Random checkpoints of other model families with the default model's dimensions, so that
 kvrelay and the peers can be timed on each family's own architecture without model weights.
 
-    python -m benchmarks.family_checkpoints --family qwen3|gemma3|gemma3_full|qwen3_moe --out DIR
+    python -m benchmarks.family_checkpoints --family qwen3|gemma3|gemma3_full|qwen3_moe|llama --out DIR
 
 The dimensions (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, MLP 1536, vocabulary 49152)
 are read from the directory kvrelay converts the default GGUF into, and its tokenizer and chat
@@ -13,6 +13,9 @@ family's own transformers config class sets the rest of the architecture:
   the full-attention baseline of the long-context workload (benchmarks/long_context.py).
 - qwen3_moe: 8 experts, top 2, each expert's MLP half the dense one (768), so a token's active
   MLP parameters are the dense model's.
+- llama: the default model's own architecture with random bf16 weights, the baseline of the
+  per-family decode-step timing (benchmarks/family_steps.py): the Llama path of a safetensors
+  checkpoint at the same dimensions and FLOPs.
 head_dim is set to 64 everywhere: these families' config classes default to another head size
 than hidden / heads. Weights are seeded (torch's default initialisation) and saved in bfloat16.
 """
@@ -23,9 +26,10 @@ import json
 import shutil
 from pathlib import Path
 
-FAMILIES = ("qwen3", "gemma3", "gemma3_full", "qwen3_moe")
+FAMILIES = ("qwen3", "gemma3", "gemma3_full", "qwen3_moe", "llama")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "gemma3_full": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "gemma3_full": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "llama": "LlamaForCausalLM"}
 HEAD_DIM = 64
 GEMMA_WINDOW = 512
 GEMMA_LAYERS_PER_GLOBAL = 6  # Gemma 3's 5:1 pattern: every sixth layer attends to everything
@@ -53,12 +57,14 @@ def gemma_layer_types(num_layers: int, all_global: bool = False) -> list[str]:
 
 def family_config(family: str, base: dict):
     """The family's transformers config with the default model's dimensions."""
-    from transformers import Gemma3TextConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     dims = base_dims(base) | {"head_dim": HEAD_DIM, "architectures": [ARCHITECTURES[family]]}
     if family == "qwen3":
         return Qwen3Config(**dims)
+    if family == "llama":
+        return LlamaConfig(**dims)
     if family in ("gemma3", "gemma3_full"):
         return Gemma3TextConfig(
             **dims, sliding_window=GEMMA_WINDOW, query_pre_attn_scalar=HEAD_DIM,

@@ -1,8 +1,9 @@
 """Mixture-of-experts forward on CPU: tokens grouped by expert, one matmul per active expert.
 
 The T*k (token, slot) pairs are sorted by expert once; each active expert then runs gate_up,
-its gated activation and down on its rows in one go (oneDNN-packed bf16 weights where
-ExpertWeights.prepare_for_cpu_ packed them, F.linear otherwise). The order of operations is
+its gated activation and down on its rows in one go (the native gemv kernel's bf16 tiles for
+steps of a few tokens where they were attached, else oneDNN-packed bf16 weights where
+ExpertWeights.prepare_for_cpu_ packed them, else F.linear). The order of operations is
 Hugging Face's default experts path (grouped_mm): down's output times the float32 routing
 weight, then the k slots of each token summed in slot order, then cast to the model's dtype.
 For k = 2 this is also bit for bit HF's eager loop (index_add of the two products), so float32
@@ -55,6 +56,10 @@ def _one_token(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch
 def _expert_mlp(experts: ExpertWeights, expert: int, x: torch.Tensor,
                 activation: str) -> torch.Tensor:
     """x [n, H] -> down(act(gate) * up) [n, H]."""
+    if x.shape[0] <= experts.small_step_rows:
+        x = x.contiguous()
+        act = gated(activation, experts.small_step_w13[expert](x))  # [n, I]
+        return experts.small_step_w2[expert](act.contiguous())
     if experts.packed_w13 is not None:
         act = gated(activation, packed_matmul(x, experts.packed_w13[expert]))  # [n, I]
         return packed_matmul(act, experts.packed_w2[expert])

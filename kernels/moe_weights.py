@@ -27,6 +27,19 @@ class ExpertWeights(nn.Module):
         # per expert, oneDNN's opaque copies of w13[e] and w2[e] (prepare_for_cpu_)
         self.packed_w13: list[torch.Tensor] | None = None
         self.packed_w2: list[torch.Tensor] | None = None
+        # steps of at most small_step_rows tokens: x [n, in] -> x @ w13[e]^T, x @ w2[e]^T on
+        # another kernel (the native gemv kernel's bf16 tiles, models/small_steps.py)
+        self.small_step_rows = 0
+        self.small_step_w13: list | None = None
+        self.small_step_w2: list | None = None
+
+    def add_small_step_kernels_(self, max_rows: int, w13_matmuls: list, w2_matmuls: list) -> None:
+        """w13_matmuls[e]: x [n, H] bf16 contiguous -> [n, 2 * I]; w2_matmuls[e]: [n, I] ->
+        [n, H]; for steps of at most max_rows tokens."""
+        if len(w13_matmuls) != self.num_experts or len(w2_matmuls) != self.num_experts:
+            raise ValueError(f"one matmul per expert ({self.num_experts}) for w13 and for w2")
+        self.small_step_rows = max_rows
+        self.small_step_w13, self.small_step_w2 = list(w13_matmuls), list(w2_matmuls)
 
     def prepare_for_cpu_(self) -> None:
         """After the weights are loaded and cast: pack each bf16 expert for oneDNN where this

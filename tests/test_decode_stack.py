@@ -136,22 +136,27 @@ def test_bad_tensors_get_a_clear_error(runner):
     stack = runner.model.decode_stack.native
     hidden = runner.model.config.hidden_size
     caches = [k for k, _ in runner.kv_caches]
+    layers = len(caches)
     ids = torch.zeros(1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int32)
-    tables = torch.zeros(1, 1, dtype=torch.int32)
-    rope = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    tables = [torch.zeros(1, 1, dtype=torch.int32)] * layers
+    ropes = [torch.zeros(1, 1, 64, dtype=torch.bfloat16)] * layers
+    residual = torch.zeros(1, hidden, dtype=torch.bfloat16)
+
+    def run(residual=residual, caches=caches, slots=ids, token_ids=ids, ropes=ropes):
+        stack.run(residual, ropes, ropes, caches, caches, [slots] * layers, token_ids, lens,
+                  tables)
     with pytest.raises(RuntimeError, match="residual must be contiguous"):
-        stack.run(torch.zeros(1, hidden), rope, rope, caches, caches, ids, ids, lens, tables)
-    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
-        stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches[:1],
-                  caches[:1], ids, ids, lens, tables)
+        run(residual=torch.zeros(1, hidden))
+    with pytest.raises(RuntimeError, match="one K and V cache, rope table"):
+        run(caches=caches[:1])
+    with pytest.raises(RuntimeError, match="cos, sin must be"):
+        run(ropes=[torch.zeros(1, 1, 32, dtype=torch.bfloat16)] * layers)
     before = runner.kv_cache.clone()
     with pytest.raises(RuntimeError, match="out of range"):  # a row outside the batch
-        stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches, caches,
-                  ids, ids + 5, lens, tables)
+        run(token_ids=ids + 5)
     with pytest.raises(RuntimeError, match="lies outside the cache"):
-        stack.run(torch.zeros(1, hidden, dtype=torch.bfloat16), rope, rope, caches, caches,
-                  ids + 10**9, ids, lens, tables)
+        run(slots=ids + 10**9)
     assert torch.equal(runner.kv_cache, before)  # refused before anything was stored
 
 

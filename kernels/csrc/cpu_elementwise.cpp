@@ -97,6 +97,40 @@ void scale_row<Bf16>(uint16_t* dst, const uint16_t* in, const uint16_t* weight, 
     Bf16::store(dst, i, Bf16::load(weight, i) * Bf16::round(Bf16::load(in, i) * inv_rms));
 }
 
+// Gemma's convention, where the checkpoint stores w - 1: x * inv_rms * (1 + w), all in float32
+// and rounded once at the end, as transformers computes it.
+template <typename D>
+void scale_row_offset(typename D::T* dst, const typename D::T* in, const typename D::T* weight,
+                      float inv_rms, int64_t hidden) {
+  for (int64_t i = 0; i < hidden; ++i)
+    D::store(dst, i, (D::load(in, i) * inv_rms) * (1.f + D::load(weight, i)));
+}
+
+template <>
+void scale_row_offset<Bf16>(uint16_t* dst, const uint16_t* in, const uint16_t* weight,
+                            float inv_rms, int64_t hidden) {
+  int64_t i = 0;
+  for (; i + 2 * kvrelay::kLanes <= hidden; i += 2 * kvrelay::kLanes) {
+    kvrelay::Lanes even, odd, weight_even, weight_odd;
+    kvrelay::load_bf16_pairs(in + i, even, odd);
+    kvrelay::load_bf16_pairs(weight + i, weight_even, weight_odd);
+    kvrelay::store_bf16_pairs((even * inv_rms) * (1.f + weight_even),
+                              (odd * inv_rms) * (1.f + weight_odd), dst + i);
+  }
+  for (; i < hidden; ++i)
+    Bf16::store(dst, i, (Bf16::load(in, i) * inv_rms) * (1.f + Bf16::load(weight, i)));
+}
+
+// The row's scaling in either convention (offset: by 1 + w).
+template <typename D>
+void scale_row_as(bool offset, typename D::T* dst, const typename D::T* in,
+                  const typename D::T* weight, float inv_rms, int64_t hidden) {
+  if (offset)
+    scale_row_offset<D>(dst, in, weight, inv_rms, hidden);
+  else
+    scale_row<D>(dst, in, weight, inv_rms, hidden);
+}
+
 // torch: x32 * rsqrt(mean(x32^2) + eps), rounded to the dtype, then times the weight.
 inline float inverse_rms(float sum_squares, int64_t hidden, float eps) {
   return 1.f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
@@ -104,11 +138,12 @@ inline float inverse_rms(float sum_squares, int64_t hidden, float eps) {
 
 template <typename D>
 void rms_norm_rows(typename D::T* out, const typename D::T* x, const typename D::T* weight,
-                   int64_t rows, int64_t hidden, float eps) {
+                   int64_t rows, int64_t hidden, float eps, bool offset) {
   at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const typename D::T* in = x + row * hidden;
-      scale_row<D>(out + row * hidden, in, weight, inverse_rms(sum_squares<D>(in, hidden), hidden, eps), hidden);
+      scale_row_as<D>(offset, out + row * hidden, in, weight,
+                      inverse_rms(sum_squares<D>(in, hidden), hidden, eps), hidden);
     }
   });
 }
@@ -117,7 +152,7 @@ void rms_norm_rows(typename D::T* out, const typename D::T* x, const typename D:
 // residual), as torch's bf16 add rounds it, then out = RMSNorm(residual). One pass over x and
 // the residual instead of an add's pass, and the normalized row read back from L1.
 void add_rms_norm_rows(uint16_t* out, const uint16_t* x, uint16_t* residual, const uint16_t* weight,
-                       int64_t rows, int64_t hidden, float eps) {
+                       int64_t rows, int64_t hidden, float eps, bool offset) {
   at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint16_t* in = x + row * hidden;
@@ -131,7 +166,7 @@ void add_rms_norm_rows(uint16_t* out, const uint16_t* x, uint16_t* residual, con
       }
       for (; i < hidden; ++i) Bf16::store(sum_row, i, Bf16::load(in, i) + Bf16::load(sum_row, i));
       const float inv_rms = inverse_rms(sum_squares<Bf16>(sum_row, hidden), hidden, eps);
-      scale_row<Bf16>(out + row * hidden, sum_row, weight, inv_rms, hidden);
+      scale_row_as<Bf16>(offset, out + row * hidden, sum_row, weight, inv_rms, hidden);
     }
   });
 }
@@ -196,6 +231,43 @@ void rope_rows(typename D::T* out, const typename D::T* x, int64_t x_token_strid
   });
 }
 
+// Qwen3's and Gemma 3's attention: each q and k head RMS-normalized over head_dim (its own
+// weight for q heads and for k heads), then rotated. x [tokens, heads, head_dim] with strided
+// rows (a slice of the qkv output), the first num_q_heads heads q; out contiguous. The
+// normalized head is rounded to the dtype before the rotation, as the two torch modules round it
+// between them.
+constexpr int64_t kMaxNormedHeadDim = 1024;
+
+template <typename D>
+void qk_norm_rope_rows(typename D::T* out, const typename D::T* x, int64_t x_token_stride,
+                       const typename D::T* q_weight, const typename D::T* k_weight,
+                       int64_t num_q_heads, float eps, bool offset, const typename D::T* cos,
+                       const typename D::T* sin, int64_t tokens, int64_t heads, int64_t head_dim) {
+  constexpr bool kBf16 = std::is_same_v<D, Bf16>;
+  const bool vectors = kBf16 && (head_dim / 2) % (2 * kvrelay::kLanes) == 0;
+  at::parallel_for(0, tokens, row_grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+    typename D::T normed[kMaxNormedHeadDim];
+    for (int64_t token = begin; token < end; ++token) {
+      const typename D::T* c = cos + token * head_dim;
+      const typename D::T* s = sin + token * head_dim;
+      for (int64_t head = 0; head < heads; ++head) {
+        const typename D::T* in = x + token * x_token_stride + head * head_dim;
+        const typename D::T* weight = head < num_q_heads ? q_weight : k_weight;
+        scale_row_as<D>(offset, normed, in, weight,
+                        inverse_rms(sum_squares<D>(in, head_dim), head_dim, eps), head_dim);
+        typename D::T* dst = out + (token * heads + head) * head_dim;
+        if constexpr (kBf16) {
+          if (vectors) {
+            rope_head_bf16_vectors(dst, normed, c, s, head_dim);
+            continue;
+          }
+        }
+        rope_head<D>(dst, normed, c, s, head_dim);
+      }
+    }
+  });
+}
+
 // silu(x) = x * sigmoid(x), sigmoid from e = exp(-|x|) <= 1 so that the exp never overflows.
 inline kvrelay::Lanes silu_lanes(kvrelay::Lanes x) {
   using kvrelay::Lanes;
@@ -236,6 +308,54 @@ void silu_and_mul_rows(uint16_t* out, const uint16_t* gate_up, int64_t rows, int
   });
 }
 
+// gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3), in float32. With
+// e = exp(-2 |y|) <= 1 (never overflows), 1 + tanh(y) is 2 / (1 + e) for y >= 0 and 2 e / (1 + e)
+// below: no cancellation where x is very negative (torch's 1 + tanh loses digits there, so
+// results below ~1e-4 in size may differ from torch's in the last bf16 bit; elsewhere they
+// agree but for rare last-bit ties).
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+inline kvrelay::Lanes gelu_tanh_lanes(kvrelay::Lanes x) {
+  using kvrelay::Lanes;
+  const Lanes inner = kGeluBeta * (x + kGeluKappa * (x * x * x));
+  const Lanes magnitude = inner < 0.0f ? -inner : inner;
+  const Lanes e = kvrelay::exp2_lanes(magnitude * (-2.0f * 1.4426950408889634f));
+  const Lanes numerator = inner < 0.0f ? x * e : x;
+  return numerator / (1.0f + e);
+}
+
+inline float gelu_tanh_scalar(float x) {
+  const float inner = kGeluBeta * (x + kGeluKappa * (x * x * x));
+  const float e = kvrelay::exp2_nonpositive(-2.0f * std::fabs(inner) * 1.4426950408889634f);
+  return (inner < 0.0f ? x * e : x) / (1.0f + e);
+}
+
+// out [rows, inter] = gelu_tanh(gate) * up (Gemma's MLP), rounded where torch rounds: the
+// activation to bf16, then the product.
+void gelu_tanh_and_mul_rows(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
+  constexpr int64_t kPair = 2 * kvrelay::kLanes;
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const uint16_t* gate = gate_up + row * 2 * inter;
+      const uint16_t* up = gate + inter;
+      uint16_t* dst = out + row * inter;
+      int64_t i = 0;
+      for (; i + kPair <= inter; i += kPair) {
+        kvrelay::Lanes gate_even, gate_odd, up_even, up_odd;
+        kvrelay::load_bf16_pairs(gate + i, gate_even, gate_odd);
+        kvrelay::load_bf16_pairs(up + i, up_even, up_odd);
+        kvrelay::store_bf16_pairs(round_bf16(gelu_tanh_lanes(gate_even)) * up_even,
+                                  round_bf16(gelu_tanh_lanes(gate_odd)) * up_odd, dst + i);
+      }
+      for (; i < inter; ++i) {
+        const float gelu = Bf16::round(gelu_tanh_scalar(kvrelay::widen(gate[i])));
+        kvrelay::narrow(gelu * kvrelay::widen(up[i]), dst + i);
+      }
+    }
+  });
+}
+
 bool is_bf16(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat,
               "expected float32 or bfloat16, got ", t.scalar_type());
@@ -251,20 +371,22 @@ void check_out(const at::Tensor& out, const at::Tensor& like, at::IntArrayRef si
 
 namespace kvrelay {
 
-void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              bool offset) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "x [rows, hidden] contiguous");
   TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(), "weight [hidden], x's dtype");
   check_out(out, x, x.sizes());
   if (is_bf16(x))
     rms_norm_rows<Bf16>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                        reinterpret_cast<const uint16_t*>(weight.data_ptr()), x.size(0), x.size(1), eps);
+                        reinterpret_cast<const uint16_t*>(weight.data_ptr()), x.size(0), x.size(1), eps, offset);
   else
-    rms_norm_rows<F32>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), x.size(1), eps);
+    rms_norm_rows<F32>(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), x.size(1), eps,
+                       offset);
 }
 
 
 void add_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& residual,
-                  const at::Tensor& weight, double eps) {
+                  const at::Tensor& weight, double eps, bool offset) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "x, residual [rows, hidden] contiguous");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "add_rms_norm takes bfloat16");
@@ -273,7 +395,7 @@ void add_rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   check_out(out, x, x.sizes());
   add_rms_norm_rows(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
                     reinterpret_cast<uint16_t*>(residual.data_ptr()),
-                    reinterpret_cast<const uint16_t*>(weight.data_ptr()), x.size(0), x.size(1), eps);
+                    reinterpret_cast<const uint16_t*>(weight.data_ptr()), x.size(0), x.size(1), eps, offset);
 }
 
 
@@ -292,6 +414,46 @@ void rope(const at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, con
   else
     rope_rows<F32>(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), cos.data_ptr<float>(),
                    sin.data_ptr<float>(), x.size(0), x.size(1), x.size(2));
+}
+
+
+void qk_norm_rope(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q_weight,
+                  const at::Tensor& k_weight, int64_t num_q_heads, double eps, bool offset,
+                  const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x [tokens, heads, head_dim]");
+  const int64_t head_dim = x.size(2);
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxNormedHeadDim, "head_dim must be even and <= ",
+              kMaxNormedHeadDim);
+  TORCH_CHECK(num_q_heads >= 0 && num_q_heads <= x.size(1), "num_q_heads out of range");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.numel() == head_dim &&
+                  k_weight.numel() == head_dim && q_weight.scalar_type() == x.scalar_type() &&
+                  k_weight.scalar_type() == x.scalar_type(), "q_weight, k_weight [head_dim], x's dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * head_dim &&
+                  sin.numel() == cos.numel(), "cos, sin [tokens, 1, head_dim] contiguous");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "one dtype");
+  check_out(out, x, x.sizes());
+  if (is_bf16(x))
+    qk_norm_rope_rows<Bf16>(reinterpret_cast<uint16_t*>(out.data_ptr()),
+                            reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                            reinterpret_cast<const uint16_t*>(q_weight.data_ptr()),
+                            reinterpret_cast<const uint16_t*>(k_weight.data_ptr()), num_q_heads, eps, offset,
+                            reinterpret_cast<const uint16_t*>(cos.data_ptr()),
+                            reinterpret_cast<const uint16_t*>(sin.data_ptr()), x.size(0), x.size(1), head_dim);
+  else
+    qk_norm_rope_rows<F32>(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), q_weight.data_ptr<float>(),
+                           k_weight.data_ptr<float>(), num_q_heads, eps, offset, cos.data_ptr<float>(),
+                           sin.data_ptr<float>(), x.size(0), x.size(1), head_dim);
+}
+
+
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up [rows, 2 * inter] contiguous");
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gelu_tanh_and_mul takes bfloat16");
+  check_out(out, gate_up, {gate_up.size(0), gate_up.size(1) / 2});
+  gelu_tanh_and_mul_rows(reinterpret_cast<uint16_t*>(out.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gate_up.size(0),
+                         gate_up.size(1) / 2);
 }
 
 

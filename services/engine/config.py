@@ -35,7 +35,8 @@ class EngineConfig:
     # Steps of at most this many tokens multiply the checkpoint's own 4-bit weights (a GGUF
     # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. The native
     # AVX512-BF16 kernel where it builds (the head too), else torch's int4 kernel
-    # (models/small_steps.py). 0: never.
+    # (models/small_steps.py). A bf16 checkpoint without 4-bit blocks runs those steps on the
+    # native kernel's bf16 tiles, a second copy of its layer weights. 0: never.
     int4_max_tokens: int = 4
     # Steps above those (and above q4a8_max_tokens where that kernel runs) up to this many
     # tokens run on AMX tiles (kernels/native_amx.py: the 4-bit weights widened in L1, the head

@@ -64,6 +64,7 @@ class ModelRunner:
         self.q8_head = False  # the head's small steps read the checkpoint's 8-bit blocks
         self.q4a8: str | None = None  # how the VNNI kernel codes activations, where it runs
         self.decode_stack = False  # the smallest decode steps' layers in one native call
+        self.bf16_gemv = False  # a bf16 checkpoint's smallest steps on the gemv kernel's tiles
         self.model = self._load_model(hf_config, model_dir)
         # Steps of this many rows or more reach oneDNN and are padded to a bucket; None: none.
         self.pad_from_rows = (onednn_min_rows(self.model.layers)
@@ -113,6 +114,9 @@ class ModelRunner:
         model.reset_rope_tables_()  # float32 whatever the dtype (meta-built buffers held none)
         model.rope_tables_to_(self.device)
         if packing_supported(self.device, self.dtype):
+            # a bf16 checkpoint's small steps on the gemv kernel: its tiles before packing
+            bf16_tiles = small_steps.bf16_layer_tiles(model) \
+                if self.int4_max_tokens and not q4_blocks else {}
             model.pack_for_cpu_()
             # bf16 only: in float32 the torch ops stay, so parity with HF is op for op.
             ops = elementwise_ops()
@@ -120,15 +124,17 @@ class ModelRunner:
                 model.use_native_cpu_ops_(ops)
                 for fallback in model.torch_fallbacks():
                     log.info("%s: %s on torch ops", hf_config.model_type, fallback)
-            self._use_small_step_kernels(model, q4_blocks or {}, q8_head)
+            self._use_small_step_kernels(model, q4_blocks or {}, q8_head, bf16_tiles)
         return model
 
     def _use_small_step_kernels(self, model: DecoderLM, q4_blocks: dict,
-                                q8_head) -> None:
-        """Steps of up to int4_max_tokens tokens on the 4-bit weights, then up to
-        amx_max_tokens on AMX tiles; oneDNN above (small_steps.py)."""
+                                q8_head, bf16_tiles: dict) -> None:
+        """Steps of up to int4_max_tokens tokens on the 4-bit weights (else bf16 tiles), then
+        up to amx_max_tokens on AMX tiles; oneDNN above (small_steps.py)."""
         kernels = small_steps.attach(model, q4_blocks, self.int4_max_tokens, self.amx_max_tokens,
-                                     q8_head, self.q4a8_max_tokens, self.int8_activations)
+                                     q8_head, self.q4a8_max_tokens, self.int8_activations,
+                                     bf16_tiles)
+        self.bf16_gemv = kernels.bf16_gemv
         self.int4_kernel = kernels.int4_kernel
         self.uses_int4 = kernels.int4_kernel is not None
         self.uses_amx = kernels.amx

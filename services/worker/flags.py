@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
     add_flag(parser, "--int4-max-tokens", type=int, default=4,
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
-                  "weights (GGUF Q4_0/Q4_1, bf16 on CPU) with torch's int4 kernel, a quarter "
-                  "of the bytes (0: never; 8 where the CPU has no AMX)")
+                  "weights (GGUF Q4_0/Q4_1, bf16 on CPU) on the native AVX512-BF16 kernel, a "
+                  "quarter of the bytes; a bf16 checkpoint's on the same kernel from a second "
+                  "copy of its layer weights (0: never)")
     add_flag(parser, "--amx-max-tokens", type=int, default=64,
              help="steps above --int4-max-tokens and up to this many tokens run on AMX tiles "
                   "(the 4-bit weights widened in cache; the head in bf16) where the CPU has "

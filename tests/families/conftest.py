@@ -1,5 +1,6 @@
-"""Every family through a real PD stack takes minutes: `make test` starts the stacks of
-STACK_FAMILIES only, `make test-families` (KVRELAY_FAMILY_STACKS=1) all of them."""
+"""Every family through a real PD stack takes minutes, and every GGUF twin a quarter of one:
+`make test` starts the stacks of STACK_FAMILIES and converts the twins of GGUF_FAMILIES only,
+`make test-families` (KVRELAY_FAMILY_STACKS=1) all of them."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import os
 import pytest
 
 STACK_FAMILIES = ("gemma3", "qwen3_moe")  # windows, sandwich norms, q/k norms; experts
+GGUF_FAMILIES = ("gemma3",)  # a non-Llama family; the default model is Llama's GGUF
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -14,9 +16,11 @@ def pytest_collection_modifyitems(config, items) -> None:
         return
     skip = pytest.mark.skip(reason="runs with `make test-families` (KVRELAY_FAMILY_STACKS=1)")
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        if (item.get_closest_marker("family_stack") is not None and callspec is not None
-                and callspec.params.get("stack_family") not in STACK_FAMILIES):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (item.get_closest_marker("family_stack") is not None
+                and params.get("stack_family") not in STACK_FAMILIES):
+            item.add_marker(skip)
+        if "twin" in params and params["twin"] not in GGUF_FAMILIES:
             item.add_marker(skip)
 
 

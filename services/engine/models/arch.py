@@ -48,16 +48,6 @@ class ArchSpec:
     def scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
-    @property
-    def plain(self) -> bool:
-        """Llama's own layer: what the one-call native decode stack computes."""
-        return (not self.qkv_bias and not self.o_bias and not self.norm_offset and not self.qk_norm
-                and not self.sandwich_norms and self.activation == "silu"
-                and self.query_scale is None and not self.attn_soft_cap
-                and not self.final_soft_cap and self.embed_scale == 1.0
-                and self.rotary_dim is None and self.moe is None
-                and not any(self.layer_windows))
-
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

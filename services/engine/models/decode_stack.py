@@ -2,7 +2,9 @@
 
 Attached where every ingredient of the Python path's native small steps is there: bf16 on
 CPU, the fused elementwise ops, the native decode attention, and each layer's four matmuls on
-the 4-bit kernel. It takes a step when every row is a decode row (a speculative step's drafts
+the 4-bit kernel (a GGUF source) or on bf16 tiles (a bf16 checkpoint). Every dense family's
+layer runs in it (the options are models/arch.py's); mixture-of-experts layers and partial
+rotary embeddings do not. It takes a step when every row is a decode row (a speculative step's drafts
 are decode rows too) and there are at most `max_rows` of them: up to `gemv_max_rows` its
 matmuls run on the native gemv kernel, above that (where given) on the VNNI kernel's tiles, and
 above those (where given) on AMX tiles from the same 4-bit tiles, as the Python path picks them;
@@ -22,32 +24,43 @@ MATMULS = tuple(FUSED)  # qkv_proj, o_proj, gate_up_proj, down_proj: the kernel'
 
 class DecodeStack:
     def __init__(self, ops, model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict | None = None,
-                 vnni_max_rows: int = 0, amx_max_rows: int = 0) -> None:
+                 vnni_max_rows: int = 0, amx_max_rows: int = 0,
+                 bf16_tiles: dict | None = None) -> None:
         """tiles: parameter name ("layers.3.mlp.down_proj") -> native_amx.Q4Tiles, for steps of
         up to gemv_max_rows rows; vnni_tiles: the same names -> native_q4a8.Q4A8Tiles, for the
         steps above, up to vnni_max_rows (None: none); amx_max_rows: the steps above those, on
-        AMX tiles from `tiles` (0: none)."""
-        config = model.config
+        AMX tiles from `tiles` (0: none). A bf16 checkpoint gives no tiles but bf16_tiles (the
+        same names -> native_amx.pack_bf16 tiles), for the gemv kernel's steps only."""
+        spec = model.spec
         attention = model.layers[0].self_attn
-        norms = []
-        for layer in model.layers:
-            norms += [layer.input_layernorm.weight.detach(),
-                      layer.post_attention_layernorm.weight.detach()]
-        self.native = ops.DecodeStack(norms, _in_order(tiles, len(model.layers)),
-                                      _in_order(vnni_tiles or {}, len(model.layers)),
-                                      gemv_max_rows, vnni_max_rows if vnni_tiles else 0,
-                                      amx_max_rows, attention.num_heads, attention.num_kv_heads,
-                                      attention.head_dim, config.intermediate_size,
-                                      config.rms_norm_eps, attention.scale)
+        num_layers = len(model.layers)
+        self.native = ops.DecodeStack(
+            norms=[norm.weight.detach() for layer in model.layers for norm in _norms(layer, spec)],
+            tiles=_in_order(tiles, num_layers, lambda t: t.tiles),
+            vnni_tiles=_in_order(vnni_tiles or {}, num_layers, lambda t: t.tiles),
+            bf16_tiles=[] if tiles else _in_order(bf16_tiles or {}, num_layers, lambda t: t),
+            qkv_biases=[layer.self_attn.qkv_proj.bias.detach() for layer in model.layers]
+            if spec.qkv_bias else [],
+            windows=list(spec.layer_windows),
+            gemv_max_rows=gemv_max_rows, vnni_max_rows=vnni_max_rows if vnni_tiles else 0,
+            amx_max_rows=amx_max_rows, num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
+            intermediate=model.layers[0].mlp.intermediate_size, eps=spec.rms_norm_eps,
+            scale=attention.scale, norm_offset=spec.norm_offset, sandwich=spec.sandwich_norms,
+            qk_norm=spec.qk_norm, gelu=spec.activation == "gelu_tanh",
+            soft_cap=spec.attn_soft_cap or 0.0)
+        self.rope_keys = list(spec.layer_ropes)
         self.max_rows = max(gemv_max_rows, vnni_max_rows if vnni_tiles else 0, amx_max_rows)
 
     @staticmethod
     def fits(model, tiles: dict) -> bool:
-        """Whether the model is one the stack runs: Llama's own layers (no window, soft-cap,
-        extra norms...), every layer matmul on 4-bit tiles, no biases, the native norms and
-        decode attention in use."""
-        return (model.spec.plain and all(name in tiles for name in matmul_names(len(model.layers)))
-                and all(layer.self_attn.qkv_proj.bias is None for layer in model.layers)
+        """Whether the model is one the stack runs: a dense family's layers (no experts, the
+        whole head dim rotated, no o bias), every layer matmul on `tiles` (4-bit or bf16), the
+        native norms and decode attention in use."""
+        spec = model.spec
+        return (spec.moe is None and spec.rotary_dim in (None, spec.head_dim) and not spec.o_bias
+                and spec.activation in ("silu", "gelu_tanh")
+                and all(name in tiles for name in matmul_names(len(model.layers)))
                 and model.norm.native is not None
                 and native_cpu.paged_decode_op() is not None)
 
@@ -61,15 +74,29 @@ class DecodeStack:
                 and plan.decode.num_rows == num_tokens and k_cache.dtype == torch.bfloat16
                 and k_cache.is_contiguous())
 
-    def run(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
-            attn_meta: AttentionMetadata) -> torch.Tensor:
-        """residual [T, hidden] bf16, updated in place; rope: cos, sin [T, 1, head_dim].
-        Returns the last layer's MLP output [T, hidden] (not yet added to residual)."""
-        rows = attn_meta.cpu_plan.decode
-        return self.native.run(residual, *rope, [k for k, _ in kv_caches],
-                               [v for _, v in kv_caches], slot_mapping, rows.token_ids,
-                               rows.seq_lens, rows.block_tables)
+    def run(self, residual: torch.Tensor, ropes: dict, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            slot_mappings: list[torch.Tensor], attn_metas: list[AttentionMetadata]) -> torch.Tensor:
+        """residual [T, hidden] bf16, updated in place; ropes: rope key -> cos, sin
+        [T, 1, head_dim]; per layer its cache, slots and metadata (its KV group's). Returns the
+        last layer's MLP output [T, hidden] (not yet added to residual)."""
+        rows = attn_metas[0].cpu_plan.decode
+        layer_ropes = [ropes[key] for key in self.rope_keys]
+        return self.native.run(residual, [cos for cos, _ in layer_ropes],
+                               [sin for _, sin in layer_ropes], [k for k, _ in kv_caches],
+                               [v for _, v in kv_caches], slot_mappings, rows.token_ids,
+                               rows.seq_lens,
+                               [meta.cpu_plan.decode.block_tables for meta in attn_metas])
+
+
+def _norms(layer, spec) -> list:
+    """A layer's norms in the kernel's order: input, post-attention, then pre- and
+    post-feedforward (sandwich norms), then q and k (q/k norms)."""
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if spec.sandwich_norms:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if spec.qk_norm:
+        norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    return norms
 
 
 def matmul_names(num_layers: int) -> list[str]:
@@ -77,5 +104,5 @@ def matmul_names(num_layers: int) -> list[str]:
     return [f"layers.{index}.{name}" for index in range(num_layers) for name in MATMULS]
 
 
-def _in_order(tiles: dict, num_layers: int) -> list[torch.Tensor]:
-    return [tiles[name].tiles for name in matmul_names(num_layers)] if tiles else []
+def _in_order(tiles: dict, num_layers: int, tensor_of) -> list[torch.Tensor]:
+    return [tensor_of(tiles[name]) for name in matmul_names(num_layers)] if tiles else []

@@ -112,9 +112,7 @@ class DecoderLM(nn.Module):
     def use_native_cpu_ops_(self, ops) -> None:
         """Route norms, rope and the MLP's activation to the fused CPU kernels (one pass each)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.native = ops if module.takes_native() else None
-            elif isinstance(module, (Attention, GatedMLP)):
+            if isinstance(module, (RMSNorm, Attention, GatedMLP)):
                 module.native = ops
         self.fused_layers = True
 
@@ -122,14 +120,10 @@ class DecoderLM(nn.Module):
         """What this family runs on torch ops where Llama's layers run fused native ones
         (bf16 on CPU), to say once at start."""
         spec, fallbacks = self.spec, []
-        if spec.norm_offset:
-            fallbacks.append("(1 + w) RMSNorms (the reference scales in float32)")
-        if spec.activation != "silu":
-            fallbacks.append(f"the {spec.activation} gate (no fused kernel)")
         if spec.rotary_dim is not None and spec.rotary_dim < spec.head_dim:
             fallbacks.append("partial rotary embedding")
-        if spec.qk_norm and spec.norm_offset:
-            fallbacks.append("(1 + w) q/k norms")
+            if spec.qk_norm:
+                fallbacks.append("q/k norms")
         return fallbacks
 
     @property
@@ -199,8 +193,7 @@ class DecoderLM(nn.Module):
         residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
         stack = self.decode_stack
         if stack is not None and stack.takes(hidden.shape[0], attn_metas[0], kv_caches):
-            delta = stack.run(residual, ropes[self.spec.layer_ropes[0]], kv_caches,
-                              slot_mappings[0], attn_metas[0])
+            delta = stack.run(residual, ropes, kv_caches, slot_mappings, attn_metas)
             # every layer's K/V is stored by now: a push that waits on them starts at once
             # (the stack's steps are a few tokens, so little overlap is lost)
             for index in range(len(self.layers) if on_layer_done is not None else 0):

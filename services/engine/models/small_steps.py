@@ -23,11 +23,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from kvrelay.common.env_switches import Q8_HEAD
 from kvrelay.kernels import native_amx, native_gemv, native_q4a8, native_stack
 from kvrelay.engine.models import gguf_int4
 from kvrelay.engine.models.decode_stack import DecodeStack
 from kvrelay.engine.models.gguf_q8_head import Q8Blocks
+from kvrelay.engine.models.layers.moe import SparseMoE
+from kvrelay.kernels.moe_weights import ExpertWeights
 from kvrelay.engine.models.packed_linear import EVERY_STEP
 
 Q8_HEAD_MAX_ROWS_BESIDE_AMX = 3  # the head's 8-bit gemv steps where AMX takes the larger ones
@@ -43,13 +47,15 @@ class SmallStepKernels:
     q8_head: bool = False  # the head's small steps on its 8-bit blocks
     q4a8: str | None = None
     decode_stack: bool = False  # the smallest decode steps' layers in one native call
+    bf16_gemv: bool = False  # the layers' smallest steps on bf16 tiles (no 4-bit blocks)
 
 
 def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
            q8_head: Q8Blocks | None = None, q4a8_max_tokens: int = 0,
-           int8_activations: bool = False) -> SmallStepKernels:
+           int8_activations: bool = False, bf16_tiles: dict | None = None) -> SmallStepKernels:
     """q4_blocks: parameter name -> gguf_int4.Q4Blocks (empty where the source has none);
-    q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None."""
+    q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None; bf16_tiles: parameter
+    name -> the layer weight's bf16 tiles (bf16_layer_tiles), where there are no 4-bit blocks."""
     gemv = native_gemv.gemv_ops() if int4_max_tokens else None
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
     # like AMX, the kernel takes the steps above the gemv kernel's (every step with int8)
@@ -77,8 +83,10 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
                                       {}, _gemv_head(gemv, q8_tiles, head))
         int4_kernel = "native" if tiles else int4_kernel
         vnni = (q4a8_tiles, q4a8_max_tokens) if q4a8 == "split" else ({}, 0)
+        bf16_tiles = {} if tiles or q4_blocks else (bf16_tiles or {})
+        _attach_bf16(model, gemv, int4_max_tokens, bf16_tiles)
         model.decode_stack = _decode_stack(model, tiles, layer_rows, *vnni,
-                                           amx_max_tokens if amx is not None else 0)
+                                           amx_max_tokens if amx is not None else 0, bf16_tiles)
     elif q4_blocks and int4_max_tokens and not every_step and gguf_int4.int4_supported():
         model.add_small_step_kernels_(
             int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
@@ -90,7 +98,47 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
             {name: _bound(native_amx, "matmul_q4", amx, t) for name, t in tiles.items()},
             None if head is None else _bound(native_amx, "matmul_bf16", amx, head))
     return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None, q4a8,
-                            model.decode_stack is not None)
+                            model.decode_stack is not None,
+                            bool(bf16_tiles) and gemv is not None and not tiles and not q4_blocks)
+
+
+def bf16_layer_tiles(model) -> dict:
+    """Where the gemv kernel builds: every layer matmul weight of a bf16 model in the kernel's
+    bf16 tiles, by parameter name (an experts module's name: a list of (w13, w2) tiles per
+    expert; the routers stay float32); else {}. Taken before the weights are packed for
+    oneDNN: it is a second copy of them."""
+    if native_gemv.gemv_ops() is None:
+        return {}
+    tiles = {}
+    for parent_name, parent in model.layers.named_modules():
+        if isinstance(parent, SparseMoE):
+            experts = parent.experts
+            if native_amx.shape_supported(*experts.w13.shape[1:]) and \
+                    native_amx.shape_supported(*experts.w2.shape[1:]):
+                tiles[f"layers.{parent_name}.experts"] = [
+                    (native_amx.pack_bf16(experts.w13[e]), native_amx.pack_bf16(experts.w2[e]))
+                    for e in range(experts.num_experts)]
+            continue
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Linear) and native_amx.shape_supported(*child.weight.shape):
+                tiles[f"layers.{parent_name}.{child_name}"] = native_amx.pack_bf16(child.weight)
+    return tiles
+
+
+def _attach_bf16(model, gemv, max_rows: int, bf16_tiles: dict) -> None:
+    """The layers' steps of up to max_rows tokens on the gemv kernel's bf16 tiles (experts
+    too)."""
+    experts = {name: module for name, module in model.named_modules()
+               if isinstance(module, ExpertWeights)}
+    matmuls = {}
+    for name, tiles in bf16_tiles.items():
+        if name in experts:
+            experts[name].add_small_step_kernels_(
+                max_rows, [_bound(native_gemv, "matmul_bf16", gemv, w13) for w13, _ in tiles],
+                [_bound(native_gemv, "matmul_bf16", gemv, w2) for _, w2 in tiles])
+        else:
+            matmuls[name] = _bound(native_gemv, "matmul_bf16", gemv, tiles)
+    model.add_small_step_kernels_(max_rows, matmuls, None)
 
 
 def _layer_gemv_rows(int4_max_tokens: int, tiles: dict, q4a8: str | None,
@@ -106,12 +154,18 @@ def _layer_gemv_rows(int4_max_tokens: int, tiles: dict, q4a8: str | None,
 
 
 def _decode_stack(model, tiles: dict, gemv_max_rows: int, vnni_tiles: dict,
-                  vnni_max_rows: int, amx_max_rows: int) -> DecodeStack | None:
+                  vnni_max_rows: int, amx_max_rows: int,
+                  bf16_tiles: dict) -> DecodeStack | None:
     """The layers of small decode steps in one native call, where the model and this machine
     allow it (decode_stack.py): the gemv kernel's steps, the VNNI kernel's above them where it
     runs every layer matmul and the build has it, and AMX's above those where the build has it
     (the Python path's amx_max_tokens)."""
-    ops = native_stack.stack_ops() if tiles else None
+    if not tiles:  # a bf16 checkpoint: its tiles, on the gemv kernel's steps only
+        ops = native_stack.stack_ops() if bf16_tiles else None
+        if ops is None or not DecodeStack.fits(model, bf16_tiles):
+            return None
+        return DecodeStack(ops, model, {}, gemv_max_rows, bf16_tiles=bf16_tiles)
+    ops = native_stack.stack_ops()
     if ops is None or not DecodeStack.fits(model, tiles):
         return None
     if not ops.DecodeStack.has_vnni or not DecodeStack.fits(model, vnni_tiles):

@@ -41,10 +41,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)  # q and k heads, one pass
-        if self.qk_norm:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = self._rope(qk, rope)
+        qk = self._norm_and_rope(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -52,7 +49,14 @@ class Attention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, attn_meta, self.scale, soft_cap=self.soft_cap)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
-    def _rope(self, qk: torch.Tensor, rope) -> torch.Tensor:  # qk [T, heads, D]
-        if self.native is not None and not self.partial_rotary:
+    def _norm_and_rope(self, qk: torch.Tensor, rope) -> torch.Tensor:  # qk [T, heads, D]
+        native = self.native is not None and not self.partial_rotary
+        if self.qk_norm and native:  # one pass: each head normalized, then rotated
+            return fused.qk_norm_rope(self.native, qk, self.q_norm.weight, self.k_norm.weight,
+                                      self.num_heads, self.q_norm.eps, self.q_norm.offset, *rope)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        if native:
             return fused.rope(self.native, qk, *rope)
         return apply_rope(qk, *rope)

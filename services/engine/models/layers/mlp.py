@@ -37,11 +37,13 @@ class GatedMLP(nn.Module):
         self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.native = None  # fused CPU ops: silu(gate) * up in one pass
+        self.native = None  # fused CPU ops: act(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.native is not None and self.activation == "silu":
-            return self.down_proj(fused.silu_and_mul(self.native, gate_up))
+        if self.native is not None:
+            act_and_mul = fused.silu_and_mul if self.activation == "silu" \
+                else fused.gelu_tanh_and_mul
+            return self.down_proj(act_and_mul(self.native, gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(gate_activation(self.activation, gate) * up)

@@ -13,15 +13,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.offset = offset  # scale by 1 + weight (Gemma's checkpoints store w - 1)
-        # fused CPU ops (bf16), see DecoderLM.use_native_cpu_ops_; only for w: with 1 + w the
-        # reference multiplies in float32, which the bf16 kernel would round
+        # fused CPU ops (bf16), see DecoderLM.use_native_cpu_ops_ (1 + w: in float32 there too)
         self.native = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., hidden]
         if self.native is not None:
             shape = x.shape
             out = fused.rms_norm(self.native, x.reshape(-1, shape[-1]).contiguous(),
-                                 self.weight, self.eps)
+                                 self.weight, self.eps, self.offset)
             return out.view(shape)
         # Same order of operations as transformers (in float32 whatever the dtype), so float32
         # outputs match bit for bit; F.rms_norm on bf16 measured no faster and less accurate.
@@ -35,9 +34,6 @@ class RMSNorm(nn.Module):
         """residual += x in place; returns RMSNorm(residual). x, residual [T, hidden]."""
         if self.native is not None:
             return fused.add_rms_norm(self.native, x.contiguous(), residual, self.weight,
-                                      self.eps)
+                                      self.eps, self.offset)
         residual += x
         return self(residual)
-
-    def takes_native(self) -> bool:
-        return not self.offset
