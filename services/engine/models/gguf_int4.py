@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrelay.engine.models.gguf_tensors import read_gguf_tensors
+
 GROUP = 32
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 # Our fused matmuls and the GGUF tensors they are made of, in order.
@@ -111,11 +113,8 @@ def load_from_gguf(gguf_path: str, hf_config,
     Face's order where the file's architecture has them permuted. Each is checked against the
     checkpoint's dequantized float32 weight (`checkpoint`: our parameter name -> tensor):
     a mismatch (another conversion, another row order) raises ValueError."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    arch = reader.fields["general.architecture"].contents()
+    gguf = read_gguf_tensors(gguf_path)
+    tensors, arch = gguf.tensors, gguf.architecture
     heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads} \
         if arch in PERMUTED_QK_ARCHITECTURES else {}
     weights = {}
@@ -135,9 +134,9 @@ def load_from_gguf(gguf_path: str, hf_config,
 
 
 def _blocks(tensor, num_heads: int | None) -> Q4Blocks | None:
-    if tensor is None or tensor.tensor_type.name not in _BLOCK_BYTES:
+    if tensor is None or tensor.type_name not in _BLOCK_BYTES:
         return None
-    blocks = unpack_blocks(tensor.tensor_type.name, np.asarray(tensor.data),
+    blocks = unpack_blocks(tensor.type_name, np.asarray(tensor.data),
                            int(tensor.shape[0]))
     if num_heads is None:
         return blocks

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kvrelay.engine.models.gguf_int4 import GROUP
+from kvrelay.engine.models.gguf_tensors import read_gguf_tensors
 
 _Q8_BLOCK_BYTES = 2 + GROUP
 HEAD_TENSORS = ("output.weight", "token_embd.weight")  # an untied head, else the tied one
@@ -44,11 +45,9 @@ def load_head_from_gguf(gguf_path: str, head_weight: torch.Tensor) -> Q8Blocks |
     """The head's 8-bit blocks, or None where the file's head is not Q8_0. Checked against the
     loaded head weight [vocab, hidden] (the checkpoint's dequantized copy): a mismatch (another
     conversion) raises ValueError."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    tensors = read_gguf_tensors(gguf_path).tensors
     tensor = next((tensors[name] for name in HEAD_TENSORS if name in tensors), None)
-    if tensor is None or tensor.tensor_type.name != "Q8_0":
+    if tensor is None or tensor.type_name != "Q8_0":
         return None
     blocks = unpack_q8_0(np.asarray(tensor.data), int(tensor.shape[0]))
     if not torch.equal(blocks.dequantized(), head_weight.float()):
