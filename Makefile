@@ -9,7 +9,7 @@ LAYOUT := .venv/.layout
 # redone, which happens whenever a package folder's listing changes (its mtime).
 PKG_DIRS := $(shell find services kernels -type d -not -name __pycache__)
 
-.PHONY: test chaos soak compose-test test-families fuzz up bench protos docs venv clean
+.PHONY: test test-variants chaos soak compose-test test-families fuzz up bench protos docs venv clean
 
 venv: $(LAYOUT)
 
@@ -27,6 +27,10 @@ $(LAYOUT): $(STAMP) $(PKG_DIRS)
 
 test: $(LAYOUT)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q --durations=25 tests
+
+# The second variants of what make test covers one way (tests/variants.py): ~4 minutes.
+test-variants: $(LAYOUT)
+	KVRELAY_VARIANTS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m variant tests
 
 # Every model family through a real PD stack (make test starts two of them): ~10 minutes.
 test-families: $(LAYOUT)

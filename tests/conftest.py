@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvrelay.engine.model_loader import resolve_model_dir
+from tests.variants import mark_variants
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +54,11 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
                                    do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
                                                                               dtype=torch.long))
     return output[0, len(prompt_ids):].tolist()
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "variant: a second variant, run by make test-variants")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    mark_variants(items)

@@ -159,7 +159,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _admit(self, request, context) -> None:
         """What every call passes first: the API key, a message that parsed, and text that is
-        UTF-8 without control characters, not too much of it (limits.py)."""
+        UTF-8, not too much of it (limits.py)."""
         await self._authorize(context)
         if isinstance(request, MalformedRequest):
             await context.abort(request.code, request.message)

@@ -17,11 +17,12 @@ from kvrelay.common.flags import add_flag
 from kvrelay.engine.sampling_params import MAX_LOGPROBS
 from kvrelay.gateway.errors import GatewayError, invalid
 
-# Text the model may be given: any Unicode but the C0/C1 control characters (tab, newline and
-# carriage return excepted), which no client means to send and tokenizers treat differently.
-# Surrogates are what invalid UTF-8 becomes when decoded with surrogateescape (openai_limits) or
-# a lone \ud800-style JSON escape: neither can be encoded again to reach the tokenizer.
-_NOT_TEXT = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+# Text the model may be given: any Unicode text, control characters included (terminal output
+# with ANSI escapes, binary-ish prompts: byte-level tokenizers encode every one, as vLLM and
+# OpenAI take them). Only what cannot reach the tokenizer is refused: surrogates, which is what
+# invalid UTF-8 becomes when decoded with surrogateescape (openai_limits) or a lone
+# \ud800-style JSON escape; neither can be encoded as UTF-8.
+_NOT_TEXT = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class RequestLimits:
 
     def check_texts(self, texts: Iterable[tuple[str, str]]) -> None:
         """texts: (field path such as "messages.0.content", text) for every string of the
-        request. Refuses undecodable text and control characters, and too much text in all."""
+        request. Refuses text that is not valid UTF-8, and too much text in all."""
         total = 0
         for path, text in texts:
             total += len(text)
@@ -152,12 +153,7 @@ class RequestLimits:
 
 
 def _check_characters(path: str, text: str) -> None:
-    """path "": a key of the body itself. The text is never quoted: it may not be encodable."""
-    found = _NOT_TEXT.search(text)
-    if found is None:
+    """path "": a key of the body itself. The text is never quoted: it is not encodable."""
+    if _NOT_TEXT.search(text) is None:
         return
-    where, param, code = path or "the body", path.split(".", 1)[0] or None, ord(found.group())
-    if 0xD800 <= code <= 0xDFFF:
-        raise invalid(f"{where} is not valid UTF-8", param)
-    raise invalid(f"{where} contains the control character U+{code:04X}; only tab, newline "
-                  f"and carriage return are allowed", param)
+    raise invalid(f"{path or 'the body'} is not valid UTF-8", path.split(".", 1)[0] or None)

@@ -61,7 +61,6 @@ def send_requests(stack: RunningStack, http: httpx.Client, text: str) -> tuple[l
     assert tokenized.status_code == 200
     failing = [  # refused by the gateway, by the tokenizer's template, by the scheduler
         {"messages": [{"role": "user", "content": "x"}], "model": text},
-        {"prompt": f"{text}\x01"},
         {"prompt": text, "stop": [text] * 100},
         {"prompt": text, "guided_regex": f"{text}(", "max_tokens": 4},
         {"prompt": f"{text} " * 4000, "max_tokens": 4},  # beyond the model's context
