@@ -32,9 +32,10 @@ test: $(LAYOUT)
 test-variants: $(LAYOUT)
 	KVRELAY_VARIANTS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m variant tests
 
-# Every model family through a real PD stack (make test starts two of them): ~10 minutes.
+# Every model family through a real PD stack and every GGUF twin (make test runs two stacks and
+# one twin): ~5 minutes.
 test-families: $(LAYOUT)
-	KVRELAY_FAMILY_STACKS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/families
+	KVRELAY_FAMILY_STACKS=1 KVRELAY_VARIANTS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q tests/families
 
 # Real faults (24 SIGKILLs, SIGSTOP, 1,000 disconnects, a cut KV link) on real stacks under
 # load: ~20 minutes.
