@@ -282,32 +282,6 @@ inline float silu_scalar(float x) {
   return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
 }
 
-// out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] = gate | up. torch rounds
-// silu's result to bf16 before the product, so this does too; silu itself runs in fp32 with a
-// polynomial exp (relative error ~1e-8), so a result may rarely sit one bf16 step away.
-void silu_and_mul_rows(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
-  constexpr int64_t kPair = 2 * kvrelay::kLanes;  // bf16 elements per vector of words
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const uint16_t* gate = gate_up + row * 2 * inter;
-      const uint16_t* up = gate + inter;
-      uint16_t* dst = out + row * inter;
-      int64_t i = 0;
-      for (; i + kPair <= inter; i += kPair) {
-        kvrelay::Lanes gate_even, gate_odd, up_even, up_odd;
-        kvrelay::load_bf16_pairs(gate + i, gate_even, gate_odd);
-        kvrelay::load_bf16_pairs(up + i, up_even, up_odd);
-        kvrelay::store_bf16_pairs(round_bf16(silu_lanes(gate_even)) * up_even,
-                                  round_bf16(silu_lanes(gate_odd)) * up_odd, dst + i);
-      }
-      for (; i < inter; ++i) {
-        const float silu = Bf16::round(silu_scalar(kvrelay::widen(gate[i])));
-        kvrelay::narrow(silu * kvrelay::widen(up[i]), dst + i);
-      }
-    }
-  });
-}
-
 // gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = sqrt(2 / pi) (x + 0.044715 x^3), in float32. With
 // e = exp(-2 |y|) <= 1 (never overflows), 1 + tanh(y) is 2 / (1 + e) for y >= 0 and 2 e / (1 + e)
 // below: no cancellation where x is very negative (torch's 1 + tanh loses digits there, so
@@ -331,10 +305,22 @@ inline float gelu_tanh_scalar(float x) {
   return (inner < 0.0f ? x * e : x) / (1.0f + e);
 }
 
-// out [rows, inter] = gelu_tanh(gate) * up (Gemma's MLP), rounded where torch rounds: the
-// activation to bf16, then the product.
-void gelu_tanh_and_mul_rows(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
-  constexpr int64_t kPair = 2 * kvrelay::kLanes;
+struct Silu {
+  static kvrelay::Lanes lanes(kvrelay::Lanes x) { return silu_lanes(x); }
+  static float scalar(float x) { return silu_scalar(x); }
+};
+struct GeluTanh {
+  static kvrelay::Lanes lanes(kvrelay::Lanes x) { return gelu_tanh_lanes(x); }
+  static float scalar(float x) { return gelu_tanh_scalar(x); }
+};
+
+// out [rows, inter] = act(gate) * up, gate_up [rows, 2 * inter] = gate | up (SiLU: Llama's
+// MLP; GELU-tanh: Gemma's). torch rounds the activation's result to bf16 before the product,
+// so this does too; the activation itself runs in fp32 with a polynomial exp (relative error
+// ~1e-8), so a result may rarely sit one bf16 step away.
+template <typename Act>
+void act_and_mul_rows(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
+  constexpr int64_t kPair = 2 * kvrelay::kLanes;  // bf16 elements per vector of words
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const uint16_t* gate = gate_up + row * 2 * inter;
@@ -345,12 +331,12 @@ void gelu_tanh_and_mul_rows(uint16_t* out, const uint16_t* gate_up, int64_t rows
         kvrelay::Lanes gate_even, gate_odd, up_even, up_odd;
         kvrelay::load_bf16_pairs(gate + i, gate_even, gate_odd);
         kvrelay::load_bf16_pairs(up + i, up_even, up_odd);
-        kvrelay::store_bf16_pairs(round_bf16(gelu_tanh_lanes(gate_even)) * up_even,
-                                  round_bf16(gelu_tanh_lanes(gate_odd)) * up_odd, dst + i);
+        kvrelay::store_bf16_pairs(round_bf16(Act::lanes(gate_even)) * up_even,
+                                  round_bf16(Act::lanes(gate_odd)) * up_odd, dst + i);
       }
       for (; i < inter; ++i) {
-        const float gelu = Bf16::round(gelu_tanh_scalar(kvrelay::widen(gate[i])));
-        kvrelay::narrow(gelu * kvrelay::widen(up[i]), dst + i);
+        const float act = Bf16::round(Act::scalar(kvrelay::widen(gate[i])));
+        kvrelay::narrow(act * kvrelay::widen(up[i]), dst + i);
       }
     }
   });
@@ -451,7 +437,7 @@ void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
               "gate_up [rows, 2 * inter] contiguous");
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "gelu_tanh_and_mul takes bfloat16");
   check_out(out, gate_up, {gate_up.size(0), gate_up.size(1) / 2});
-  gelu_tanh_and_mul_rows(reinterpret_cast<uint16_t*>(out.data_ptr()),
+  act_and_mul_rows<GeluTanh>(reinterpret_cast<uint16_t*>(out.data_ptr()),
                          reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gate_up.size(0),
                          gate_up.size(1) / 2);
 }
@@ -462,7 +448,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up) {
               "gate_up [rows, 2 * inter] contiguous");
   TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_and_mul takes bfloat16");
   check_out(out, gate_up, {gate_up.size(0), gate_up.size(1) / 2});
-  silu_and_mul_rows(reinterpret_cast<uint16_t*>(out.data_ptr()),
+  act_and_mul_rows<Silu>(reinterpret_cast<uint16_t*>(out.data_ptr()),
                     reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gate_up.size(0),
                     gate_up.size(1) / 2);
 }

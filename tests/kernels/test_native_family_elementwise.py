@@ -12,14 +12,6 @@ from kvrelay.engine.models.rope import apply_rope
 from kvrelay.kernels import native_elementwise as fused
 
 
-@pytest.fixture(scope="module")
-def ops():
-    built = fused.elementwise_ops()
-    if built is None:
-        pytest.skip("no C++ toolchain to build the native ops")
-    return built
-
-
 def _norm(hidden: int, offset: bool, dtype: torch.dtype) -> RMSNorm:
     norm = RMSNorm(hidden, 1e-6, offset)
     with torch.no_grad():
