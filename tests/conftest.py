@@ -5,6 +5,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Workers the tests start keep a 1 GiB KV cache each, not the share of the machine a served
+# worker takes by default: many stacks come and go in one run, and each cache is committed at
+# start. The default's sizing has its own tests (tests/services/test_kv_budget.py).
+os.environ.setdefault("KVRELAY_KV_CACHE_MEMORY", "1GiB")
 
 import pytest
 import torch

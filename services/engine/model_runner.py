@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,8 @@ class ModelRunner:
     """`model_dir` None: random weights (benchmarks with a model's config but no checkpoint)."""
 
     def __init__(self, hf_config, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
-                 block_size: int, num_blocks: int | None, kv_cache_memory: int,
+                 block_size: int, num_blocks: int | None,
+                 kv_cache_memory: int | Callable[[], int],
                  kv_cache_path: str | None = None, int4_max_tokens: int = 0,
                  amx_max_tokens: int = 0, q4a8_max_tokens: int = 0,
                  int8_activations: bool = False) -> None:
@@ -79,6 +81,8 @@ class ModelRunner:
         self.slots_per_block = self.kv_layout.slots_per_block
         self.slots_done_after = self.kv_layout.slots_done_after()  # (KV pushes: kv_connector)
         log.info("%s", self.kv_layout.describe())
+        if num_blocks is None and callable(kv_cache_memory):
+            kv_cache_memory = kv_cache_memory()  # sized from what is free with the weights in
         self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
         # [slots, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a block holds the
         # pages of `slots` layers (every layer without windows); layer l uses slot(l) through

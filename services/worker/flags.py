@@ -6,6 +6,7 @@ import argparse
 
 from kvrelay.common.flags import add_flag
 from kvrelay.common.tls import add_tls_flags
+from kvrelay.worker import kv_budget
 
 ROLE_NAMES = ("both", "decode", "prefill")
 
@@ -25,7 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     add_flag(parser, "--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     add_flag(parser, "--device", choices=["auto", "cpu", "cuda"], default="auto")
-    add_flag(parser, "--kv-cache-memory", type=int, default=1 << 30, help="bytes of KV cache")
+    add_flag(parser, "--kv-cache-memory", type=_kv_memory, default=kv_budget.AUTO,
+             help="KV cache size in bytes, with a unit if wanted (4GiB, 512MiB), or auto: "
+                  "--kv-cache-memory-fraction of the memory the worker sees (its container's "
+                  "limit, else the machine's RAM), at most what is free at start less 2 GiB. "
+                  "Unset, vLLM's VLLM_CPU_KVCACHE_SPACE (GiB) is honoured. The worker logs the "
+                  "size and its token capacity at start")
+    add_flag(parser, "--kv-cache-memory-fraction", type=_fraction,
+             default=kv_budget.DEFAULT_FRACTION,
+             help="auto's share of the memory, per worker (kvrelay up runs two on one host)")
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="overrides kv-cache-memory")
     add_flag(parser, "--int4-max-tokens", type=int, default=4,
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
@@ -59,3 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--drain-timeout", type=float, default=60.0, help="seconds")
     add_tls_flags(parser)
     add_flag(parser, "--log-level", default="info")
+
+
+def _kv_memory(text: str) -> int | str:
+    try:
+        return kv_budget.parse_kv_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        return kv_budget.parse_fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -86,7 +86,10 @@ async def serve(args: argparse.Namespace) -> None:
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,
-             num_blocks=runner.num_blocks, dtype=str(runner.dtype).removeprefix("torch."))
+             num_blocks=runner.num_blocks, dtype=str(runner.dtype).removeprefix("torch."),
+             kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block / (1 << 30), 2),
+             kv_capacity_tokens=runner.num_blocks * runner.block_size,
+             kv_cache_size=loaded.kv_budget_reason)
     try:
         await server.serve_until_stopped(_drain(registration, service), args.drain_timeout)
     finally:

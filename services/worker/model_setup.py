@@ -1,6 +1,7 @@
 """Loads the model runner for a worker from its flags."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,12 +13,14 @@ from kvrelay.engine.llm import eos_token_ids
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.prefill_chunks import attention_crossover
+from kvrelay.worker import kv_budget
 
 
 @dataclass(slots=True)
 class LoadedModel:
     runner: ModelRunner
     model_name: str
+    kv_budget_reason: str  # how the KV cache's size was chosen
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
@@ -33,17 +36,40 @@ def load_worker_model(args, shm_path: str | None) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    kv_size = KvSizer(args, shm_path, device)
     runner = ModelRunner(hf_config, model_dir, dtype, device, args.block_size,
-                         args.num_kv_blocks, args.kv_cache_memory, kv_cache_path=shm_path,
+                         args.num_kv_blocks, kv_size, kv_cache_path=shm_path,
                          int4_max_tokens=args.int4_max_tokens,
                          amx_max_tokens=args.amx_max_tokens,
                          q4a8_max_tokens=args.q4a8_max_tokens,
                          int8_activations=args.int8_activations)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return LoadedModel(runner, _model_name(args.model, model_dir),
+    return LoadedModel(runner, _model_name(args.model, model_dir), kv_size.reason,
                        max_model_len_for(hf_config, args.max_model_len), hf_config.vocab_size,
                        eos_token_ids(hf_config, model_dir, tokenizer),
                        attention_crossover(hf_config), torch.get_num_threads())
+
+
+class KvSizer:
+    """The KV cache's size in bytes, asked for by the runner once the weights are in memory
+    (what is free then is what the cache can take); remembers how it was chosen."""
+
+    def __init__(self, args, shm_path: str | None, device: torch.device) -> None:
+        self.args, self.shm_path, self.device = args, shm_path, device
+        self.reason = "--num-kv-blocks"  # unless the runner asks
+
+    def __call__(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            view = kv_budget.MemoryView(total, free, "GPU")
+        else:
+            view = kv_budget.memory_view()
+        shm_free = (kv_budget.filesystem_free(os.path.dirname(self.shm_path))
+                    if self.shm_path else None)
+        budget = kv_budget.resolve(self.args.kv_cache_memory,
+                                   self.args.kv_cache_memory_fraction, view, shm_free)
+        self.reason = budget.reason
+        return budget.num_bytes
 
 
 def _model_name(requested: str | None, model_dir) -> str:
