@@ -55,6 +55,16 @@ def test_long_prefill_threshold_lets_decodes_through():
         {"short": 1, "long": 4}
 
 
+def _start_decoding(scheduler: Scheduler, count: int, max_tokens: int = 40) -> list[str]:
+    """`count` short requests, prefilled in one step: they decode from the next."""
+    names = [f"d{index}" for index in range(count)]
+    for name in names:
+        scheduler.add_request(_request(name, 3, max_tokens=max_tokens, arrival=0.0))
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {name: [3] for name in names})
+    return names
+
+
 def _sizes(output) -> dict[str, int]:
     return {item.request.sequence_id: item.num_new_tokens for item in output.scheduled}
 
@@ -67,17 +77,17 @@ def test_a_long_prompt_takes_the_whole_budget_while_nothing_decodes():
 
 def test_one_long_prompt_advances_per_step_while_sequences_decode():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
-    scheduler.add_request(_request("short", 3, max_tokens=20))
-    scheduler.update_from_output(scheduler.schedule(), {"short": [3]})
+    decoding = _start_decoding(scheduler, 4)
     for index, name in enumerate(("long-a", "long-b", "tiny")):
         scheduler.add_request(_request(name, 5 if name == "tiny" else 40, max_tokens=1,
                                        arrival=float(index + 1)))
     output = scheduler.schedule()
-    # long-b may not start while long-a holds the one long slot; tiny, behind it, goes now.
-    assert set(_sizes(output)) == {"short", "long-a", "tiny"}
-    assert _sizes(output)["long-a"] == 8 and _sizes(output)["short"] == 1
-    scheduler.update_from_output(output, {"short": [3], "tiny": [3]})
-    assert _sizes(scheduler.schedule()) == {"short": 1, "long-a": 8}
+    # 3 prompts and 4 decodes: the decodes go first. long-b may not start while long-a holds
+    # the one long slot; tiny, behind it, goes now.
+    assert set(_sizes(output)) == {*decoding, "long-a", "tiny"}
+    assert _sizes(output)["long-a"] == 8 and _sizes(output)["d0"] == 1
+    scheduler.update_from_output(output, {name: [3] for name in (*decoding, "tiny")})
+    assert _sizes(scheduler.schedule()) == {**{name: 1 for name in decoding}, "long-a": 8}
     assert [request.sequence_id for request in [scheduler.waiting.peek()]] == ["long-b"]
 
 
@@ -85,8 +95,47 @@ def test_decodes_on_shared_hardware_chunk_long_prompts_too():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
     scheduler.add_request(_request("long", 40, max_tokens=1))
     scheduler.add_request(_request("short", 6, max_tokens=1))
-    sizes = _sizes(scheduler.schedule(decodes_elsewhere=True))
+    sizes = _sizes(scheduler.schedule(decodes_elsewhere=2))
     assert sizes["long"] == 8 and "short" in sizes  # a short prompt still goes whole
+
+
+def test_more_prompts_than_decodes_elsewhere_go_whole():
+    scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    scheduler.add_request(_request("long", 40, max_tokens=1))
+    scheduler.add_request(Request("short", list(range(100, 106)), SamplingParams(max_tokens=1),
+                                  eos_token_ids=frozenset({EOS})))
+    assert _sizes(scheduler.schedule(decodes_elsewhere=1)) == {"long": 40, "short": 6}
+
+
+def test_a_burst_gets_its_first_tokens_in_budget_steps_not_one_prompt_a_step():
+    """N equal prompts, longer than the threshold, arrive while sequences decode elsewhere (a
+    PD prefill worker, whose prompts go on to decode elsewhere once they have their first
+    token): their first tokens come in ceil(N * len / budget) steps, in arrival order."""
+    budget, length, count = 64, 24, 10
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=budget,
+                           long_prefill_token_threshold=8, long_prefill_chunk_size=8)
+    for index in range(count):  # distinct prompts: no prefix cache hits
+        scheduler.add_request(_distinct(f"p{index}", index, length, arrival=float(index)))
+    decoding_elsewhere, first_tokens = 2, []
+    while scheduler.has_unfinished:
+        output = scheduler.schedule(decodes_elsewhere=decoding_elsewhere)
+        assert output.num_batched_tokens <= budget
+        sampled = {item.request.sequence_id: [3] for item in output.scheduled if item.samples}
+        first_tokens.append(sorted(sampled))
+        scheduler.update_from_output(output, sampled)
+        decoding_elsewhere += len(sampled)
+    assert len(first_tokens) == -(-count * length // budget) == 4
+    assert sum(first_tokens, []) == [f"p{index}" for index in range(count)]
+    assert not scheduler.prompts_first and scheduler.kv.num_free_blocks == 256
+    # Once the burst is through, a lone long prompt goes in chunks again.
+    scheduler.add_request(_distinct("lone", 50, length, arrival=20.0))
+    assert _sizes(scheduler.schedule(decodes_elsewhere=decoding_elsewhere)) == {"lone": 8}
+
+
+def _distinct(sequence_id: str, index: int, length: int, arrival: float) -> Request:
+    return Request(sequence_id, list(range(100 * index, 100 * index + length)),
+                   SamplingParams(max_tokens=1), eos_token_ids=frozenset({EOS}),
+                   arrival_time=arrival)
 
 
 def test_long_prompts_chunked_while_decoding_all_finish():
@@ -201,15 +250,14 @@ def test_prefix_cache_stats_count_each_admission_once():
 def test_chunk_size_below_the_threshold_chunks_only_long_prompts():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
                            long_prefill_chunk_size=8)
-    scheduler.add_request(_request("decoding", 3, max_tokens=20))
-    scheduler.update_from_output(scheduler.schedule(), {"decoding": [3]})
+    decoding = _start_decoding(scheduler, 3)
     scheduler.add_request(_request("long", 40, max_tokens=1, arrival=1.0))
     scheduler.add_request(_request("short", 13, max_tokens=1, arrival=2.0))
     sizes = []
     for _ in range(5):
         output = scheduler.schedule()
         sizes.append({i.request.sequence_id: i.num_new_tokens for i in output.scheduled
-                      if i.request.sequence_id != "decoding"})
+                      if i.request.sequence_id not in decoding})
         scheduler.update_from_output(output, {i.request.sequence_id: [3]
                                               for i in output.scheduled if i.samples})
     # The short prompt (13 <= 16) goes whole; the long one in chunks of 8 to its end, even
@@ -243,17 +291,16 @@ def test_a_short_prompt_cut_by_the_budget_finishes_first_in_the_next_step():
 def test_a_new_short_prompt_goes_first_and_the_long_chunk_shrinks_by_it():
     scheduler = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=16,
                            long_prefill_chunk_size=12)
-    scheduler.add_request(_request("decoding", 3, max_tokens=20))
-    scheduler.update_from_output(scheduler.schedule(), {"decoding": [3]})
+    decoding = _start_decoding(scheduler, 2)
     long_request = Request("long", list(range(100, 140)), SamplingParams(max_tokens=1),
                            eos_token_ids=frozenset({EOS}), arrival_time=1.0)
     scheduler.add_request(long_request)
     output = scheduler.schedule()
     assert _sizes(output)["long"] == 12
-    scheduler.update_from_output(output, {"decoding": [3]})
+    scheduler.update_from_output(output, {name: [3] for name in decoding})
     short = Request("short", list(range(200, 210)), SamplingParams(max_tokens=1),
                     eos_token_ids=frozenset({EOS}), arrival_time=2.0)
     scheduler.add_request(short)
     sizes = _sizes(scheduler.schedule())
     # 10 prompt tokens of the short one leave 2 of the 12; a chunk is at least one block (4).
-    assert sizes == {"decoding": 1, "short": 10, "long": 4}
+    assert sizes == {"d0": 1, "d1": 1, "short": 10, "long": 4}

@@ -1,10 +1,17 @@
-"""How big a long prompt's chunk is while sequences decode.
+"""Whether prompts or decodes go first on shared compute, and how big a long prompt's chunk is
+while sequences decode.
 
-A prefill chunk's cost grows with the context it attends to: its weight matmuls cost the same
-at any position, but QK^T and PV cost one more unit per token already in the context. At a fixed
-chunk size the last chunks of a 3,000-token prompt took twice as long as the first (SmolLM2-135M,
-bf16, 2 cores), and every decoding sequence waits for them. So the chunk shrinks as the context
-grows, keeping each one's compute near what the threshold costs at the start of a prompt.
+While sequences decode (on the worker, or on a worker sharing its cores), every prefill step
+makes them wait, or with split cores slows itself. Two groups wait on each other: requests for
+their first token, and sequences for their next. Normally the decodes keep their pace: a long
+prompt goes in chunks, one at a time (and on CPUs a decode worker keeps a share of the cores).
+Once more requests await a first token than sequences decode (a burst, or a backlog that built
+up), the prompts go first until at most one is left: each step is filled to its budget with
+whole prompts, as many as fit, on every core, so the burst's first tokens come a full step at a
+time instead of a prompt at a time. (Without the "until", a burst would drop back to one prompt
+a step half way, as soon as its first half outnumbered the rest.) Measured with vLLM's bench
+client (random workload, 512-token prompts, 32 at a time; BENCHMARKS.md): one prompt at a time
+on half the cores made the first tokens wait 26 s at the median.
 """
 from __future__ import annotations
 
@@ -29,3 +36,12 @@ def long_prefill_chunk(threshold: int, context_len: int, crossover: int) -> int:
     if not crossover:
         return threshold
     return max(1, threshold * crossover // (crossover + context_len))
+
+
+def prompts_first(already: bool, num_awaiting_first_token: int, num_decoding: int) -> bool:
+    """Whether prompts go first this step (whole, filling the step, on every core): from when
+    more requests await their first token than sequences decode (`already`: they went first
+    in the step before) until at most one awaits. A lone prompt never does: it is chunked."""
+    if num_awaiting_first_token <= 1:
+        return False
+    return already or num_awaiting_first_token > num_decoding

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.block_pool import KVBlock
 from kvrelay.engine.kv_cache_manager import KVCacheManager
-from kvrelay.engine.prefill_chunks import long_prefill_chunk
+from kvrelay.engine.prefill_chunks import long_prefill_chunk, prompts_first
 from kvrelay.engine.request import Request, RequestStatus
 from kvrelay.engine.spec.drafter import Drafter
 from kvrelay.engine.stop_checker import advance_grammar, check_stop
@@ -73,6 +73,9 @@ class Scheduler:
         # Speculative decoding: proposes drafts for decoding sequences (None: off).
         self.drafter = drafter
         self.reserved: set[str] = set()  # decode-side requests waiting for their KV pages
+        # Whether waiting prompts went first in the last step (prefill_chunks.py): then they
+        # fill the step whole, and a prefill worker does not give cores to decodes.
+        self.prompts_first = False
         # This step's long-prompt chunking (see EngineConfig.long_prefill_token_threshold):
         # the threshold (0: off) and how many long prompts may still advance.
         self._long_threshold = 0
@@ -114,20 +117,29 @@ class Scheduler:
         return aborted
 
     @property
+    def num_awaiting_first_token(self) -> int:
+        """Requests waiting, or part way through their prompt."""
+        return len(self.waiting) + sum(1 for request in self.running
+                                       if not request.num_output_tokens)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, token_budget: int | None = None,
-                 decodes_elsewhere: bool = False) -> SchedulerOutput:
+                 decodes_elsewhere: int = 0) -> SchedulerOutput:
         """One step's work; `token_budget` overrides max_num_batched_tokens for this step.
-        `decodes_elsewhere`: sequences on other workers wait for this step (shared hardware),
-        so long prompts are chunked as if they decoded here."""
+        `decodes_elsewhere`: sequences decoding on other workers that wait for this step
+        (shared hardware), counted with this worker's own (prefill_chunks.py)."""
         output = SchedulerOutput()
         budget = token_budget or self.config.max_num_batched_tokens
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
-        chunking = decodes_elsewhere or any(_decoding(req) for req in self.running)
+        num_decoding = decodes_elsewhere + sum(map(_decoding, self.running))
+        self.prompts_first = prompts_first(self.prompts_first, self.num_awaiting_first_token,
+                                           num_decoding)
+        chunking = num_decoding and not self.prompts_first
         self._long_threshold = self.config.long_prefill_token_threshold if chunking else 0
         self._long_slots = self.config.max_long_partial_prefills
         self._step_prefill = 0
@@ -136,8 +148,17 @@ class Scheduler:
         if not output.preempted:
             budget = self._schedule_waiting(output, budget)
             self._schedule_deferred(output, budget)
+        if self._awaiting_after(output) <= 1:
+            self.prompts_first = False  # the burst is through (prefill_chunks.py)
         self.stats.num_steps += 1
         return output
+
+    def _awaiting_after(self, output: SchedulerOutput) -> int:
+        """Requests still without a first token once this step's is back."""
+        sampling = {id(item.request) for item in output.scheduled if item.samples}
+        return len(self.waiting) + sum(1 for request in self.running
+                                       if not request.num_output_tokens
+                                       and id(request) not in sampling)
 
     def schedule_ahead(self, previous: SchedulerOutput,
                        token_budget: int | None = None) -> SchedulerOutput | None:

@@ -7,7 +7,9 @@ share of the cores, while a long prompt is being prefilled and another worker ha
 decode step is memory-bound and loses little on one core (86 against 55 ms for 32 sequences
 here), while waiting for each of the long prompt's chunks on both cores costs it the whole chunk
 step. Short prompts still take every core in turn: a burst of them prefills (compute-bound)
-twice as fast that way, and its first tokens come sooner (BENCHMARKS.md). Nor is a decode
+twice as fast that way, and its first tokens come sooner (BENCHMARKS.md). So do long ones while
+the prompts go first: from when more requests await a first token than sequences decode until
+at most one is left (prefill_chunks.py); on half the cores such a backlog would only grow. Nor is a decode
 worker that speculates split off: its steps verify drafts and are compute-bound.
 
 Sharing is counted in CPUs: a step takes as many as its worker has threads, so workers whose
@@ -119,7 +121,7 @@ class CoreShare:
                   if m is worker or id(m) in self.held or (m.alive and self.has_work(m))]
         if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
                 or not any(self._prefills_long_prompt(m) for m in active)
-                or any(_speculates(m) for m in active)):
+                or any(_speculates(m) for m in active) or _prompts_go_first(active)):
             return own
         return max(1, min(own, self.capacity // len(active)))
 
@@ -129,6 +131,12 @@ class CoreShare:
         core = worker.core
         return any(request.num_tokens - request.num_computed_tokens > self.long_prompt_tokens
                    for request in chain(core.running, core.waiting))
+
+
+def _prompts_go_first(workers: list[WorkerRecord]) -> bool:
+    """A prefill worker's waiting prompts go first (prefill_chunks.py): its steps take every
+    core, as a backlog on half of them would only grow."""
+    return any(w.core.prompts_first for w in workers if w.role is not DECODE)
 
 
 def _speculates(worker: WorkerRecord) -> bool:

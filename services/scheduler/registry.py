@@ -119,11 +119,16 @@ class WorkerRegistry:
     def shares_compute_with_decodes(self, worker: WorkerRecord) -> bool:
         """A prefill worker whose compute domain a decode worker with running sequences
         shares: its steps make those sequences wait (or slow them, with overlapping steps)."""
+        return self.decodes_sharing_compute(worker) > 0
+
+    def decodes_sharing_compute(self, worker: WorkerRecord) -> int:
+        """For a prefill worker: the sequences running on the other workers of its compute
+        domain, which its steps make wait."""
         if worker.role is not PREFILL or not worker.info.compute_domain:
-            return False
-        return any(other.alive and other.role is not PREFILL and other.core.running
-                   and other.info.compute_domain == worker.info.compute_domain
-                   for other in self.workers.values())
+            return 0
+        return sum(len(other.core.running) for other in self.workers.values()
+                   if other.alive and other.role is not PREFILL
+                   and other.info.compute_domain == worker.info.compute_domain)
 
     def step_budget(self, worker: WorkerRecord) -> int | None:
         """This step's token budget when it differs from the worker's own: the opt-in cap on

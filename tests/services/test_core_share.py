@@ -97,6 +97,21 @@ def test_a_decode_worker_that_speculates_is_not_split_off():
     assert _turns_at_once(_share(driver, split=True), driver) == [("d0", 1), ("p0", 1)]
 
 
+def test_a_burst_of_prompts_takes_every_core_until_it_is_through():
+    """More prompts await a first token than sequences decode: the prefill worker's steps
+    take every core in turn (prefill_chunks.py), until at most one prompt is left."""
+    driver = _decoding_pair()
+    for index in range(4):
+        driver.submit(f"burst-{index}", prompt(100, first=100 + 110 * index), max_tokens=5)
+    driver.step("p0")  # 5 prompts and 1 decode: prompts go first; 430 tokens, 256 a step
+    assert driver.worker("p0").core.prompts_first
+    assert _turns_at_once(_share(driver, split=True), driver) == [("p0", 0)]
+    driver.step("p0")  # the rest of the burst: nothing is left
+    assert not driver.worker("p0").core.prompts_first
+    driver.submit("lone", prompt(30, first=400), max_tokens=5)
+    assert _turns_at_once(_share(driver, split=True), driver) == [("d0", 1), ("p0", 1)]
+
+
 def test_a_split_step_takes_every_core_while_the_other_worker_has_nothing_to_do():
     async def scenario():
         driver = _pair()
