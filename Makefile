@@ -9,7 +9,7 @@ LAYOUT := .venv/.layout
 # redone, which happens whenever a package folder's listing changes (its mtime).
 PKG_DIRS := $(shell find services kernels -type d -not -name __pycache__)
 
-.PHONY: test test-variants chaos soak compose-test test-families fuzz up bench protos docs venv clean
+.PHONY: test test-variants chaos soak compose-test test-families fuzz up bench bench-vllm-client protos docs venv clean
 
 venv: $(LAYOUT)
 
@@ -64,6 +64,12 @@ fuzz: $(LAYOUT)
 
 bench: $(LAYOUT)
 	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.offline
+
+# vLLM's own client (`vllm bench serve`: random, prefix_repetition) against kvrelay PD and vLLM
+# CPU, fresh servers in alternating order (~15 min a round; installs the vLLM peer on first use).
+# More: make bench-vllm-client ARGS="--rounds 3 --workloads random"
+bench-vllm-client: $(LAYOUT)
+	HF_HUB_OFFLINE=1 $(PY) -m benchmarks.vllm_bench $(ARGS)
 
 protos: $(LAYOUT)
 	$(PY) -m kvrelay.common.protogen
