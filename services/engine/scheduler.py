@@ -116,6 +116,13 @@ class Scheduler:
             aborted.append(request)
         return aborted
 
+    def prompts_go_first(self, decodes_elsewhere: int = 0) -> bool:
+        """Whether the waiting prompts go first in the next step (prefill_chunks.py), with
+        `decodes_elsewhere` sequences decoding on workers that share this one's compute.
+        Asked by the step's schedule, and by the core share before the step takes its turn."""
+        num_decoding = decodes_elsewhere + sum(map(_decoding, self.running))
+        return prompts_first(self.prompts_first, self.num_awaiting_first_token, num_decoding)
+
     @property
     def num_awaiting_first_token(self) -> int:
         """Requests waiting, or part way through their prompt."""
@@ -137,8 +144,7 @@ class Scheduler:
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
         num_decoding = decodes_elsewhere + sum(map(_decoding, self.running))
-        self.prompts_first = prompts_first(self.prompts_first, self.num_awaiting_first_token,
-                                           num_decoding)
+        self.prompts_first = self.prompts_go_first(decodes_elsewhere)
         chunking = num_decoding and not self.prompts_first
         self._long_threshold = self.config.long_prefill_token_threshold if chunking else 0
         self._long_slots = self.config.max_long_partial_prefills

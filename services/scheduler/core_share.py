@@ -26,7 +26,7 @@ from collections.abc import Callable
 from itertools import chain
 from typing import AsyncIterator
 
-from kvrelay.scheduler.messages import DECODE
+from kvrelay.scheduler.messages import DECODE, PREFILL
 from kvrelay.scheduler.registry import WorkerRecord
 from kvrelay.scheduler.step_gate import OWN_CORES, StepGate
 
@@ -49,6 +49,9 @@ class CoreShare:
     def join(self, worker: WorkerRecord) -> None:
         self.members = {worker_id: m for worker_id, m in self.members.items() if m.alive}
         self.members[worker.worker_id] = worker
+
+    def live_members(self):
+        return (member for member in self.members.values() if member.alive)
 
     @property
     def capacity(self) -> int:
@@ -121,7 +124,8 @@ class CoreShare:
                   if m is worker or id(m) in self.held or (m.alive and self.has_work(m))]
         if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
                 or not any(self._prefills_long_prompt(m) for m in active)
-                or any(_speculates(m) for m in active) or _prompts_go_first(active)):
+                or any(_speculates(m) for m in active)
+                or _prompts_go_first(list(self.live_members()))):
             return own
         return max(1, min(own, self.capacity // len(active)))
 
@@ -134,9 +138,11 @@ class CoreShare:
 
 
 def _prompts_go_first(workers: list[WorkerRecord]) -> bool:
-    """A prefill worker's waiting prompts go first (prefill_chunks.py): its steps take every
-    core, as a backlog on half of them would only grow."""
-    return any(w.core.prompts_first for w in workers if w.role is not DECODE)
+    """A prefill worker's waiting prompts go first (prefill_chunks.py), counted afresh for the
+    step about to take its turn: its steps take every core, as a backlog on half of them would
+    only grow."""
+    decoding = sum(len(w.core.running) for w in workers if w.role is not PREFILL)
+    return any(w.core.prompts_go_first(decoding) for w in workers if w.role is PREFILL)
 
 
 def _speculates(worker: WorkerRecord) -> bool:

@@ -103,7 +103,9 @@ def test_a_burst_of_prompts_takes_every_core_until_it_is_through():
     driver = _decoding_pair()
     for index in range(4):
         driver.submit(f"burst-{index}", prompt(100, first=100 + 110 * index), max_tokens=5)
-    driver.step("p0")  # 5 prompts and 1 decode: prompts go first; 430 tokens, 256 a step
+    # 5 prompts and 1 decode: the prompts go first from the burst's very first step
+    assert _turns_at_once(_share(driver, split=True), driver) == [("p0", 0)]
+    driver.step("p0")  # 430 tokens, 256 a step: the rest waits for the next
     assert driver.worker("p0").core.prompts_first
     assert _turns_at_once(_share(driver, split=True), driver) == [("p0", 0)]
     driver.step("p0")  # the rest of the burst: nothing is left
