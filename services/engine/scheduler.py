@@ -123,6 +123,13 @@ class Scheduler:
         num_decoding = decodes_elsewhere + sum(map(_decoding, self.running))
         return prompts_first(self.prompts_first, self.num_awaiting_first_token, num_decoding)
 
+    def tokens_to_prefill(self, request: Request) -> int:
+        """The tokens the request has yet to compute, a waiting one's cached prefix aside."""
+        left = request.num_tokens - request.num_computed_tokens
+        if request.num_computed_tokens == 0:
+            left -= self.kv.get_computed_blocks(request).num_blocks * self.config.block_size
+        return left
+
     @property
     def num_awaiting_first_token(self) -> int:
         """Requests waiting, or part way through their prompt."""

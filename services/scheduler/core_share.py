@@ -133,7 +133,8 @@ class CoreShare:
         if worker.role is DECODE or not worker.alive:
             return False
         core = worker.core
-        return any(request.num_tokens - request.num_computed_tokens > self.long_prompt_tokens
+        # (a prompt whose prefix is cached is as long as what is left of it)
+        return any(core.tokens_to_prefill(request) > self.long_prompt_tokens
                    for request in chain(core.running, core.waiting))
 
 

@@ -232,6 +232,25 @@ def test_split_applies_only_while_a_long_prompt_prefills():
     # A long one prefills on one core while the decodes go on, on the other.
     assert turns(65) == [("d0", 1), ("p0", 1)]
 
+def test_a_prompt_whose_prefix_is_cached_is_as_long_as_what_is_left_of_it():
+    def turns(second_prompt: list[int]) -> list:
+        driver = _pair()
+        driver.submit("first", prompt(100), max_tokens=50)  # its 6 full blocks stay cached
+        driver.step("p0")
+        driver.deliver_sends()
+        driver.submit("second", second_prompt, max_tokens=5)
+        share = CoreShare(split=True, long_prompt_tokens=64, num_cpus=2,
+                          has_work=driver.cluster.has_work)
+        share.join(driver.worker("p0"))
+        share.join(driver.worker("d0"))
+        return _turns_at_once(share, driver)
+
+    # 120 tokens, 96 of them cached: 24 to compute, a short prompt's turn with every core
+    assert turns(prompt(100) + prompt(20, first=500)) == [("p0", 0)]
+    # the same length with nothing cached is long: split
+    assert turns(prompt(120, first=300)) == [("d0", 1), ("p0", 1)]
+
+
 # ---- random schedules ----------------------------------------------------------------------
 WORKERS = ("p0", "d0", "p1")
 
