@@ -24,8 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--long-prefill-token-threshold", type=int, default=384,
              help="while sequences decode (on the worker, or on a decode worker sharing its "
                   "hardware), a prompt with more tokens left than this is prefilled in chunks, "
-                  "smaller ones further in as attention over the context grows (0: a prompt "
-                  "may take a whole step's budget)")
+                  "smaller ones further in as attention over the context grows, unless more "
+                  "requests await a first token than sequences decode: then prompts go whole, "
+                  "filling the step, until at most one waits (0: a prompt may always take a "
+                  "whole step's budget)")
     add_flag(parser, "--long-prefill-chunk-size", type=int, default=192,
              help="a long prompt's chunk at its start (0: the threshold)")
     add_flag(parser, "--max-long-partial-prefills", type=int, default=1,
@@ -43,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="workers on the same hardware (same compute domain, e.g. a prefill and a decode "
                   "worker on one machine's CPUs): run their steps one at a time with every "
                   "core (serialize); do that too but, while a prompt longer than "
-                  "--long-prefill-token-threshold prefills, split the CPUs' cores between "
-                  "them so the decodes step beside its chunks instead of waiting for each "
-                  "(split; a GPU is never split); or let them overlap and contend")
+                  "--long-prefill-token-threshold prefills in chunks, split the CPUs' cores "
+                  "between them so the decodes step beside its chunks instead of waiting for "
+                  "each (split; never while prompts go first, nor on a GPU); or let them "
+                  "overlap and contend")
     add_flag(parser, "--shared-prefill-max-num-batched-tokens", type=int, default=0,
              help="unless shared-compute steps overlap: a prefill worker's step budget while "
                   "a decode worker on the same hardware has sequences running (0: no limit). "
