@@ -12,6 +12,8 @@ computes TTFT, TPOT and goodput its own way. The client runs from the vLLM peer'
 
 The workloads (vLLM's dataset names and flags):
 - random: 96 prompts of 512 tokens, 128 out each, 32 at a time;
+- random-mixed (on demand): the same with lengths spread, 256-768 tokens in and 32-224 out, so
+  that the requests of a wave do not all end together;
 - prefix_repetition: 4 prefixes of 1,024 tokens, each prompt one of them plus 64 tokens of its
   own, 64 out, 64 prompts, 16 at a time;
 - sharegpt: the conversations of a ShareGPT JSON file (--sharegpt-path), 200 prompts, 32 at a
@@ -46,6 +48,12 @@ REPO = Path(__file__).resolve().parents[1]
 WORKLOAD_FLAGS = {
     "random": ["--dataset-name", "random", "--random-input-len", "512",
                "--random-output-len", "128", "--num-prompts", "96", "--max-concurrency", "32"],
+    # random's prompts with lengths spread: 256-768 in, 32-224 out (no wave of equal requests
+    # ends together, as it does with every output 128 tokens long)
+    "random-mixed": ["--dataset-name", "random", "--random-input-len", "512",
+                     "--random-output-len", "128", "--random-range-ratio",
+                     '{"input": 0.5, "output": 0.75}', "--num-prompts", "96",
+                     "--max-concurrency", "32"],
     "prefix_repetition": ["--dataset-name", "prefix_repetition",
                           "--prefix-repetition-num-prefixes", "4",
                           "--prefix-repetition-prefix-len", "1024",

@@ -22,6 +22,8 @@ def test_workloads_and_systems_are_checked():
         _args("--systems", "kvrelay-pd,sglang")
     args = _args("--systems", "kvrelay-pd@shared-compute-steps=serialize,vllm-cpu")
     assert args.workloads == ["random", "prefix_repetition"]
+    mixed = vllm_bench.WORKLOAD_FLAGS["random-mixed"]
+    assert mixed[mixed.index("--random-range-ratio") + 1] == '{"input": 0.5, "output": 0.75}'
 
 
 def test_the_client_command_names_the_workload_goodput_and_result(monkeypatch):
