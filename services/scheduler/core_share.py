@@ -123,9 +123,10 @@ class CoreShare:
         active = [m for m in self.members.values()
                   if m is worker or id(m) in self.held or (m.alive and self.has_work(m))]
         if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
-                or not any(self._prefills_long_prompt(m) for m in active)
+                or _prompts_go_first(list(self.live_members()))
                 or any(_speculates(m) for m in active)
-                or _prompts_go_first(list(self.live_members()))):
+                # (last: it looks up each waiting prompt's cached prefix)
+                or not any(self._prefills_long_prompt(m) for m in active)):
             return own
         return max(1, min(own, self.capacity // len(active)))
 
