@@ -119,9 +119,14 @@ class Scheduler:
     def prompts_go_first(self, decodes_elsewhere: int = 0) -> bool:
         """Whether the waiting prompts go first in the next step (prefill_chunks.py), with
         `decodes_elsewhere` sequences decoding on workers that share this one's compute.
-        Asked by the step's schedule, and by the core share before the step takes its turn."""
-        num_decoding = decodes_elsewhere + sum(map(_decoding, self.running))
-        return prompts_first(self.prompts_first, self.num_awaiting_first_token, num_decoding)
+        Asked by the core share before the step takes its turn; schedule decides the same."""
+        return self._prompts_go_first(decodes_elsewhere + self._num_decoding())
+
+    def _prompts_go_first(self, num_decoding: int) -> bool:
+        return prompts_first(self.prompts_first, self._num_awaiting(), num_decoding)
+
+    def _num_decoding(self) -> int:
+        return sum(map(_decoding, self.running))
 
     def tokens_to_prefill(self, request: Request) -> int:
         """The tokens the request has yet to compute, a waiting one's cached prefix aside."""
@@ -130,11 +135,12 @@ class Scheduler:
             left -= self.kv.get_computed_blocks(request).num_blocks * self.config.block_size
         return left
 
-    @property
-    def num_awaiting_first_token(self) -> int:
-        """Requests waiting, or part way through their prompt."""
+    def _num_awaiting(self, sampling: frozenset[int] = frozenset()) -> int:
+        """Requests without a first token: waiting, or part way through their prompt (those
+        whose id(request) is in `sampling` get theirs from the step being planned)."""
         return len(self.waiting) + sum(1 for request in self.running
-                                       if not request.num_output_tokens)
+                                       if not request.num_output_tokens
+                                       and id(request) not in sampling)
 
     @property
     def has_unfinished(self) -> bool:
@@ -150,8 +156,8 @@ class Scheduler:
         budget = token_budget or self.config.max_num_batched_tokens
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
-        num_decoding = decodes_elsewhere + sum(map(_decoding, self.running))
-        self.prompts_first = self.prompts_go_first(decodes_elsewhere)
+        num_decoding = decodes_elsewhere + self._num_decoding()
+        self.prompts_first = self._prompts_go_first(num_decoding)
         chunking = num_decoding and not self.prompts_first
         self._long_threshold = self.config.long_prefill_token_threshold if chunking else 0
         self._long_slots = self.config.max_long_partial_prefills
@@ -161,17 +167,11 @@ class Scheduler:
         if not output.preempted:
             budget = self._schedule_waiting(output, budget)
             self._schedule_deferred(output, budget)
-        if self._awaiting_after(output) <= 1:
+        sampling = frozenset(id(item.request) for item in output.scheduled if item.samples)
+        if self._num_awaiting(sampling) <= 1:
             self.prompts_first = False  # the burst is through (prefill_chunks.py)
         self.stats.num_steps += 1
         return output
-
-    def _awaiting_after(self, output: SchedulerOutput) -> int:
-        """Requests still without a first token once this step's is back."""
-        sampling = {id(item.request) for item in output.scheduled if item.samples}
-        return len(self.waiting) + sum(1 for request in self.running
-                                       if not request.num_output_tokens
-                                       and id(request) not in sampling)
 
     def schedule_ahead(self, previous: SchedulerOutput,
                        token_budget: int | None = None) -> SchedulerOutput | None:

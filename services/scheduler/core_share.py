@@ -9,8 +9,8 @@ here), while waiting for each of the long prompt's chunks on both cores costs it
 step. Short prompts still take every core in turn: a burst of them prefills (compute-bound)
 twice as fast that way, and its first tokens come sooner (BENCHMARKS.md). So do long ones while
 the prompts go first: from when more requests await a first token than sequences decode until
-at most one is left (prefill_chunks.py); on half the cores such a backlog would only grow. Nor is a decode
-worker that speculates split off: its steps verify drafts and are compute-bound.
+at most one is left (prefill_chunks.py); on half the cores such a backlog would only grow. Nor
+is a decode worker that speculates split off: its steps verify drafts and are compute-bound.
 
 Sharing is counted in CPUs: a step takes as many as its worker has threads, so workers whose
 threads fit the domain's CPUs together (e.g. 2 + 2 threads on 8 CPUs) step at the same time
@@ -49,9 +49,6 @@ class CoreShare:
     def join(self, worker: WorkerRecord) -> None:
         self.members = {worker_id: m for worker_id, m in self.members.items() if m.alive}
         self.members[worker.worker_id] = worker
-
-    def live_members(self):
-        return (member for member in self.members.values() if member.alive)
 
     @property
     def capacity(self) -> int:
@@ -123,7 +120,7 @@ class CoreShare:
         active = [m for m in self.members.values()
                   if m is worker or id(m) in self.held or (m.alive and self.has_work(m))]
         if (len(active) < 2 or sum(map(self.own, active)) <= self.capacity
-                or _prompts_go_first(list(self.live_members()))
+                or _prompts_go_first([m for m in self.members.values() if m.alive])
                 or any(_speculates(m) for m in active)
                 # (last: it looks up each waiting prompt's cached prefix)
                 or not any(self._prefills_long_prompt(m) for m in active)):
