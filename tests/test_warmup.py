@@ -8,6 +8,7 @@ from kvrelay.engine import LLM, SamplingParams
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.models.packed_linear import PackedLinear
 from kvrelay.engine.step_padding import bucket_sizes
+from kvrelay.kernels.onednn_linear import onednn_packs_bf16
 from kvrelay.worker import warmup
 
 
@@ -56,6 +57,8 @@ def test_only_bf16_on_cpu_warms_up(llm):
     assert warmup.warm_up(bf16, "both") > 0
 
 
+@pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 weights only on CPUs "
+                    "with AVX-512 or AVX-NE-CONVERT; elsewhere nothing pads or warms")
 def test_bf16_warm_up_compiles_every_padded_row_count_of_the_first_layers_matmuls(monkeypatch):
     runner = LLM(dtype="bfloat16", num_kv_blocks=512).engine.runner
     calls = []

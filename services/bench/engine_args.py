@@ -44,6 +44,7 @@ def engine_description(llm) -> dict:
     engine = llm.engine
     return {"model_dir": str(engine.model_dir),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "weights": engine.runner.quantization,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "max_num_seqs": engine.config.max_num_seqs,

@@ -56,11 +56,13 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def check_architecture(model_dir: Path) -> dict:
-    """config.json's contents, if a model family kvrelay has builds it (else ValueError naming
-    the supported architectures)."""
+    """config.json's contents, if a model family kvrelay has builds it and its quantization,
+    if any, is one kvrelay runs (else ValueError naming what is supported)."""
+    from kvrelay.engine.models.quant_schemes import scheme_of
     from kvrelay.engine.models.registry import family_of
     config = json.loads((model_dir / "config.json").read_text())
     family_of(config)
+    scheme_of(config, model_dir)
     return config
 
 

@@ -16,7 +16,9 @@ from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
 from kvrelay.engine import shared_pages
 from kvrelay.engine.kv_groups import KVGroupLayout
-from kvrelay.engine.models import gguf_int4, gguf_q8_head, small_steps
+from kvrelay.engine.models import gguf_int4, gguf_q8_head, quant_schemes, small_steps
+from kvrelay.engine.models.fp8_checkpoint import Fp8Checkpoint
+from kvrelay.engine.models.int4_checkpoint import Int4Checkpoint
 from kvrelay.engine.models.decoder import DecoderLM
 from kvrelay.engine.models.no_init import skip_weight_init
 from kvrelay.engine.models.registry import build_model
@@ -67,6 +69,7 @@ class ModelRunner:
         self.q4a8: str | None = None  # how the VNNI kernel codes activations, where it runs
         self.decode_stack = False  # the smallest decode steps' layers in one native call
         self.bf16_gemv = False  # a bf16 checkpoint's smallest steps on the gemv kernel's tiles
+        self.quantization: str | None = None  # a GPTQ/AWQ/FP8 checkpoint's scheme, described
         self.model = self._load_model(hf_config, model_dir)
         # Steps of this many rows or more reach oneDNN and are padded to a bucket; None: none.
         self.pad_from_rows = (onednn_min_rows(self.model.layers)
@@ -109,10 +112,14 @@ class ModelRunner:
             # would be 32 GB): for kernel and speed measurements with a real config.
             model = model.to_empty(device=self.device).to(self.dtype)
             randomize_weights_(model)
+            quantized = None
         else:
             model = model.to_empty(device="cpu")
-            load_weights(model, model_dir, rename)
-        q4_blocks = self._q4_blocks(hf_config, model_dir, model)
+            quantized = self._quantized_checkpoint(hf_config, model_dir, rename)
+            load_weights(model, model_dir, rename,
+                         None if quantized is None else quantized.tensors())
+        q4_blocks = self._q4_blocks(hf_config, model_dir, model, quantized)
+        del quantized  # an int4 checkpoint's unpacked codes: the blocks hold what steps need
         q8_head = self._q8_head(model_dir, model) if q4_blocks else None
         model = model.to(device=self.device, dtype=self.dtype).eval()
         model.reset_rope_tables_()  # float32 whatever the dtype (meta-built buffers held none)
@@ -146,15 +153,33 @@ class ModelRunner:
         self.q4a8 = kernels.q4a8
         self.decode_stack = kernels.decode_stack
 
-    def _q4_blocks(self, hf_config, model_dir: Path | None, model) -> dict | None:
-        """The GGUF source's 4-bit matmul blocks (checked against the loaded weights), where
-        small steps can run on them: bf16 on CPU (the packed path), a Q4_0/Q4_1 source."""
+    def _quantized_checkpoint(self, hf_config, model_dir: Path,
+                              rename) -> Int4Checkpoint | Fp8Checkpoint | None:
+        """A GPTQ/AWQ (int4_checkpoint.py) or FP8 (fp8_checkpoint.py) checkpoint's reader;
+        None for plain weights."""
+        scheme = quant_schemes.scheme_of(hf_config.to_dict(), model_dir)
+        if scheme is None:
+            return None
+        self.quantization = scheme.describe()
+        log.info("%s checkpoint: dequantized to %s at load", self.quantization,
+                 str(self.dtype).removeprefix("torch."))
+        if isinstance(scheme, quant_schemes.Fp8Scheme):
+            return Fp8Checkpoint(model_dir, scheme)
+        return Int4Checkpoint(model_dir, scheme, rename)
+
+    def _q4_blocks(self, hf_config, model_dir: Path | None, model,
+                   quantized: Int4Checkpoint | Fp8Checkpoint | None) -> dict | None:
+        """The 4-bit matmul blocks of a GPTQ/AWQ checkpoint or of the GGUF source (checked
+        against the loaded weights), where small steps can run on them: bf16 on CPU (the packed
+        path), a Q4_0/Q4_1 source."""
         source = gguf_source(model_dir)
         if (not (self.int4_max_tokens or self.amx_max_tokens or self.q4a8_max_tokens
                  or self.int8_activations)
-                or source is None
+                or (source is None and not isinstance(quantized, Int4Checkpoint))
                 or not packing_supported(self.device, self.dtype)):
             return None
+        if isinstance(quantized, Int4Checkpoint):
+            return quantized.layer_blocks(hf_config.num_hidden_layers)
         params = {name: param.detach() for name, param in model.named_parameters()}
         return gguf_int4.load_from_gguf(source, hf_config, params)
 

@@ -32,6 +32,9 @@ from kvrelay.worker.step_service import WorkerService
 from kvrelay.worker.warmup import needs_warm_up, warm_up
 
 log = get_logger(__name__)
+MODEL_INFO = metrics.gauge("worker_model_info",
+                           "1, labelled with the weights' format, the small steps' kernel "
+                           "and the KV cache's dtype", ("weights", "small_steps", "kv_cache_dtype"))
 ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.WORKER_ROLE_DECODE,
          "both": scheduler_pb2.WORKER_ROLE_BOTH}
 
@@ -85,8 +88,12 @@ async def serve(args: argparse.Namespace) -> None:
         num_threads=loaded.num_threads, kv_group_windows=runner.kv_layout.windows))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
+    dtype = str(runner.dtype).removeprefix("torch.")
+    weights = runner.quantization or dtype
+    MODEL_INFO.labels(weights, runner.int4_kernel or "none", dtype).set(1)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,
-             num_blocks=runner.num_blocks, dtype=str(runner.dtype).removeprefix("torch."),
+             num_blocks=runner.num_blocks, dtype=dtype, weights=weights,
+             small_step_kernel=runner.int4_kernel,
              kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block / (1 << 30), 2),
              kv_capacity_tokens=runner.num_blocks * runner.block_size,
              kv_cache_size=loaded.kv_budget_reason)

@@ -34,8 +34,11 @@ class Int4Weight:
     """torch's int4 CPU layout of one [out_features, in_features] weight."""
     packed: torch.Tensor  # uint8, from _convert_weight_to_int4pack_for_cpu
     scales_zeros: torch.Tensor  # [in_features / 32, out_features, 2] bf16
+    input_order: torch.Tensor | None = None  # [in_features] int64: Q4Blocks.input_order
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] bf16 -> [T, out]
+        if self.input_order is not None:
+            x = x.index_select(1, self.input_order)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
                                                           self.scales_zeros)
 
@@ -49,19 +52,27 @@ def int4_supported() -> bool:
 @dataclass(frozen=True, slots=True)
 class Q4Blocks:
     """One tensor's blocks, unpacked: q [N, K] in 0..15, scale and zero [N, K / 32] float32
-    such that the weight is (q - 8) * scale + zero."""
+    such that the weight is (q - 8) * scale + zero. input_order: where the blocks hold the
+    inputs in another order (GPTQ act-order groups), column j of q is input input_order[j],
+    and a matmul gathers x's columns so; None: in order (every GGUF)."""
     q: np.ndarray
     scale: np.ndarray
     zero: np.ndarray
+    input_order: np.ndarray | None = None
 
     def dequantized(self) -> torch.Tensor:  # [N, K] float32, as the checkpoint's copy
         n, k = self.q.shape
         q = torch.from_numpy(self.q.astype(np.float32)).view(n, k // GROUP, GROUP)
-        return ((q - 8) * torch.from_numpy(self.scale)[..., None]
-                + torch.from_numpy(self.zero)[..., None]).view(n, k)
+        weight = ((q - 8) * torch.from_numpy(self.scale)[..., None]
+                  + torch.from_numpy(self.zero)[..., None]).view(n, k)
+        if self.input_order is None:
+            return weight
+        in_order = torch.empty_like(weight)
+        in_order[:, torch.from_numpy(self.input_order)] = weight
+        return in_order
 
     def rows(self, order: np.ndarray) -> "Q4Blocks":
-        return Q4Blocks(self.q[order], self.scale[order], self.zero[order])
+        return Q4Blocks(self.q[order], self.scale[order], self.zero[order], self.input_order)
 
     def to_torch(self) -> Int4Weight:
         n, _ = self.q.shape
@@ -70,7 +81,8 @@ class Q4Blocks:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.from_numpy(self.q.astype(np.int32)), 1)
         scales_zeros = torch.from_numpy(np.stack([self.scale.T, self.zero.T], axis=-1))
-        return Int4Weight(packed, scales_zeros.to(torch.bfloat16).contiguous())
+        order = None if self.input_order is None else torch.from_numpy(self.input_order)
+        return Int4Weight(packed, scales_zeros.to(torch.bfloat16).contiguous(), order)
 
 
 def unpack_blocks(kind: str, raw: np.ndarray, num_cols: int) -> Q4Blocks:
@@ -88,9 +100,21 @@ def unpack_blocks(kind: str, raw: np.ndarray, num_cols: int) -> Q4Blocks:
     return Q4Blocks(q, d, zero)
 
 
-def concat(parts: list[Q4Blocks]) -> Q4Blocks:
+def concat(parts: list[Q4Blocks]) -> Q4Blocks | None:
+    """The blocks of one fused matmul (rows stacked), or None where the parts take their
+    inputs in different orders (then no one gather serves them)."""
+    order = parts[0].input_order
+    if any(not _same_order(order, part.input_order) for part in parts[1:]):
+        return None
     return Q4Blocks(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("q", "scale",
-                                                                                "zero")))
+                                                                                "zero")),
+                    input_order=order)
+
+
+def _same_order(first: np.ndarray | None, second: np.ndarray | None) -> bool:
+    if first is None or second is None:
+        return first is second
+    return np.array_equal(first, second)
 
 
 # The architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel.permute); the

@@ -56,6 +56,8 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
     """q4_blocks: parameter name -> gguf_int4.Q4Blocks (empty where the source has none);
     q8_head: the checkpoint's 8-bit head (gguf_q8_head.py), or None; bf16_tiles: parameter
     name -> the layer weight's bf16 tiles (bf16_layer_tiles), where there are no 4-bit blocks."""
+    if not _native_kernels_take(q4_blocks):
+        return _attach_torch_int4(model, q4_blocks, int4_max_tokens)
     gemv = native_gemv.gemv_ops() if int4_max_tokens else None
     amx = native_amx.amx_ops() if amx_max_tokens > int4_max_tokens else None
     # like AMX, the kernel takes the steps above the gemv kernel's (every step with int8)
@@ -100,6 +102,33 @@ def attach(model, q4_blocks: dict, int4_max_tokens: int, amx_max_tokens: int,
     return SmallStepKernels(int4_kernel, amx is not None, q8_tiles is not None, q4a8,
                             model.decode_stack is not None,
                             bool(bf16_tiles) and gemv is not None and not tiles and not q4_blocks)
+
+
+def _native_kernels_take(q4_blocks: dict) -> bool:
+    """Whether the native kernels' tiles can hold every block: inputs in order (not GPTQ's
+    act-order) and scale and zero - 8 * scale float16 values (every GGUF's Q4_0/Q4_1; GPTQ's
+    symmetric zero points; not most AWQ and GPTQ zero points, which are 4-bit integers times
+    the scale)."""
+    for blocks in q4_blocks.values():
+        if blocks.input_order is not None:
+            return False
+        try:
+            native_amx.q4_scales_as_float16(blocks.scale, blocks.zero)
+        except ValueError:
+            return False
+    return True
+
+
+def _attach_torch_int4(model, q4_blocks: dict, int4_max_tokens: int) -> SmallStepKernels:
+    """Blocks the native kernels cannot hold: every layer's small steps on torch's int4 kernel
+    (which takes any scale and zero, in bf16), gathering x's columns first where the blocks
+    hold their inputs reordered."""
+    if not (int4_max_tokens and gguf_int4.int4_supported()):
+        return SmallStepKernels(None, False)
+    model.add_small_step_kernels_(
+        int4_max_tokens, {name: blocks.to_torch().matmul for name, blocks in q4_blocks.items()},
+        None)
+    return SmallStepKernels("torch", False)
 
 
 def bf16_layer_tiles(model) -> dict:

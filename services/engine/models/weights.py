@@ -9,7 +9,7 @@ must be covered exactly; anything unknown or mis-shaped is refused with its name
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -73,10 +73,12 @@ def _describe(piece: tuple) -> str:
                    for item in piece)
 
 
-def load_weights(model, model_dir: Path, rename: Callable[[str], str] = lambda name: name) -> None:
-    """rename: the family's checkpoint name -> canonical name (prefix `model.` already off)."""
+def load_weights(model, model_dir: Path, rename: Callable[[str], str] = lambda name: name,
+                 tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    """rename: the family's checkpoint name -> canonical name (prefix `model.` already off);
+    tensors: (name, tensor) pairs in place of the directory's own (int4_checkpoint.py)."""
     loader = _Loader(model)
-    for name, tensor in iter_checkpoint(model_dir):
+    for name, tensor in iter_checkpoint(model_dir) if tensors is None else tensors:
         if "rotary_emb" in name:
             continue
         canonical = rename(name.removeprefix("model."))
