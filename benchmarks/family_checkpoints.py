@@ -1,7 +1,7 @@
 """Random checkpoints of other model families with the default model's dimensions, so that
 kvrelay and the peers can be timed on each family's own architecture without model weights.
 
-    python -m benchmarks.family_checkpoints --family qwen3|gemma3|gemma3_full|qwen3_moe|llama --out DIR
+    python -m benchmarks.family_checkpoints --family qwen3|gemma3|gemma3_full|qwen3_moe|llama|llama_gptq|llama_awq --out DIR
 
 The dimensions (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, MLP 1536, vocabulary 49152)
 are read from the directory kvrelay converts the default GGUF into, and its tokenizer and chat
@@ -16,6 +16,10 @@ family's own transformers config class sets the rest of the architecture:
 - llama: the default model's own architecture with random bf16 weights, the baseline of the
   per-family decode-step timing (benchmarks/family_steps.py): the Llama path of a safetensors
   checkpoint at the same dimensions and FLOPs.
+- llama_gptq, llama_awq: that model's layer linears quantized to 4 bits in GPTQ's layout
+  (symmetric, group 64, no act-order: what GPTQ releases of small models use, 576 inputs being
+  no whole number of 128-groups) or AWQ's GEMM layout (group 64, zero points), by the reference
+  quantizer of tests/quantized/int4_writer.py; embeddings and norms stay float32.
 head_dim is set to 64 everywhere: these families' config classes default to another head size
 than hidden / heads. Weights are seeded (torch's default initialisation) and saved in bfloat16.
 """
@@ -26,10 +30,12 @@ import json
 import shutil
 from pathlib import Path
 
-FAMILIES = ("qwen3", "gemma3", "gemma3_full", "qwen3_moe", "llama")
+FAMILIES = ("qwen3", "gemma3", "gemma3_full", "qwen3_moe", "llama", "llama_gptq", "llama_awq")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "gemma3_full": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "llama": "LlamaForCausalLM"}
+                 "llama": "LlamaForCausalLM", "llama_gptq": "LlamaForCausalLM",
+                 "llama_awq": "LlamaForCausalLM"}
+INT4_GROUP = 64
 HEAD_DIM = 64
 GEMMA_WINDOW = 512
 GEMMA_LAYERS_PER_GLOBAL = 6  # Gemma 3's 5:1 pattern: every sixth layer attends to everything
@@ -63,7 +69,7 @@ def family_config(family: str, base: dict):
     dims = base_dims(base) | {"head_dim": HEAD_DIM, "architectures": [ARCHITECTURES[family]]}
     if family == "qwen3":
         return Qwen3Config(**dims)
-    if family == "llama":
+    if family in ("llama", "llama_gptq", "llama_awq"):
         return LlamaConfig(**dims)
     if family in ("gemma3", "gemma3_full"):
         return Gemma3TextConfig(
@@ -85,11 +91,21 @@ def write_checkpoint(family: str, out: Path, source: Path, seed: int = 0) -> Pat
     config = family_config(family, json.loads((source / "config.json").read_text()))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(out)
+    if family in ("llama_gptq", "llama_awq"):
+        _write_int4(model, family, out, source, seed)
+    else:
+        model.to(torch.bfloat16).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (source / name).exists() and not (out / name).exists():
             shutil.copyfile(source / name, out / name)
     return out
+
+
+def _write_int4(model, family: str, out: Path, source: Path, seed: int) -> None:
+    from tests.quantized.int4_writer import Format, write_int4_checkpoint
+    fmt = Format("gptq", INT4_GROUP, sym=True) if family == "llama_gptq" \
+        else Format("awq", INT4_GROUP)
+    write_int4_checkpoint(model, fmt, out, source, seed)
 
 
 def default_source() -> Path:

@@ -33,7 +33,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Steps of at most this many tokens multiply the checkpoint's own 4-bit weights (a GGUF
-    # Q4_0/Q4_1 source, bf16 on CPU): they are bound by reading the weights. The native
+    # source's Q4_0/Q4_1/Q4_K matmuls, a GPTQ/AWQ checkpoint; bf16 on CPU): they are bound by
+    # reading the weights. The native
     # AVX512-BF16 kernel where it builds (the head too), else torch's int4 kernel
     # (models/small_steps.py). A bf16 checkpoint without 4-bit blocks runs those steps on the
     # native kernel's bf16 tiles, a second copy of its layer weights. 0: never.

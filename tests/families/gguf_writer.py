@@ -5,7 +5,9 @@ Qwen3 and Gemma keep HF's order), Gemma's norms stored as 1 + w, 1-D tensors in 
 the file type, and the tokenizer of the default model's GGUF copied key by key.
 
 Quantized files hold the layer matmuls in Q4_0 (or Q4_1) and the embedding and head in Q8_0,
-packed by gguf.quants, which lays the blocks out as ggml does.
+packed by gguf.quants, which lays the blocks out as ggml does. `Q4_K_MIX` writes the layer
+matmuls as llama.cpp's Q4_K_M mixes them: Q4_K (tests/quantized/q4_k_writer.py, as gguf.quants
+has no Q4_K quantizer), with attn_v and ffn_down in a wider type (Q8_0 here; Q6_K there).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Ll
 from gguf.quants import quantize
 
 from kvrelay.engine.model_loader import default_gguf_path
+from tests.quantized.q4_k_writer import quantize_q4_k
 
 # HF layer module -> llama.cpp tensor (blk.N.<name>), for the families written here
 _LAYER_TENSORS = {
@@ -61,8 +64,9 @@ def write_gguf(hf_model, path: Path, matmul_type: str = "F32", arch: str | None 
     writer = GGUFWriter(str(path), arch or layout.arch)
     writer.add_name(f"tiny-{config.model_type}")
     _add_hparams(writer, config, layout)
-    writer.add_file_type(int(LlamaFileType.ALL_F32 if matmul_type == "F32"
-                             else LlamaFileType[f"MOSTLY_{matmul_type}"]))
+    file_type = {"F32": "ALL_F32", "Q4_K_MIX": "MOSTLY_Q4_K_M"}.get(matmul_type,
+                                                                   f"MOSTLY_{matmul_type}")
+    writer.add_file_type(int(LlamaFileType[file_type]))
     writer.add_quantization_version(2)
     _copy_tokenizer(writer)
     for name, array in _gguf_tensors(hf_model, layout):
@@ -140,6 +144,13 @@ def _add_tensor(writer: GGUFWriter, name: str, array: np.ndarray, matmul_type: s
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         return
     piece = name.split(".")[-2]
+    if matmul_type == "Q4_K_MIX":
+        matmul_type = "Q8_0" if piece in _WIDER_IN_Q4_K_M else "Q4_K"
     qtype = GGMLQuantizationType[matmul_type if piece in _MATMULS else "Q8_0"]
-    writer.add_tensor(name, quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+    array = np.ascontiguousarray(array)
+    packed = quantize_q4_k(array) if qtype == GGMLQuantizationType.Q4_K else quantize(array, qtype)
+    writer.add_tensor(name, packed, raw_dtype=qtype)
+
+
+_WIDER_IN_Q4_K_M = frozenset({"attn_v", "ffn_down"})
 

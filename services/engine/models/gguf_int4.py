@@ -1,4 +1,4 @@
-"""A GGUF checkpoint's 4-bit matmul weights (Q4_0, Q4_1), in the layout of torch's CPU int4
+"""A GGUF checkpoint's 4-bit matmul weights (Q4_0, Q4_1, Q4_K), in the layout of torch's CPU int4
 weight-only matmul, so that small steps multiply the 4-bit weights themselves.
 
 A decode step of a few sequences is bound by reading the weights: the bf16 copy of the default
@@ -9,19 +9,27 @@ scales are rounded to bf16 as the bf16 weights are). BENCHMARKS.md has the measu
 GGUF blocks hold 32 weights of one row: Q4_1 `d` and `m` (float16) then 16 bytes of 4-bit
 `q`, the weight being d * q + m; Q4_0 only `d`, the weight d * (q - 8). Element j of a block is
 the low nibble of byte j, element j + 16 its high nibble. torch's kernel computes
-(q - 8) * scale + zero per group of 32: scale = d, zero = m + 8 d (Q4_1) or 0 (Q4_0).
+(q - 8) * scale + zero per group of 32: scale = d, zero = m + 8 d (Q4_1) or 0 (Q4_0). Q4_K's
+256-weight blocks unpack to the same form, a scale and zero per 32 (`_unpack_q4_k`).
 """
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvrelay.engine.models.gguf_tensors import read_gguf_tensors
 
+log = logging.getLogger(__name__)
+
 GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+# bytes a block takes, and the weights of a row it holds
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
 # Our fused matmuls and the GGUF tensors they are made of, in order.
 FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
          "self_attn.o_proj": ("attn_output",),
@@ -86,8 +94,10 @@ class Q4Blocks:
 
 
 def unpack_blocks(kind: str, raw: np.ndarray, num_cols: int) -> Q4Blocks:
-    """raw: [N, K / 32 * block bytes] uint8, as GGUFReader gives a tensor's data."""
+    """raw: [N, K / block weights * block bytes] uint8, as GGUFReader gives a tensor's data."""
     num_rows = raw.shape[0]
+    if kind == "Q4_K":
+        return _unpack_q4_k(raw.reshape(num_rows, num_cols // 256, _BLOCK_BYTES[kind]), num_cols)
     blocks = raw.reshape(num_rows, num_cols // GROUP, _BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     nibbles = blocks[..., -16:]
@@ -98,6 +108,27 @@ def unpack_blocks(kind: str, raw: np.ndarray, num_cols: int) -> Q4Blocks:
     else:
         zero = np.zeros_like(d)
     return Q4Blocks(q, d, zero)
+
+
+def _unpack_q4_k(blocks: np.ndarray, num_cols: int) -> Q4Blocks:
+    """blocks [N, K / 256, 144]: ggml's block_q4_K, 256 weights in 8 sub-blocks of 32. Bytes
+    0-3: d and dmin (float16); 4-15: each sub-block's 6-bit scale sc and min m (bytes 0-3 of
+    them hold sc[0..3] and, in their top bits, sc[4..7]'s top bits; 4-7 the same for m; 8-11
+    the low nibbles of sc[4..7] and, above them, of m[4..7]); 16-143: the codes, byte 32c + l
+    holding weight l of sub-block 2c (low nibble) and of 2c + 1 (high). Weight: d * sc * q -
+    dmin * m, i.e. (q - 8) * scale + zero with scale = d * sc, zero = 8 * scale - dmin * m."""
+    num_rows, num_supers, _ = blocks.shape
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:16]
+    low, mins, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 63, (high & 0xF) | ((low >> 6) << 4)], axis=-1)  # [N, S, 8]
+    m = np.concatenate([mins & 63, (high >> 4) | ((mins >> 6) << 4)], axis=-1)
+    codes = blocks[..., 16:].reshape(num_rows, num_supers, 4, 1, GROUP)
+    q = (codes >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F  # [N, S, 4, 2, 32]
+    scale = (d[..., None] * sc).reshape(num_rows, -1)  # [N, K / 32], exact in float32
+    zero = 8 * scale - (dmin[..., None] * m).reshape(num_rows, -1)
+    return Q4Blocks(q.reshape(num_rows, num_cols), scale, zero)
 
 
 def concat(parts: list[Q4Blocks]) -> Q4Blocks | None:
@@ -132,34 +163,50 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
 
 def load_from_gguf(gguf_path: str, hf_config,
                    checkpoint: dict[str, torch.Tensor]) -> dict[str, Q4Blocks] | None:
-    """Every layer matmul's 4-bit blocks, keyed by our parameter name ("layers.3.mlp.down_proj"),
-    or None when the file's matmuls are not all Q4_0/Q4_1. q/k rows are put back in Hugging
-    Face's order where the file's architecture has them permuted. Each is checked against the
-    checkpoint's dequantized float32 weight (`checkpoint`: our parameter name -> tensor):
-    a mismatch (another conversion, another row order) raises ValueError."""
+    """The 4-bit blocks of each layer matmul whose parts are all Q4_0, Q4_1 or Q4_K, keyed by our
+    parameter name ("layers.3.mlp.down_proj"), or None where no matmul's are (the others run
+    on the dequantized weights; a Q4_K_M file mixes Q4_K with Q6_K, say). q/k rows are put
+    back in Hugging Face's order where the file's architecture has them permuted. Each is
+    checked against the checkpoint's dequantized float32 weight (`checkpoint`: our parameter
+    name -> tensor): a mismatch (another conversion, another row order) raises ValueError."""
     gguf = read_gguf_tensors(gguf_path)
     tensors, arch = gguf.tensors, gguf.architecture
     heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads} \
         if arch in PERMUTED_QK_ARCHITECTURES else {}
-    weights = {}
+    weights, others = {}, Counter()
     for layer in range(hf_config.num_hidden_layers):
         for ours, pieces in FUSED.items():
-            parts = [_blocks(tensors.get(f"blk.{layer}.{piece}.weight"), heads.get(piece))
-                     for piece in pieces]
-            if any(part is None for part in parts):
-                return None
-            blocks = concat(parts)
+            found = [tensors.get(f"blk.{layer}.{piece}.weight") for piece in pieces]
+            if any(tensor is None or tensor.type_name not in _BLOCK_BYTES for tensor in found):
+                others.update(t.type_name for t in found if t is not None)
+                continue
             name = f"layers.{layer}.{ours}"
-            if not torch.equal(blocks.dequantized(), checkpoint[f"{name}.weight"].float()):
-                raise ValueError(f"{gguf_path}: the 4-bit blocks of {name} do not match the "
-                                 f"converted checkpoint")
-            weights[name] = blocks
-    return weights
+            weights[name] = _checked(gguf_path, name, checkpoint[f"{name}.weight"],
+                                     [_blocks(t, heads.get(p)) for t, p in zip(found, pieces)],
+                                     exact=all(t.type_name != "Q4_K" for t in found))
+    if others:
+        log.info("%s: %d of %d layer matmuls run small steps on their 4-bit blocks; the rest "
+                 "(parts in %s) on the dequantized weights", Path(gguf_path).name, len(weights),
+                 hf_config.num_hidden_layers * len(FUSED), ", ".join(sorted(others)))
+    return weights or None
 
 
-def _blocks(tensor, num_heads: int | None) -> Q4Blocks | None:
-    if tensor is None or tensor.type_name not in _BLOCK_BYTES:
-        return None
+def _checked(gguf_path: str, name: str, weight: torch.Tensor, parts: list[Q4Blocks],
+             exact: bool) -> Q4Blocks:
+    """The fused blocks, if they dequantize to the converted weight: bit for bit for Q4_0/Q4_1
+    (one rounding either way); within an ulp for Q4_K, whose offset (8 * scale - dmin * m) is
+    rounded once before the sum where gguf rounds q * scale - dmin * m once."""
+    blocks = concat(parts)
+    got, want = blocks.dequantized(), weight.float()
+    matches = torch.equal(got, want) if exact else \
+        torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    if not matches:
+        raise ValueError(f"{gguf_path}: the 4-bit blocks of {name} do not match the converted "
+                         f"checkpoint")
+    return blocks
+
+
+def _blocks(tensor, num_heads: int | None) -> Q4Blocks:
     blocks = unpack_blocks(tensor.type_name, np.asarray(tensor.data),
                            int(tensor.shape[0]))
     if num_heads is None:
