@@ -53,6 +53,11 @@ PAD_STEPS = _on_off(
     "KVRELAY_PAD_STEPS",
     "0: steps keep their own row count on oneDNN instead of a padded bucket "
     "(services/engine/step_padding.py says why they are padded)")
+WIDEN_BF16_WEIGHTS = _on_off(
+    "KVRELAY_WIDEN_BF16_WEIGHTS",
+    "0: on a CPU whose oneDNN cannot pack bf16 (no AVX-512 or AVX-NE-CONVERT), keep the large "
+    "steps' weights in bf16 (half the memory, 3-4x slower matmuls there) instead of float32 "
+    "(services/engine/models/packed_linear.py)")
 Q8_HEAD = _on_off(
     "KVRELAY_Q8_HEAD",
     "0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks")
@@ -91,6 +96,6 @@ DECODE_SPLIT = _on_off(
     "kernels/csrc/paged_decode.cpp")
 
 SWITCHES = {switch.name: switch for switch in (
-    CACHE_DIR, EVENT_LOOP, PAD_STEPS, Q8_HEAD, NATIVE_CPU_ATTENTION, NATIVE_CPU_PREFILL,
+    CACHE_DIR, EVENT_LOOP, PAD_STEPS, WIDEN_BF16_WEIGHTS, Q8_HEAD, NATIVE_CPU_ATTENTION, NATIVE_CPU_PREFILL,
     NATIVE_CPU_ELEMENTWISE, NATIVE_GEMV, NATIVE_AMX, Q4A8, NATIVE_DECODE_STACK, PREFILL_AMX,
     DECODE_RUNS, DECODE_SPLIT)}

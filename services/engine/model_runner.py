@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvrelay.common.env_switches import PAD_STEPS
+from kvrelay.common.env_switches import PAD_STEPS, WIDEN_BF16_WEIGHTS
+from kvrelay.kernels.onednn_linear import onednn_packs_bf16
 from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
@@ -129,6 +130,9 @@ class ModelRunner:
             bf16_tiles = small_steps.bf16_layer_tiles(model) \
                 if self.int4_max_tokens and not q4_blocks else {}
             model.pack_for_cpu_()
+            if not onednn_packs_bf16() and WIDEN_BF16_WEIGHTS.enabled():
+                log.info("bf16 GEMMs are emulated on this CPU (no AVX-512 or AVX-NE-CONVERT): "
+                         "the large steps' weights are kept in float32 (packed_linear.py)")
             # bf16 only: in float32 the torch ops stay, so parity with HF is op for op.
             ops = elementwise_ops()
             if ops is not None:

@@ -6,7 +6,12 @@ measured 1.5-2x faster per call for M <= 64 (e.g. [64, 576] x [49152, 576]: 5.1 
 Only used where it pays and is exact: bf16 on CPU (float32 stays on F.linear, so the float32
 parity tests with HF exercise the very same GEMM path HF uses). oneDNN packs bf16 only on CPUs
 with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on others (an AVX2-only EPYC) the large steps stay
-on F.linear and the small-step kernels (int4) still apply.
+on F.linear and the small-step kernels (int4) still apply. There bf16 F.linear is emulated:
+measured on a 2-core AVX2 EPYC, a [64, 576] x [3072, 576] matmul took 13.8 ms in bf16 and 3.3 ms
+as float32 (the activations widened, the result rounded once to bf16, which is what the bf16
+GEMM computes too: it accumulates in float32), 2.4-4x at every row count from 16 to 2,048. So
+there the weights are kept in float32 (twice the memory; KVRELAY_WIDEN_BF16_WEIGHTS=0 keeps
+bf16).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvrelay.common.env_switches import WIDEN_BF16_WEIGHTS
 from kvrelay.kernels.onednn_linear import onednn_packs_bf16, pack_weight, packed_matmul
 
 EVERY_STEP = 1 << 30  # a small-step kernel's max_rows that takes any step
@@ -34,6 +40,8 @@ class PackedLinear(nn.Module):
         self.packed_weight = self.weight = None
         if onednn_packs_bf16():
             self.packed_weight = pack_weight(weight)
+        elif WIDEN_BF16_WEIGHTS.enabled():
+            self.weight = weight.detach().float()  # see the module docstring
         else:
             self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
@@ -53,9 +61,14 @@ class PackedLinear(nn.Module):
             if rows <= max_rows:
                 out = matmul(x.contiguous())
                 return out if self.bias is None else out + self.bias
-        if self.packed_weight is None:
+        if self.packed_weight is not None:
+            return self.onednn_matmul(x)
+        if self.weight.dtype == x.dtype:
             return F.linear(x, self.weight, self.bias)
-        return self.onednn_matmul(x)
+        out = F.linear(x.to(self.weight.dtype), self.weight)  # widened: float32 GEMM
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype)
 
     def onednn_matmul(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in_features], packed only
         return packed_matmul(x, self.packed_weight, self.bias)
