@@ -63,5 +63,8 @@ def _expert_mlp(experts: ExpertWeights, expert: int, x: torch.Tensor,
     if experts.packed_w13 is not None:
         act = gated(activation, packed_matmul(x, experts.packed_w13[expert]))  # [n, I]
         return packed_matmul(act, experts.packed_w2[expert])
+    if experts.wide_w13 is not None:  # float32 GEMMs, rounded to bf16 where oneDNN's are
+        act = gated(activation, F.linear(x.float(), experts.wide_w13[expert]).to(x.dtype))
+        return F.linear(act.float(), experts.wide_w2[expert]).to(x.dtype)
     act = gated(activation, F.linear(x, experts.w13[expert]))
     return F.linear(act, experts.w2[expert])

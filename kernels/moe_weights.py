@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvrelay.common.env_switches import WIDEN_BF16_WEIGHTS
 from kvrelay.kernels.onednn_linear import onednn_packs_bf16, pack_weight
 
 
@@ -27,6 +28,9 @@ class ExpertWeights(nn.Module):
         # per expert, oneDNN's opaque copies of w13[e] and w2[e] (prepare_for_cpu_)
         self.packed_w13: list[torch.Tensor] | None = None
         self.packed_w2: list[torch.Tensor] | None = None
+        # or, where oneDNN cannot pack bf16, float32 copies of w13 and w2 (prepare_for_cpu_)
+        self.wide_w13: torch.Tensor | None = None
+        self.wide_w2: torch.Tensor | None = None
         # steps of at most small_step_rows tokens: x [n, in] -> x @ w13[e]^T, x @ w2[e]^T on
         # another kernel (the native gemv kernel's bf16 tiles, models/small_steps.py)
         self.small_step_rows = 0
@@ -44,10 +48,17 @@ class ExpertWeights(nn.Module):
     def prepare_for_cpu_(self) -> None:
         """After the weights are loaded and cast: pack each bf16 expert for oneDNN where this
         CPU can. The packed copies replace w13 and w2 (which are released, as PackedLinear
-        drops its plain weight), so the experts are held once."""
+        drops its plain weight), so the experts are held once. Where oneDNN cannot pack bf16
+        (AVX2), the experts are widened to float32 instead, as PackedLinear widens the dense
+        layers (models/packed_linear.py says why), unless KVRELAY_WIDEN_BF16_WEIGHTS=0."""
         if self.w13.device.type != "cpu" or self.w13.dtype != torch.bfloat16:
             return
-        if not onednn_packs_bf16() or self.packed_w13 is not None:
+        if self.packed_w13 is not None or self.wide_w13 is not None:
+            return
+        if not onednn_packs_bf16():
+            if WIDEN_BF16_WEIGHTS.enabled():
+                self.wide_w13, self.wide_w2 = self.w13.detach().float(), self.w2.detach().float()
+                self.w13 = self.w2 = None
             return
         self.packed_w13 = [pack_weight(self.w13[e]) for e in range(self.num_experts)]
         self.packed_w2 = [pack_weight(self.w2[e]) for e in range(self.num_experts)]
@@ -55,7 +66,10 @@ class ExpertWeights(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.packed_w13[0].dtype if self.w13 is None else self.w13.dtype
+        """The model's dtype (bf16 where the experts were packed or widened)."""
+        if self.w13 is not None:
+            return self.w13.dtype
+        return torch.bfloat16 if self.wide_w13 is not None else self.packed_w13[0].dtype
 
     @property
     def device(self) -> torch.device:
@@ -64,4 +78,4 @@ class ExpertWeights(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, "
-                f"packed={self.packed_w13 is not None}")
+                f"packed={self.packed_w13 is not None}, widened={self.wide_w13 is not None}")

@@ -56,8 +56,8 @@ PAD_STEPS = _on_off(
 WIDEN_BF16_WEIGHTS = _on_off(
     "KVRELAY_WIDEN_BF16_WEIGHTS",
     "0: on a CPU whose oneDNN cannot pack bf16 (no AVX-512 or AVX-NE-CONVERT), keep the large "
-    "steps' weights in bf16 (half the memory, 3-4x slower matmuls there) instead of float32 "
-    "(services/engine/models/packed_linear.py)")
+    "steps' weights (dense layers, head, experts) in bf16 (half the memory, 3-4x slower "
+    "matmuls there) instead of float32 (services/engine/models/packed_linear.py)")
 Q8_HEAD = _on_off(
     "KVRELAY_Q8_HEAD",
     "0: the head's small steps on its bf16 tiles even where the checkpoint has 8-bit blocks")
