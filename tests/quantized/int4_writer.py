@@ -116,10 +116,12 @@ def pack(quantized: Quantized, fmt: Format) -> dict[str, torch.Tensor]:
 
 
 def write_int4_checkpoint(hf_model, fmt: Format, folder: Path, tokenizer_dir: Path,
-                          seed: int = 0) -> None:
-    """Quantize hf_model's layer linears into `folder` as `fmt` writes them (config.json with
-    its quantization_config, tokenizer files beside), and put the dequantized weights back into
-    hf_model: it becomes the float32 reference of the checkpoint."""
+                          seed: int = 0, linears: tuple[str, ...] = LINEARS) -> None:
+    """Quantize hf_model's layer linears (those named in `linears`; the others stay float, as
+    a quantizer's modules_to_not_convert leaves them) into `folder` as `fmt` writes them
+    (config.json with its quantization_config, tokenizer files beside), and put the
+    dequantized weights back into hf_model: it becomes the float32 reference of the
+    checkpoint."""
     rng = np.random.default_rng(seed)
     tensors = {}
     orders = {}  # linears that read one input (q/k/v, gate/up) share GPTQ's Hessian order
@@ -127,7 +129,7 @@ def write_int4_checkpoint(hf_model, fmt: Format, folder: Path, tokenizer_dir: Pa
     for name, tensor in state.items():
         module = name.removesuffix(".weight")
         layer, _, linear = module.split(".layers.")[-1].partition(".")
-        if name.endswith(".weight") and linear in LINEARS:
+        if name.endswith(".weight") and linear in linears:
             key = (layer, SAME_INPUT.get(linear, linear))
             order = orders.setdefault(key, rng.permutation(tensor.shape[1]))
             quantized = quantize(tensor, fmt, rng, order)

@@ -21,7 +21,7 @@ from kvrelay.kernels import native_gemv
 from tests.families.checkpoints import write_model
 from tests.families.test_family_gguf import (PROMPTS, _check_against_reference, _greedy,
                                              _hf_greedy)
-from tests.quantized.int4_writer import Format, pack, quantize, write_int4_checkpoint
+from tests.quantized.int4_writer import LINEARS, Format, pack, quantize, write_int4_checkpoint
 
 FORMATS = {
     "gptq-sym-g32": Format("gptq", 32, sym=True),
@@ -180,3 +180,19 @@ def test_a_damaged_gptq_module_is_refused_by_name(damage, reason, tmp_path, mode
     with pytest.raises(ValueError, match=reason) as refused:
         LLM(model=str(tmp_path / "int4"), dtype="float32", num_kv_blocks=16)
     assert module in str(refused.value)
+
+
+def test_a_linear_left_unquantized_runs_on_its_weights_and_the_others_on_their_codes(
+        tmp_path, model_dir):
+    if not gguf_int4.int4_supported():
+        pytest.skip("no torch int4 CPU op")
+    hf_model = write_model(LlamaConfig(**DIMS), tmp_path / "float", model_dir)
+    quantized = tuple(linear for linear in LINEARS if linear != "mlp.down_proj")
+    write_int4_checkpoint(hf_model, FORMATS["awq-g64"], tmp_path / "int4", model_dir,
+                          linears=quantized)
+    llm = LLM(model=str(tmp_path / "int4"), dtype="bfloat16", num_kv_blocks=64)
+    assert llm.engine.runner.uses_int4
+    for layer in llm.engine.runner.model.layers:
+        assert layer.self_attn.qkv_proj.small_steps and layer.mlp.gate_up_proj.small_steps
+        assert not layer.mlp.down_proj.small_steps
+    _check_against_reference(hf_model, PROMPTS, _greedy(llm, PROMPTS, False), "down unquantized")

@@ -55,21 +55,25 @@ class Int4Checkpoint:
             yield f"{module}.weight", int4.dequantized()
 
     def layer_blocks(self, num_layers: int) -> dict[str, gguf_int4.Q4Blocks] | None:
-        """Every layer matmul's 4-bit blocks by our parameter name ("layers.3.mlp.down_proj"),
-        or None (logged with the reason) where one has none: a linear left unquantized, MoE
-        experts, a size that is not whole 32-input blocks, fused parts in different orders."""
-        blocks = {}
+        """The 4-bit blocks of each layer matmul that has them, by our parameter name
+        ("layers.3.mlp.down_proj"), or None where none has. Those without (a linear left
+        unquantized, MoE experts, a size that is not whole 32-input blocks, fused parts in
+        different orders) run every step on the dequantized weights; the log counts them."""
+        blocks, without = {}, []
         for layer in range(num_layers):
             for fused, pieces in FUSED.items():
                 name = f"layers.{layer}.{fused}"
                 found = self._fused(name, [f"layers.{layer}.{piece}" for piece in pieces])
                 if found is None:
-                    log.info("%s: %s has no 4-bit blocks the small-step kernels take; every "
-                             "step runs on the dequantized weights", self.scheme.describe(),
-                             name)
-                    return None
-                blocks[name] = found
-        return blocks
+                    without.append(name)
+                else:
+                    blocks[name] = found
+        if without:
+            log.info("%s: %d of %d layer matmuls run small steps on their 4-bit blocks; the "
+                     "rest on the dequantized weights (%s%s)", self.scheme.describe(),
+                     len(blocks), len(blocks) + len(without), ", ".join(without[:4]),
+                     ", ..." if len(without) > 4 else "")
+        return blocks or None
 
     def _fused(self, fused_name: str, piece_names: list[str]) -> gguf_int4.Q4Blocks | None:
         if fused_name in self.unpacked:
