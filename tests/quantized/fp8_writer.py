@@ -4,15 +4,12 @@ the formats' descriptions: `quant_method` "fp8" (transformers' FineGrainedFP8 / 
 FP8: `weight_scale` per tensor or per output channel, static `input_scale` for W8A8)."""
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from tests.quantized.int4_writer import LINEARS
+from tests.quantized.int4_writer import LINEARS, save_quantized
 
 E4M3_MAX = 448.0
 
@@ -95,10 +92,4 @@ def write_fp8_checkpoint(hf_model, fmt: Fp8Format, folder: Path, tokenizer_dir: 
                 hf_model.get_parameter(name).copy_(dequantized(fp8, scale, fmt))
         elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):
             tensors[name] = tensor.contiguous()
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_model.config.to_dict()
-    config["quantization_config"] = fmt.quantization_config()
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for file_name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / file_name, folder / file_name)
+    save_quantized(folder, tensors, hf_model.config, fmt.quantization_config(), tokenizer_dir)

@@ -139,10 +139,17 @@ def write_int4_checkpoint(hf_model, fmt: Format, folder: Path, tokenizer_dir: Pa
                 hf_model.get_parameter(name).copy_(quantized.dequantized())
         elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):
             tensors[name] = tensor.contiguous()
+    save_quantized(folder, tensors, hf_model.config, fmt.quantization_config(), tokenizer_dir)
+
+
+def save_quantized(folder: Path, tensors: dict, hf_config, quantization_config: dict,
+                   tokenizer_dir: Path) -> None:
+    """A quantized checkpoint directory: the tensors, config.json with its
+    quantization_config, and the tokenizer files."""
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = hf_model.config.to_dict()
-    config["quantization_config"] = fmt.quantization_config()
+    config = hf_config.to_dict()
+    config["quantization_config"] = quantization_config
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for file_name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / file_name, folder / file_name)
