@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrelay.kernels import native_cpu
+from kvrelay.kernels import kv_quant, native_cpu
 from kvrelay.kernels.cpu_decode_torch import decode_attention_torch
 from kvrelay.kernels.cpu_plan import CpuAttentionPlan, PrefillSeq
 from kvrelay.kernels.metadata import AttentionMetadata
@@ -80,7 +80,8 @@ def _native_prefill(
     """Every prefill sequence of the step in one native call; False where the kernel does not
     run (then the SDPA path does)."""
     native = native_cpu.paged_prefill_op() if _native_takes(query, k_cache, v_cache, out) else None
-    if native is None or query.dtype != k_cache.dtype or not native_cpu.paged_prefill_supported(
+    float_cache_of_other_dtype = kv_quant.format_of(k_cache) is None and query.dtype != k_cache.dtype
+    if native is None or float_cache_of_other_dtype or not native_cpu.paged_prefill_supported(
             query.shape[2], query.shape[1] // k_cache.shape[2]):
         return False
     rows = plan.prefill_rows
@@ -90,10 +91,11 @@ def _native_prefill(
 
 
 def _native_takes(query, k_cache, v_cache, out) -> bool:
-    """The layouts and dtypes the native kernel reads; others (fp16, odd strides) go via torch."""
+    """The layouts and dtypes the native kernel reads (8-bit codes too); others (fp16, odd
+    strides) go via torch."""
     return (
         query.dtype in NATIVE_DTYPES
-        and k_cache.dtype in NATIVE_DTYPES
+        and (k_cache.dtype in NATIVE_DTYPES or kv_quant.format_of(k_cache) is not None)
         and v_cache.dtype == k_cache.dtype
         and out.dtype == query.dtype
         and query.stride(-1) == 1
@@ -104,8 +106,8 @@ def _native_takes(query, k_cache, v_cache, out) -> bool:
 
 
 def _slot_major(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-) -> torch.Tensor:  # [num_slots, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row_width]
+) -> torch.Tensor:  # [num_slots, num_kv_heads, row_width]
     # One index_select on this view gathers whole [num_kv_heads, head_dim] rows.
     return cache.view(-1, cache.shape[2], cache.shape[3])
 
@@ -120,8 +122,9 @@ def _prefill_attention(
     soft_cap: float,
 ) -> None:
     tokens = slice(seq.token_start, seq.token_start + seq.query_len)
-    keys = key_slots.index_select(0, seq.slot_ids).transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
-    values = value_slots.index_select(0, seq.slot_ids).transpose(0, 1)
+    keys = kv_quant.as_float_rows(key_slots.index_select(0, seq.slot_ids), query.dtype)
+    values = kv_quant.as_float_rows(value_slots.index_select(0, seq.slot_ids), query.dtype)
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
     queries = query[tokens].transpose(0, 1)  # [num_q_heads, query_len, head_dim]
     if soft_cap > 0:
         attended = _soft_capped(queries, keys, values, _visible(seq), scale, soft_cap)

@@ -4,6 +4,7 @@ This is the spec every other path is tested against. Per query at absolute posit
 at position j, with scale, an optional sliding window W (meta.window) and soft cap c:
   score = scale * q.k; with c > 0: score = c * tanh(score / c) (Gemma 2's logit soft-capping,
   applied before the mask as transformers' eager attention does);
+  K and V of an 8-bit cache are its rows dequantized (kernels/kv_quant.py);
   the key is visible iff j <= i and, with W > 0, j > i - W (W keys including its own, Hugging
   Face's `sliding_window`); the softmax runs over the visible keys in fp32.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvrelay.kernels.kv_quant import as_float_rows
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.sliding_window import first_visible_key
 
@@ -34,8 +36,10 @@ def paged_attention_reference(
             continue
         context_len = seq_len - (end - start)
         first_key = first_visible_key(context_len, meta.window)
-        keys = gather_sequence(k_cache, meta.block_tables[seq], seq_len, first_key)
-        values = gather_sequence(v_cache, meta.block_tables[seq], seq_len, first_key)
+        keys = as_float_rows(gather_sequence(k_cache, meta.block_tables[seq], seq_len, first_key),
+                             torch.float32)
+        values = as_float_rows(gather_sequence(v_cache, meta.block_tables[seq], seq_len, first_key),
+                               torch.float32)
         out[start:end] = causal_attention(query[start:end], keys, values, context_len - first_key, scale,
                                           meta.window, soft_cap)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvrelay.kernels.kv_quant import as_float_rows
 from kvrelay.kernels.cpu_plan import CpuAttentionPlan, DecodeGroup, DecodeRows, slot_ids
 from kvrelay.kernels.soft_capped_attention import soft_capped_attention
 
@@ -20,8 +21,8 @@ DECODE_GROUP_KEY_TOKENS = 4096
 
 def decode_attention_torch(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
-    key_slots: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    value_slots: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    key_slots: torch.Tensor,  # [num_slots, num_kv_heads, row_width] (8-bit rows: kv_quant.py)
+    value_slots: torch.Tensor,  # [num_slots, num_kv_heads, row_width]
     plan: CpuAttentionPlan,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
@@ -102,8 +103,10 @@ def _group_attention(
     rows = group.token_ids.numel()
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_slots.shape[1]
-    keys = key_slots.index_select(0, group.slot_ids).view(rows, group.max_len, num_kv_heads, head_dim)
-    values = value_slots.index_select(0, group.slot_ids).view(rows, group.max_len, num_kv_heads, head_dim)
+    keys = as_float_rows(key_slots.index_select(0, group.slot_ids), query.dtype)
+    values = as_float_rows(value_slots.index_select(0, group.slot_ids), query.dtype)
+    keys = keys.view(rows, group.max_len, num_kv_heads, head_dim)
+    values = values.view(rows, group.max_len, num_kv_heads, head_dim)
     # The q heads of one kv head become that head's query "sequence": plain attention, no GQA
     # expansion, and the per-row key mask broadcasts over them.
     queries = query.index_select(0, group.token_ids).view(rows, num_kv_heads, -1, head_dim)

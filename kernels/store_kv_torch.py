@@ -1,9 +1,10 @@
-"""Torch versions of writing new K/V rows into the paged cache at their slots."""
+"""Torch versions of writing new K/V rows into the paged cache at their slots. An 8-bit cache
+(kernels/kv_quant.py) gets each row's codes and scale: [..., head_dim + 4] bytes a row."""
 from __future__ import annotations
 
 import torch
 
-from kvrelay.kernels import native_cpu
+from kvrelay.kernels import kv_quant, native_cpu
 
 
 def store_kv_reference(
@@ -16,8 +17,18 @@ def store_kv_reference(
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache[slots // block_size, slots % block_size] = key[keep].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = value[keep].to(v_cache.dtype)
+    for cache, rows in ((k_cache, key[keep]), (v_cache, value[keep])):
+        kv_quant.byte_view(cache)[slots // block_size, slots % block_size] = _cache_rows(rows, cache)
+
+
+def _cache_rows(
+    rows: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row_width]
+) -> torch.Tensor:  # [num_tokens, num_kv_heads, row_width], as kv_quant.byte_view(cache) holds them
+    fmt = kv_quant.format_of(cache)
+    if fmt is None:
+        return rows.to(cache.dtype)
+    return kv_quant.quantize_rows(rows, fmt).view(torch.uint8)
 
 
 def store_kv_cpu(
@@ -36,17 +47,20 @@ def store_kv_cpu(
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    num_kv_heads, row_width = k_cache.shape[2:]
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        kv_quant.byte_view(cache).view(-1, num_kv_heads, row_width).index_copy_(
+            0, slots, _cache_rows(rows, cache))
 
 
 def _native_takes(key, value, k_cache, v_cache, slot_mapping) -> bool:
-    """What the native store handles: one dtype throughout, int64 slots, each token's heads
-    contiguous; anything else takes the torch path."""
-    dtypes = (key.dtype, value.dtype, v_cache.dtype)
+    """What the native store handles: one dtype throughout (or float32/bf16 rows into 8-bit
+    codes), int64 slots, each token's heads contiguous; anything else takes the torch path."""
+    coded = kv_quant.format_of(k_cache) is not None
     return (
-        all(dtype == k_cache.dtype for dtype in dtypes)
+        v_cache.dtype == k_cache.dtype
+        and value.dtype == key.dtype
+        and (key.dtype in (torch.float32, torch.bfloat16) if coded else key.dtype == k_cache.dtype)
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
         and k_cache.is_contiguous()

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fp32_lanes.h"
+#include "kv_codes.h"
 
 namespace kvrelay {
 namespace {
@@ -40,6 +41,12 @@ struct Scratch {
 inline const float* row_as_float(const float* row, float*, int64_t) { return row; }
 inline const float* row_as_float(const uint16_t* row, float* buffer, int64_t head_dim) {
   for (int64_t d = 0; d < head_dim; ++d) buffer[d] = widen(row[d]);
+  return buffer;
+}
+template <typename KT, std::enable_if_t<kCoded<KT>, int> = 0>
+inline const float* row_as_float(const KT* row, float* buffer, int64_t head_dim) {
+  const float scale = row_scale(row, head_dim);
+  for (int64_t d = 0; d < head_dim; ++d) buffer[d] = decode(row[d]) * scale;
   return buffer;
 }
 
@@ -76,7 +83,7 @@ bool next_tile(const PagedDecodeArgs& a, int64_t kv_head, KeyCursor& c, Tile& ti
   int64_t block = tile.count > 0 ? c.block_table[c.block_index] : 0;
   for (int j = 0; j < tile.count; ++j) {
     if (block < 0 || block >= a.num_blocks) return false;
-    tile.offsets[j] = ((block * a.block_size + c.offset) * a.num_kv_heads + kv_head) * a.head_dim;
+    tile.offsets[j] = ((block * a.block_size + c.offset) * a.num_kv_heads + kv_head) * a.row_stride;
     if (++c.offset == a.block_size && c.pos + j + 1 < c.seq_len) {
       c.offset = 0;
       block = c.block_table[++c.block_index];
@@ -92,7 +99,7 @@ template <typename KT>
 void prefetch_tile(const PagedDecodeArgs& a, const Tile& tile) {
   constexpr int64_t kLineElements = 64 / sizeof(KT);
   for (int j = 0; j < tile.count; ++j)
-    for (int64_t d = 0; d < a.head_dim; d += kLineElements) {
+    for (int64_t d = 0; d < a.row_stride; d += kLineElements) {
       __builtin_prefetch(static_cast<const KT*>(a.k_cache) + tile.offsets[j] + d);
       __builtin_prefetch(static_cast<const KT*>(a.v_cache) + tile.offsets[j] + d);
     }
@@ -220,10 +227,17 @@ inline void load_row(const uint16_t* src, Lanes (&row)[NC]) {
     row[c + 1] = (Lanes)(pairs & 0xffff0000u);
   }
 }
-// Position in that order of dim d: identity for fp32 rows, even/odd split per 32 for bf16.
+// An 8-bit row: its codes 16 at a time, each vector times the row's scale.
+template <int NC, typename KT, std::enable_if_t<kCoded<KT>, int> = 0>
+inline void load_row(const KT* src, Lanes (&row)[NC]) {
+  const float scale = row_scale(src, NC * kLanes);
+  for (int c = 0; c < NC; ++c) row[c] = decode_lanes(src + c * kLanes) * scale;
+}
+// Position in that order of dim d: identity for fp32 and 8-bit rows, even/odd split per 32 for
+// bf16.
 template <typename KT>
 inline int lane_order(int d) {
-  if constexpr (sizeof(KT) == sizeof(float)) return d;
+  if constexpr (!std::is_same_v<KT, uint16_t>) return d;
   return d / (2 * kLanes) * (2 * kLanes) + d % 2 * kLanes + d % (2 * kLanes) / 2;
 }
 
@@ -268,7 +282,7 @@ template <int G, int D, typename QT, typename KT>
 bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, int64_t key_begin,
                        int64_t key_end, PartState<G, D>* part) {
   constexpr int NC = D / kLanes;
-  constexpr int kLinesPerRow = int((D * sizeof(KT) + 63) / 64);
+  constexpr int kLinesPerRow = int((row_stride<KT>(D) * sizeof(KT) + 63) / 64);
   const QT* query = static_cast<const QT*>(a.query) + a.token_ids[row] * a.query_token_stride + kv_head * G * a.query_head_stride;
   const float query_scale = a.scale * kLog2e;
   Lanes q[G][NC];
@@ -502,8 +516,13 @@ bool attend_all(const PagedDecodeArgs& a, int num_threads) {
 
 template <typename QT>
 bool dispatch_cache(const PagedDecodeArgs& a, int num_threads) {
-  if (a.cache_dtype == Dtype::kFloat32) return attend_all<QT, float>(a, num_threads);
-  return attend_all<QT, uint16_t>(a, num_threads);
+  switch (a.cache_dtype) {
+    case Dtype::kFloat32: return attend_all<QT, float>(a, num_threads);
+    case Dtype::kInt8: return attend_all<QT, Int8Code>(a, num_threads);
+    case Dtype::kFp8E4M3: return attend_all<QT, E4M3Code>(a, num_threads);
+    case Dtype::kFp8E5M2: return attend_all<QT, E5M2Code>(a, num_threads);
+    default: return attend_all<QT, uint16_t>(a, num_threads);
+  }
 }
 
 }  // namespace

@@ -7,7 +7,8 @@
 
 namespace kvrelay {
 
-enum class Dtype { kFloat32, kBFloat16 };
+// The cache's dtypes past kBFloat16 are 8-bit codes with a scale per row (kv_codes.h).
+enum class Dtype { kFloat32, kBFloat16, kInt8, kFp8E4M3, kFp8E5M2 };
 
 // What every paged attention kernel reads: the queries, where it writes, the caches.
 struct PagedAttentionArgs {
@@ -15,9 +16,12 @@ struct PagedAttentionArgs {
   int64_t query_token_stride, query_head_stride;
   void* out;  // [num_tokens, num_q_heads, head_dim], head_dim contiguous, the query's dtype
   int64_t out_token_stride, out_head_stride;
-  const void* k_cache;  // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  const void* v_cache;  // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+  const void* k_cache;  // [num_blocks, block_size, num_kv_heads, row_stride] contiguous
+  const void* v_cache;  // [num_blocks, block_size, num_kv_heads, row_stride] contiguous
   int64_t num_blocks, block_size, num_kv_heads, head_dim, group_size;
+  // Cache elements from one row (a token's kv head) to the next: head_dim, or for 8-bit codes
+  // head_dim + 4 (the row's scale follows its codes).
+  int64_t row_stride;
   float scale;
   Dtype query_dtype, cache_dtype;
   // Sliding window: the query at position i sees keys i - window < j <= i; 0 sees all j <= i.

@@ -3,14 +3,18 @@
 // paged_prefill.cpp. The Python module is paged_attention_module.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "paged_attention_ops.h"
 #include "paged_decode.h"
 #include "paged_decode_runs.h"
 #include "paged_prefill.h"
+#include "kv_codes.h"
 
 namespace {
 
@@ -18,6 +22,27 @@ kvrelay::Dtype dtype_of(const at::Tensor& tensor, const char* name) {
   if (tensor.scalar_type() == at::kFloat) return kvrelay::Dtype::kFloat32;
   TORCH_CHECK(tensor.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16, got ", tensor.scalar_type());
   return kvrelay::Dtype::kBFloat16;
+}
+
+// A cache of 8-bit codes (kernels/kv_quant.py): its dtype names the code, its rows are head_dim
+// codes and a float32 scale.
+bool is_coded(const at::Tensor& cache) {
+  const at::ScalarType type = cache.scalar_type();
+  return type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+kvrelay::Dtype cache_dtype_of(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kChar: return kvrelay::Dtype::kInt8;
+    case at::kFloat8_e4m3fn: return kvrelay::Dtype::kFp8E4M3;
+    case at::kFloat8_e5m2: return kvrelay::Dtype::kFp8E5M2;
+    default: return dtype_of(cache, "the KV cache");
+  }
+}
+
+// head_dim of a cache row: the row less its scale for 8-bit codes.
+int64_t cache_head_dim(const at::Tensor& cache) {
+  return is_coded(cache) ? cache.size(3) - kvrelay::kScaleBytes : cache.size(3);
 }
 
 void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
@@ -32,7 +57,7 @@ void check_shapes(const at::Tensor& out, const at::Tensor& query, const at::Tens
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "K and V caches differ in shape or dtype");
-  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(cache_head_dim(k_cache) == query.size(2), "head_dim differs between query and cache");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "q heads must be a multiple of kv heads");
   TORCH_CHECK(token_ids.scalar_type() == at::kLong && token_ids.dim() == 1 && token_ids.is_contiguous(),
               "token_ids must be contiguous int64 [rows]");
@@ -49,10 +74,27 @@ kvrelay::PagedAttentionArgs attention_args(const at::Tensor& out, const at::Tens
                                            double soft_cap) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window), got ", window);
   TORCH_CHECK(soft_cap >= 0.0, "soft_cap must be >= 0 (0: none), got ", soft_cap);
-  return {query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-          k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3),
-          query.size(1) / k_cache.size(2), static_cast<float>(scale), dtype_of(query, "query"),
-          dtype_of(k_cache, "the KV cache"), window, static_cast<float>(soft_cap)};
+  kvrelay::PagedAttentionArgs args{};
+  args.query = query.data_ptr();
+  args.query_token_stride = query.stride(0);
+  args.query_head_stride = query.stride(1);
+  args.out = out.data_ptr();
+  args.out_token_stride = out.stride(0);
+  args.out_head_stride = out.stride(1);
+  args.k_cache = k_cache.data_ptr();
+  args.v_cache = v_cache.data_ptr();
+  args.num_blocks = k_cache.size(0);
+  args.block_size = k_cache.size(1);
+  args.num_kv_heads = k_cache.size(2);
+  args.head_dim = query.size(2);
+  args.group_size = query.size(1) / k_cache.size(2);
+  args.row_stride = k_cache.size(3);
+  args.scale = static_cast<float>(scale);
+  args.query_dtype = dtype_of(query, "query");
+  args.cache_dtype = cache_dtype_of(k_cache);
+  args.window = window;
+  args.soft_cap = static_cast<float>(soft_cap);
+  return args;
 }
 
 // Indices the kernel trusts: a bad one would read outside query, out or the block table.
@@ -62,6 +104,49 @@ void check_rows(const at::Tensor& token_ids, const at::Tensor& seq_lens, int64_t
   for (int64_t row = 0; row < token_ids.numel(); ++row) {
     TORCH_CHECK(tokens[row] >= 0 && tokens[row] < num_tokens, "decode token index ", tokens[row], " out of range");
     TORCH_CHECK(lens[row] >= 1 && lens[row] <= max_keys, "seq_len ", lens[row], " is < 1 or beyond the block table");
+  }
+}
+
+// One row of head_dim values as 8-bit codes and their scale, as kernels/kv_quant.py's
+// quantize_rows computes them (bit for bit: the same float32 operations in the same order, and
+// c10's conversions, which torch's own casts use): scale = max |x| / the code's largest value,
+// code = x / scale rounded to nearest even (int8) or converted (fp8), 0 where the row is zero.
+template <typename T>
+void code_row(const T* src, int64_t head_dim, at::ScalarType code_type, uint8_t* dst) {
+  float absmax = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(static_cast<float>(src[d])));
+  const float max_code = code_type == at::kChar ? 127.0f : code_type == at::kFloat8_e4m3fn ? 448.0f : 57344.0f;
+  const float scale = absmax / max_code;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float scaled = scale > 0.0f ? std::clamp(static_cast<float>(src[d]) / scale, -max_code, max_code) : 0.0f;
+    if (code_type == at::kChar)
+      dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(scaled)));
+    else if (code_type == at::kFloat8_e4m3fn)
+      dst[d] = c10::Float8_e4m3fn(scaled).x;
+    else
+      dst[d] = c10::Float8_e5m2(scaled).x;
+  }
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
+// Every kept token's K and V heads coded into their cache rows.
+template <typename T>
+void store_coded(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const int64_t* slots) {
+  const int64_t num_tokens = key.size(0), heads = k_cache.size(2), row_bytes = k_cache.size(3);
+  const int64_t head_dim = row_bytes - kvrelay::kScaleBytes;
+  const at::ScalarType code_type = k_cache.scalar_type();
+  uint8_t* k_dst = static_cast<uint8_t*>(k_cache.data_ptr());
+  uint8_t* v_dst = static_cast<uint8_t*>(v_cache.data_ptr());
+  const T* k_src = static_cast<const T*>(key.data_ptr());
+  const T* v_src = static_cast<const T*>(value.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = slots[t] * heads + h;
+      code_row(k_src + t * key.stride(0) + h * key.stride(1), head_dim, code_type, k_dst + row * row_bytes);
+      code_row(v_src + t * value.stride(0) + h * value.stride(1), head_dim, code_type, v_dst + row * row_bytes);
+    }
   }
 }
 
@@ -108,9 +193,10 @@ void paged_prefill_attention_op(
   TORCH_CHECK(query_lens.scalar_type() == at::kInt && query_lens.is_contiguous() &&
                   query_lens.numel() == token_starts.numel(),
               "query_lens must be contiguous int32 [seqs]");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "the prefill kernel takes a cache of the query's dtype");
+  TORCH_CHECK(is_coded(k_cache) || k_cache.scalar_type() == query.scalar_type(),
+              "the prefill kernel takes a cache of the query's dtype or of 8-bit codes");
   const int64_t group_size = query.size(1) / k_cache.size(2);
-  TORCH_CHECK(kvrelay::paged_prefill_supported(k_cache.size(3), group_size),
+  TORCH_CHECK(kvrelay::paged_prefill_supported(query.size(2), group_size),
               "paged_prefill_attention takes head_dim 64 or 128 and 1, 2, 3, 4, 6 or 8 q heads per kv head");
   const int64_t* starts = token_starts.data_ptr<int64_t>();
   const int32_t* queries = query_lens.data_ptr<int32_t>();
@@ -142,11 +228,15 @@ void store_kv_op(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "caches must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] of one dtype");
-  const int64_t num_tokens = slot_mapping.numel(), heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const bool coded = is_coded(k_cache);
+  const int64_t num_tokens = slot_mapping.numel(), heads = k_cache.size(2), head_dim = cache_head_dim(k_cache);
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == heads && t->size(2) == head_dim,
                 "key and value must be [num_tokens, num_kv_heads, head_dim]");
-    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type(), "key and value must have the cache's dtype");
+    TORCH_CHECK(coded ? t->scalar_type() == key.scalar_type() && (t->scalar_type() == at::kFloat ||
+                                                                   t->scalar_type() == at::kBFloat16)
+                      : t->scalar_type() == k_cache.scalar_type(),
+                "key and value must have the cache's dtype (float32 or bfloat16 for 8-bit codes)");
     TORCH_CHECK(t->stride(2) == 1 && (heads == 1 || t->stride(1) == head_dim),
                 "key and value need each token's heads contiguous");
   }
@@ -156,6 +246,13 @@ void store_kv_op(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " lies outside the cache");
+  if (coded) {
+    if (key.scalar_type() == at::kFloat)
+      store_coded<float>(key, value, k_cache, v_cache, slots);
+    else
+      store_coded<at::BFloat16>(key, value, k_cache, v_cache, slots);
+    return;
+  }
   const int64_t row_bytes = heads * head_dim * int64_t(k_cache.element_size());
   const char* k_src = static_cast<const char*>(key.data_ptr());
   const char* v_src = static_cast<const char*>(value.data_ptr());

@@ -29,6 +29,7 @@
 
 #include "amx_tiles.h"
 #include "fp32_lanes.h"
+#include "kv_codes.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -87,11 +88,18 @@ bool load_tile(const PagedPrefillArgs& a, int64_t seq, int64_t kv_head, int64_t 
     const int64_t key = first_key + j;
     const int64_t block = table[key / a.block_size];
     if (block < 0 || block >= a.num_blocks) return false;
-    const int64_t offset = ((block * a.block_size + key % a.block_size) * a.num_kv_heads + kv_head) * D;
+    const int64_t offset = ((block * a.block_size + key % a.block_size) * a.num_kv_heads + kv_head) *
+                           row_stride<KT>(D);
     const KT* k_row = k_cache + offset;
     const KT* v_row = v_cache + offset;
-    for (int d = 0; d < D; ++d) tile.keys[d][j] = widen(k_row[d]);
-    for (int d = 0; d < D; ++d) tile.values[j][d] = widen(v_row[d]);
+    if constexpr (kCoded<KT>) {
+      const float k_scale = row_scale(k_row, D), v_scale = row_scale(v_row, D);
+      for (int d = 0; d < D; ++d) tile.keys[d][j] = decode(k_row[d]) * k_scale;
+      for (int d = 0; d < D; ++d) tile.values[j][d] = decode(v_row[d]) * v_scale;
+    } else {
+      for (int d = 0; d < D; ++d) tile.keys[d][j] = widen(k_row[d]);
+      for (int d = 0; d < D; ++d) tile.values[j][d] = widen(v_row[d]);
+    }
   }
   for (int j = count; j < kLanes; ++j) {
     for (int d = 0; d < D; ++d) tile.keys[d][j] = 0.0f;
@@ -187,7 +195,8 @@ void finish_queries(const PagedPrefillArgs& a, const Item& item, int num_queries
 }
 
 // One work item: up to kQueryBlock query tokens of one sequence, the G q heads of one kv head.
-template <int G, int D, typename T>
+// T: the queries' and output's element type; KT: the cache's.
+template <int G, int D, typename T, typename KT>
 bool attend_item(const PagedPrefillArgs& a, const Item& item, KeyTile<D>& tile, QueryState<G, D>* states) {
   const int64_t context = a.seq_lens[item.seq] - a.query_lens[item.seq];
   const int num_queries = int(std::min<int64_t>(kQueryBlock, a.query_lens[item.seq] - item.first_query));
@@ -196,7 +205,7 @@ bool attend_item(const PagedPrefillArgs& a, const Item& item, KeyTile<D>& tile, 
   start_queries<G, D, T>(a, item, num_queries, states);
   for (int64_t first_key = item.first_key; first_key <= item.last_key; first_key += kLanes) {
     const int count = int(std::min<int64_t>(kLanes, item.last_key + 1 - first_key));
-    if (!load_tile<D, T>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
+    if (!load_tile<D, KT>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
     for (int i = 0; i < num_queries; ++i) {
       const Span span = visible_span(a, first_position + i, first_key, count);
       if (span.empty()) continue;
@@ -248,9 +257,9 @@ bool run_items(const PagedPrefillArgs& a, int num_threads, Attend attend) {
   return ok.load();
 }
 
-template <int G, int D, typename T>
+template <int G, int D, typename T, typename KT>
 bool attend_all(const PagedPrefillArgs& a, int num_threads) {
-  return run_items<KeyTile<D>, QueryState<G, D>>(a, num_threads, attend_item<G, D, T>);
+  return run_items<KeyTile<D>, QueryState<G, D>>(a, num_threads, attend_item<G, D, T, KT>);
 }
 
 #if defined(__AVX512BF16__)
@@ -689,35 +698,49 @@ bool attend_all_pairs(const PagedPrefillArgs& a, int num_threads) {
 }
 #endif  // __AVX512BF16__
 
-template <int G, int D, typename T>
+// The bf16 forms read bf16 queries from a bf16 cache; every other pair of dtypes (8-bit codes
+// included) takes the fp32 form.
+template <int G, int D, typename T, typename KT>
 bool attend_all_best(const PagedPrefillArgs& a, int num_threads) {
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t> && std::is_same_v<KT, uint16_t>;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if constexpr (std::is_same_v<T, uint16_t> && D == kAmxDim)
+  if constexpr (kBf16 && D == kAmxDim)
     if (amx_prefill_enabled()) return attend_all_amx<G>(a, num_threads);
 #endif
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) return attend_all_pairs<G, D>(a, num_threads);
+  if constexpr (kBf16) return attend_all_pairs<G, D>(a, num_threads);
 #endif
-  return attend_all<G, D, T>(a, num_threads);
+  return attend_all<G, D, T, KT>(a, num_threads);
 }
 
-template <typename T, int D>
+template <typename T, typename KT, int D>
 bool for_group(const PagedPrefillArgs& a, int num_threads) {
   switch (a.group_size) {
-    case 1: return attend_all_best<1, D, T>(a, num_threads);
-    case 2: return attend_all_best<2, D, T>(a, num_threads);
-    case 3: return attend_all_best<3, D, T>(a, num_threads);
-    case 4: return attend_all_best<4, D, T>(a, num_threads);
-    case 6: return attend_all_best<6, D, T>(a, num_threads);
-    case 8: return attend_all_best<8, D, T>(a, num_threads);
+    case 1: return attend_all_best<1, D, T, KT>(a, num_threads);
+    case 2: return attend_all_best<2, D, T, KT>(a, num_threads);
+    case 3: return attend_all_best<3, D, T, KT>(a, num_threads);
+    case 4: return attend_all_best<4, D, T, KT>(a, num_threads);
+    case 6: return attend_all_best<6, D, T, KT>(a, num_threads);
+    case 8: return attend_all_best<8, D, T, KT>(a, num_threads);
     default: return false;
   }
 }
 
-template <typename T>
+template <typename T, typename KT>
 bool for_head_dim(const PagedPrefillArgs& a, int num_threads) {
-  if (a.head_dim == 64) return for_group<T, 64>(a, num_threads);
-  return for_group<T, 128>(a, num_threads);
+  if (a.head_dim == 64) return for_group<T, KT, 64>(a, num_threads);
+  return for_group<T, KT, 128>(a, num_threads);
+}
+
+// A float cache has the queries' dtype; 8-bit codes go with either.
+template <typename T>
+bool for_cache(const PagedPrefillArgs& a, int num_threads) {
+  switch (a.cache_dtype) {
+    case Dtype::kInt8: return for_head_dim<T, Int8Code>(a, num_threads);
+    case Dtype::kFp8E4M3: return for_head_dim<T, E4M3Code>(a, num_threads);
+    case Dtype::kFp8E5M2: return for_head_dim<T, E5M2Code>(a, num_threads);
+    default: return for_head_dim<T, T>(a, num_threads);
+  }
 }
 
 }  // namespace
@@ -729,8 +752,8 @@ bool paged_prefill_supported(int64_t head_dim, int64_t group_size) {
 }
 
 bool paged_prefill_attention(const PagedPrefillArgs& args, int num_threads) {
-  if (args.query_dtype == Dtype::kFloat32) return for_head_dim<float>(args, num_threads);
-  return for_head_dim<uint16_t>(args, num_threads);
+  if (args.query_dtype == Dtype::kFloat32) return for_cache<float>(args, num_threads);
+  return for_cache<uint16_t>(args, num_threads);
 }
 
 }  // namespace kvrelay

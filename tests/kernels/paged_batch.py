@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata, build_attention_metadata
 from kvrelay.kernels.store_kv_torch import store_kv_reference
 
@@ -54,14 +55,18 @@ def make_paged_batch(
     pad: int = 0,
     strided_query: bool = False,
     window: int = 0,
+    kv_format: str = "auto",  # or an 8-bit format (kernels/kv_quant.py): keys and values coded
 ) -> PagedBatch:
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     block_tables, num_blocks = random_block_tables(seq_lens, block_size, generator, pad=pad)
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    fmt = kv_quant.parse(kv_format)
+    cache_shape = (num_blocks, block_size, num_kv_heads, kv_quant.row_width(head_dim, fmt))
     # NaN everywhere no token was stored: reading an unwritten slot must show up in the output.
-    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    # (An 8-bit row of 0xff bytes has a NaN scale.)
+    k_cache, v_cache = (torch.full(cache_shape, float("nan"), dtype=dtype) if fmt is None else
+                        torch.full(cache_shape, 0xff, dtype=torch.uint8).view(fmt.dtype)
+                        for _ in range(2))
     num_cached = sum(seq_lens)
     keys = torch.randn(num_cached, num_kv_heads, head_dim, generator=generator).to(dtype)
     values = torch.randn(num_cached, num_kv_heads, head_dim, generator=generator).to(dtype)

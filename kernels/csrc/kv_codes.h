@@ -1,0 +1,76 @@
+// 8-bit KV cache rows, read by the attention kernels. A row (one token's one kv head) is
+// head_dim codes followed by the row's float32 scale (4 bytes, in the row so that a block's
+// bytes are all a KV transfer moves): value[d] = decode(code[d]) * scale. kernels/kv_quant.py
+// writes them (its torch reference and the native store agree bit for bit) and says why per row.
+//
+// Decoding is a shift of the code's bits into an fp32's: an fp8 code's exponent and mantissa
+// land in the fp32 exponent's low bits and the mantissa's high ones, which reads as the code's
+// value times 2^(its bias - 127); one multiply by 2^(127 - bias) restores it (exact: a power of
+// two, and every fp8 value is an fp32 one). int8 codes convert.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "fp32_lanes.h"
+
+namespace kvrelay {
+
+struct Int8Code { int8_t bits; };
+struct E4M3Code { uint8_t bits; };  // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa
+struct E5M2Code { uint8_t bits; };  // float8_e5m2: sign, 5 exponent bits (bias 15), 2 mantissa
+
+template <typename KT>
+constexpr bool kCoded = std::is_same_v<KT, Int8Code> || std::is_same_v<KT, E4M3Code> ||
+                        std::is_same_v<KT, E5M2Code>;
+
+constexpr int64_t kScaleBytes = 4;
+
+// Elements of KT from one row's start to the next's.
+template <typename KT>
+constexpr int64_t row_stride(int64_t head_dim) {
+  return kCoded<KT> ? head_dim + kScaleBytes : head_dim;
+}
+
+template <typename KT>
+inline float row_scale(const KT* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, reinterpret_cast<const char*>(row) + head_dim, sizeof(scale));
+  return scale;
+}
+
+// The fp32 bits of a code's magnitude and sign, before the multiply by kRebias.
+template <typename KT>
+constexpr float kRebias = std::is_same_v<KT, E4M3Code> ? 0x1p120f : std::is_same_v<KT, E5M2Code> ? 0x1p112f : 1.0f;
+template <typename KT>
+constexpr int kMantissaShift = std::is_same_v<KT, E4M3Code> ? 20 : 21;
+
+inline float decode(Int8Code code) { return float(code.bits); }
+template <typename KT, std::enable_if_t<std::is_same_v<KT, E4M3Code> || std::is_same_v<KT, E5M2Code>, int> = 0>
+inline float decode(KT code) {
+  const uint32_t bits = (uint32_t(code.bits & 0x7f) << kMantissaShift<KT>) | (uint32_t(code.bits & 0x80) << 24);
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value * kRebias<KT>;
+}
+
+// 16 codes as 16 fp32 values (the scale not applied).
+typedef int8_t SignedBytes __attribute__((vector_size(kLanes)));
+typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+
+inline Lanes decode_lanes(const Int8Code* src) {
+  SignedBytes codes;
+  std::memcpy(&codes, src, sizeof(codes));
+  return __builtin_convertvector(codes, Lanes);
+}
+template <typename KT, std::enable_if_t<std::is_same_v<KT, E4M3Code> || std::is_same_v<KT, E5M2Code>, int> = 0>
+inline Lanes decode_lanes(const KT* src) {
+  Bytes codes;
+  std::memcpy(&codes, src, sizeof(codes));
+  const Words words = __builtin_convertvector(codes, Words);
+  const Words bits = ((words & 0x7fu) << kMantissaShift<KT>) | ((words & 0x80u) << 24);
+  return (Lanes)bits * kRebias<KT>;
+}
+
+}  // namespace kvrelay
