@@ -1,8 +1,16 @@
 """8-bit KV cache rows: the formats, and the torch reference that writes and reads them.
 
 A cache row (one token's one kv head) of an 8-bit cache is head_dim codes followed by the row's
-float32 scale, head_dim + 4 bytes: value[d] = code_value[d] * scale, with
-scale = max |x| / (the code's largest value) computed as the row is written. The scale sits in
+float32 scale, head_dim + 4 bytes. The row coded is the token's K (or V) rotated by a normalized
+Hadamard matrix H (`rotate`): code[d] = (H x)[d] / scale rounded, with
+scale = max |H x| / (the code's largest value) computed as the row is written. The rotation
+spreads a row's outlier dimensions (this model family's keys run at 5x their RMS in a few) over
+all of them, so the scale, set by the largest, is finer for the rest: measured on the default
+model in float32, int8 rows then change 0 of 192 teacher-forced greedy tokens against the float
+cache (3 without it) and halve the mean logprob error. H is symmetric and orthonormal, so
+q . k = (H q) . (H k) and sum p v = H (sum p (H v)): the attention kernels read the rotated rows
+as they are, given H q, and rotate their output back; the torch paths and the reference
+dequantize (and rotate back) instead. The scale sits in
 the row, not in a tensor of its own, so that a block's bytes are everything a KV transfer (PD's
 gRPC and shared-memory pushes) or the prefix cache moves, unchanged. The cache tensor's dtype
 names the code (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2); its last dimension is the
@@ -21,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.kernels.kv_code_names import canonical
+
 SCALE_BYTES = 4
 
 
@@ -36,20 +46,13 @@ FORMATS = {fmt.name: fmt for fmt in (
     KvCodeFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
     KvCodeFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
 )}
-# vLLM's names for the same formats
-ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
-CHOICES = ("auto", *FORMATS, *ALIASES)
 _BY_DTYPE = {fmt.dtype: fmt for fmt in FORMATS.values()}
 
 
 def parse(name: str) -> KvCodeFormat | None:
     """--kv-cache-dtype's value as a format; None for "auto" (the model's dtype)."""
-    name = ALIASES.get(name, name)
-    if name == "auto":
-        return None
-    if name not in FORMATS:
-        raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(CHOICES)}")
-    return FORMATS[name]
+    name = canonical(name)
+    return None if name == "auto" else FORMATS[name]
 
 
 def format_of(cache: torch.Tensor) -> KvCodeFormat | None:
@@ -62,11 +65,41 @@ def row_width(head_dim: int, fmt: KvCodeFormat | None) -> int:
     return head_dim if fmt is None else head_dim + SCALE_BYTES
 
 
+def rotation_block(head_dim: int) -> int:
+    """The Hadamard block: the largest power of two that divides head_dim (64 for 64, 16 for 80);
+    the rotation is block diagonal where head_dim is not a power of two."""
+    return head_dim & -head_dim
+
+
+def rotate(
+    x: torch.Tensor,  # [..., head_dim]
+) -> torch.Tensor:  # [..., head_dim] float32: H x, and rotate(rotate(x)) == x up to rounding
+    """The normalized Hadamard transform of each row, by butterflies: elementwise adds, so a row's
+    result does not depend on the rows beside it (a matmul's may, with its blocking), and the
+    native store codes exactly what the torch reference codes."""
+    head_dim = x.shape[-1]
+    block = rotation_block(head_dim)
+    y = x.float().reshape(-1, head_dim // block, block)
+    half = 1
+    while half < block:
+        pairs = y.view(y.shape[0], y.shape[1], block // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((low + high, low - high), dim=-2).view(y.shape)
+        half *= 2
+    return (y * block ** -0.5).view(x.shape)
+
+
 def quantize_rows(
     values: torch.Tensor,  # [..., head_dim] float32 or bfloat16
     fmt: KvCodeFormat,
 ) -> torch.Tensor:  # [..., head_dim + 4] fmt.dtype: the codes, then the scale's bytes
-    x = values.float()
+    return code_rotated_rows(rotate(values), fmt)
+
+
+def code_rotated_rows(
+    x: torch.Tensor,  # [..., head_dim] float32, already rotated
+    fmt: KvCodeFormat,
+) -> torch.Tensor:  # [..., head_dim + 4] fmt.dtype
     scale = x.abs().amax(dim=-1, keepdim=True) / fmt.max_code  # [..., 1]
     scaled = torch.where(scale > 0, x / scale, 0.0).clamp(-fmt.max_code, fmt.max_code)
     if fmt.dtype == torch.int8:
@@ -87,7 +120,7 @@ def dequantize_rows(
     head_dim = raw.shape[-1] - SCALE_BYTES
     codes = raw[..., :head_dim].view(fmt.dtype).float()
     scale = raw[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
-    return (codes * scale).to(dtype)
+    return rotate(codes * scale).to(dtype)
 
 
 def as_float_rows(cache_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

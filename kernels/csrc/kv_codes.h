@@ -1,7 +1,9 @@
 // 8-bit KV cache rows, read by the attention kernels. A row (one token's one kv head) is
 // head_dim codes followed by the row's float32 scale (4 bytes, in the row so that a block's
-// bytes are all a KV transfer moves): value[d] = decode(code[d]) * scale. kernels/kv_quant.py
-// writes them (its torch reference and the native store agree bit for bit) and says why per row.
+// bytes are all a KV transfer moves): (H x)[d] = decode(code[d]) * scale, H the normalized
+// Hadamard rotation (`rotate`). kernels/kv_quant.py says why; its torch reference and the
+// native store code rows bit for bit alike. The kernels rotate each query on the way in and
+// each output on the way out (H is its own inverse), and read the rotated rows as they are.
 //
 // Decoding is a shift of the code's bits into an fp32's: an fp8 code's exponent and mantissa
 // land in the fp32 exponent's low bits and the mantissa's high ones, which reads as the code's
@@ -9,6 +11,7 @@
 // two, and every fp8 value is an fp32 one). int8 codes convert.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -53,6 +56,28 @@ inline float decode(KT code) {
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value * kRebias<KT>;
+}
+
+// The largest power of two dividing head_dim: H is block diagonal in blocks of this size.
+inline int64_t rotation_block(int64_t head_dim) { return head_dim & -head_dim; }
+
+// x <- H x, by the same butterflies in the same order as kv_quant.rotate (so the same bits):
+// within each block, for half = 1, 2, 4, ...: (low, high) -> (low + high, low - high) for the
+// element pairs half apart in each group of 2 half; then times block^-1/2.
+inline void rotate(float* x, int64_t head_dim) {
+  const int64_t block = rotation_block(head_dim);
+  const float norm = static_cast<float>(1.0 / std::sqrt(double(block)));
+  for (int64_t start = 0; start < head_dim; start += block) {
+    float* y = x + start;
+    for (int64_t half = 1; half < block; half *= 2)
+      for (int64_t group = 0; group < block; group += 2 * half)
+        for (int64_t t = group; t < group + half; ++t) {
+          const float low = y[t], high = y[t + half];
+          y[t] = low + high;
+          y[t + half] = low - high;
+        }
+    for (int64_t i = 0; i < block; ++i) y[i] *= norm;
+  }
 }
 
 // 16 codes as 16 fp32 values (the scale not applied).

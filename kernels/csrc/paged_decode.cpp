@@ -50,13 +50,16 @@ inline const float* row_as_float(const KT* row, float* buffer, int64_t head_dim)
   return buffer;
 }
 
+// `rotated`: the cache holds 8-bit rows of rotated K and V (kv_codes.h), so the query is
+// rotated too.
 template <typename QT>
-void start_item(const PagedDecodeArgs& a, const QT* query, Scratch& s) {
+void start_item(const PagedDecodeArgs& a, const QT* query, bool rotated, Scratch& s) {
   const float query_scale = a.scale * kLog2e;
   for (int64_t g = 0; g < a.group_size; ++g) {
     const QT* src = query + g * a.query_head_stride;
     float* dst = s.query.data() + g * a.head_dim;
     for (int64_t d = 0; d < a.head_dim; ++d) dst[d] = widen(src[d]) * query_scale;
+    if (rotated) rotate(dst, a.head_dim);
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max.begin(), s.max.end(), kMinusInf);
@@ -170,13 +173,16 @@ void accumulate_tile(const PagedDecodeArgs& a, const Tile& tile, Scratch& s) {
   weigh_values(a, values, tile.count, s);
 }
 
+// `rotated`: the values were rotated rows, so the output is rotated back.
 template <typename QT>
-void finish_item(const PagedDecodeArgs& a, QT* out, const Scratch& s) {
+void finish_item(const PagedDecodeArgs& a, QT* out, bool rotated, Scratch& s) {
   for (int64_t g = 0; g < a.group_size; ++g) {
     const float inv_sum = 1.0f / s.sum[g];
-    const float* acc = s.acc.data() + g * a.head_dim;
+    float* acc = s.acc.data() + g * a.head_dim;
+    for (int64_t d = 0; d < a.head_dim; ++d) acc[d] *= inv_sum;
+    if (rotated) rotate(acc, a.head_dim);
     QT* dst = out + g * a.out_head_stride;
-    for (int64_t d = 0; d < a.head_dim; ++d) narrow(acc[d] * inv_sum, dst + d);
+    for (int64_t d = 0; d < a.head_dim; ++d) narrow(acc[d], dst + d);
   }
 }
 
@@ -186,7 +192,7 @@ bool attend_item(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, Scratch
   const int64_t token = a.token_ids[row];
   const int64_t first_q_head = kv_head * a.group_size;
   const QT* query = static_cast<const QT*>(a.query) + token * a.query_token_stride;
-  start_item(a, query + first_q_head * a.query_head_stride, s);
+  start_item(a, query + first_q_head * a.query_head_stride, kCoded<KT>, s);
   const int64_t first_key = first_visible_key(a.seq_lens[row] - 1, a.window);
   KeyCursor cursor{a.block_tables + row * a.block_table_stride, a.seq_lens[row], first_key,
                    first_key / a.block_size, first_key % a.block_size};
@@ -200,7 +206,7 @@ bool attend_item(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, Scratch
     accumulate_tile<KT>(a, tiles[t], s);
   }
   QT* out = static_cast<QT*>(a.out) + token * a.out_token_stride;
-  finish_item(a, out + first_q_head * a.out_head_stride, s);
+  finish_item(a, out + first_q_head * a.out_head_stride, kCoded<KT>, s);
   return true;
 }
 
@@ -264,7 +270,14 @@ void write_heads(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, const f
   for (int g = 0; g < G; ++g) {
     const float inv_sum = 1.0f / sum[g];
     QT* dst = out + g * a.out_head_stride;
-    for (int d = 0; d < D; ++d) narrow(acc[g][lane_order<KT>(d)] * inv_sum, dst + d);
+    if constexpr (kCoded<KT>) {  // rotated values: the output rotated back (lane order is dim order)
+      float head[D];
+      for (int d = 0; d < D; ++d) head[d] = acc[g][d] * inv_sum;
+      rotate(head, D);
+      for (int d = 0; d < D; ++d) narrow(head[d], dst + d);
+    } else {
+      for (int d = 0; d < D; ++d) narrow(acc[g][lane_order<KT>(d)] * inv_sum, dst + d);
+    }
   }
 }
 
@@ -289,6 +302,7 @@ bool attend_keys_fixed(const PagedDecodeArgs& a, int64_t row, int64_t kv_head, i
   for (int g = 0; g < G; ++g) {
     alignas(64) float widened[D];
     for (int d = 0; d < D; ++d) widened[lane_order<KT>(d)] = widen(query[g * a.query_head_stride + d]) * query_scale;
+    if constexpr (kCoded<KT>) rotate(widened, D);  // rotated K rows: the query rotated alike
     for (int c = 0; c < NC; ++c) q[g][c] = load_lanes(widened + c * kLanes);
   }
   Lanes acc[G][NC];

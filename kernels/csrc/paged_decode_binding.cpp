@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "paged_attention_ops.h"
 #include "paged_decode.h"
@@ -109,16 +110,19 @@ void check_rows(const at::Tensor& token_ids, const at::Tensor& seq_lens, int64_t
 
 // One row of head_dim values as 8-bit codes and their scale, as kernels/kv_quant.py's
 // quantize_rows computes them (bit for bit: the same float32 operations in the same order, and
-// c10's conversions, which torch's own casts use): scale = max |x| / the code's largest value,
-// code = x / scale rounded to nearest even (int8) or converted (fp8), 0 where the row is zero.
+// c10's conversions, which torch's own casts use): the row rotated (x <- H x), then
+// scale = max |x| / the code's largest value, code = x / scale rounded to nearest even (int8)
+// or converted (fp8), 0 where the row is zero. `rotated`: head_dim floats of scratch.
 template <typename T>
-void code_row(const T* src, int64_t head_dim, at::ScalarType code_type, uint8_t* dst) {
+void code_row(const T* src, int64_t head_dim, at::ScalarType code_type, float* rotated, uint8_t* dst) {
+  for (int64_t d = 0; d < head_dim; ++d) rotated[d] = static_cast<float>(src[d]);
+  kvrelay::rotate(rotated, head_dim);
   float absmax = 0.0f;
-  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(static_cast<float>(src[d])));
+  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(rotated[d]));
   const float max_code = code_type == at::kChar ? 127.0f : code_type == at::kFloat8_e4m3fn ? 448.0f : 57344.0f;
   const float scale = absmax / max_code;
   for (int64_t d = 0; d < head_dim; ++d) {
-    const float scaled = scale > 0.0f ? std::clamp(static_cast<float>(src[d]) / scale, -max_code, max_code) : 0.0f;
+    const float scaled = scale > 0.0f ? std::clamp(rotated[d] / scale, -max_code, max_code) : 0.0f;
     if (code_type == at::kChar)
       dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(scaled)));
     else if (code_type == at::kFloat8_e4m3fn)
@@ -140,12 +144,15 @@ void store_coded(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   uint8_t* v_dst = static_cast<uint8_t*>(v_cache.data_ptr());
   const T* k_src = static_cast<const T*>(key.data_ptr());
   const T* v_src = static_cast<const T*>(value.data_ptr());
+  std::vector<float> rotated(head_dim);
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = slots[t] * heads + h;
-      code_row(k_src + t * key.stride(0) + h * key.stride(1), head_dim, code_type, k_dst + row * row_bytes);
-      code_row(v_src + t * value.stride(0) + h * value.stride(1), head_dim, code_type, v_dst + row * row_bytes);
+      code_row(k_src + t * key.stride(0) + h * key.stride(1), head_dim, code_type, rotated.data(),
+               k_dst + row * row_bytes);
+      code_row(v_src + t * value.stride(0) + h * value.stride(1), head_dim, code_type, rotated.data(),
+               v_dst + row * row_bytes);
     }
   }
 }

@@ -164,7 +164,9 @@ inline void accumulate(QueryState<G, D>& q, const KeyTile<D>& tile, Span span, c
     for (int c = 0; c < NC; ++c) store_lanes(acc[g][c], q.acc[g] + c * kLanes);
 }
 
-template <int G, int D, typename T>
+// KT: the cache's element; 8-bit rows hold rotated K and V (kv_codes.h), so each query is
+// rotated on the way in and each output back on the way out.
+template <int G, int D, typename T, typename KT>
 void start_queries(const PagedPrefillArgs& a, const Item& item, int num_queries, QueryState<G, D>* states) {
   const T* query = static_cast<const T*>(a.query);
   const float query_scale = a.scale * kLog2e;
@@ -174,6 +176,7 @@ void start_queries(const PagedPrefillArgs& a, const Item& item, int num_queries,
     for (int g = 0; g < G; ++g) {
       const T* src = query + (first_token + i) * a.query_token_stride + (item.kv_head * G + g) * a.query_head_stride;
       for (int d = 0; d < D; ++d) s.query[g][d] = widen(src[d]) * query_scale;
+      if constexpr (kCoded<KT>) rotate(s.query[g], D);
       for (int d = 0; d < D; ++d) s.acc[g][d] = 0.0f;
       s.max[g] = kMinusInf;
       s.sum[g] = 0.0f;
@@ -181,7 +184,7 @@ void start_queries(const PagedPrefillArgs& a, const Item& item, int num_queries,
   }
 }
 
-template <int G, int D, typename T>
+template <int G, int D, typename T, typename KT>
 void finish_queries(const PagedPrefillArgs& a, const Item& item, int num_queries, const QueryState<G, D>* states) {
   T* out = static_cast<T*>(a.out);
   const int64_t first_token = a.token_starts[item.seq] + item.first_query;
@@ -190,7 +193,10 @@ void finish_queries(const PagedPrefillArgs& a, const Item& item, int num_queries
       // every query sees at least its own key, so sum >= 1
       const float inv_sum = 1.0f / states[i].sum[g];
       T* dst = out + (first_token + i) * a.out_token_stride + (item.kv_head * G + g) * a.out_head_stride;
-      for (int d = 0; d < D; ++d) narrow(states[i].acc[g][d] * inv_sum, dst + d);
+      float head[D];
+      for (int d = 0; d < D; ++d) head[d] = states[i].acc[g][d] * inv_sum;
+      if constexpr (kCoded<KT>) rotate(head, D);
+      for (int d = 0; d < D; ++d) narrow(head[d], dst + d);
     }
 }
 
@@ -202,7 +208,7 @@ bool attend_item(const PagedPrefillArgs& a, const Item& item, KeyTile<D>& tile, 
   const int num_queries = int(std::min<int64_t>(kQueryBlock, a.query_lens[item.seq] - item.first_query));
   const int64_t first_position = context + item.first_query;  // key index of the first query's own key
   const float cap_base2 = a.soft_cap * kLog2e;
-  start_queries<G, D, T>(a, item, num_queries, states);
+  start_queries<G, D, T, KT>(a, item, num_queries, states);
   for (int64_t first_key = item.first_key; first_key <= item.last_key; first_key += kLanes) {
     const int count = int(std::min<int64_t>(kLanes, item.last_key + 1 - first_key));
     if (!load_tile<D, KT>(a, item.seq, item.kv_head, first_key, count, tile)) return false;
@@ -214,7 +220,7 @@ bool attend_item(const PagedPrefillArgs& a, const Item& item, KeyTile<D>& tile, 
       accumulate(states[i], tile, span, scores);
     }
   }
-  finish_queries<G, D, T>(a, item, num_queries, states);
+  finish_queries<G, D, T, KT>(a, item, num_queries, states);
   return true;
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from kvrelay.engine.spec.config import SpeculativeConfig
+from kvrelay.kernels.kv_code_names import canonical as canonical_kv_cache_dtype
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -19,6 +20,10 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    # The KV cache's element: "auto" (the model's dtype), or 8-bit codes with a float32 scale per
+    # (token, kv head) row, "int8", "fp8_e4m3" (vLLM's "fp8") or "fp8_e5m2": about half the
+    # bytes of bf16, so twice the tokens in the same memory (kernels/kv_quant.py). CPU only.
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     # While sequences decode, a prompt with more tokens left than this is prefilled in chunks
@@ -75,6 +80,7 @@ class EngineConfig:
                      "int4_max_tokens", "amx_max_tokens", "q4a8_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        self.kv_cache_dtype = canonical_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, "
                              f"got {self.scheduling_policy!r}")

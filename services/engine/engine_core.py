@@ -48,7 +48,8 @@ class EngineCore:
                                   int4_max_tokens=config.int4_max_tokens,
                                   amx_max_tokens=config.amx_max_tokens,
                                   q4a8_max_tokens=config.q4a8_max_tokens,
-                                  int8_activations=config.int8_activations)
+                                  int8_activations=config.int8_activations,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         drafter = None if config.speculative_config is None else \
             Drafter(config.speculative_config)

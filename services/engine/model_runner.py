@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvrelay.common.env_switches import PAD_STEPS, WIDEN_BF16_WEIGHTS
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.onednn_linear import onednn_packs_bf16
 from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.native_cpu import paged_decode_op
@@ -55,9 +56,13 @@ class ModelRunner:
                  kv_cache_memory: int | Callable[[], int],
                  kv_cache_path: str | None = None, int4_max_tokens: int = 0,
                  amx_max_tokens: int = 0, q4a8_max_tokens: int = 0,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, kv_cache_dtype: str = "auto") -> None:
         self.device = device
         self.dtype = dtype
+        self.kv_format = kv_quant.parse(kv_cache_dtype)  # None: the model's dtype
+        if self.kv_format is not None and device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {self.kv_format.name} runs on CPU only: the "
+                             "Triton attention kernels read float caches")
         self.block_size = block_size
         self.int4_max_tokens = int4_max_tokens
         self.amx_max_tokens = amx_max_tokens
@@ -79,6 +84,9 @@ class ModelRunner:
         self.head_dim = (getattr(hf_config, "head_dim", None)
                          or hf_config.hidden_size // hf_config.num_attention_heads)
         self.num_layers = hf_config.num_hidden_layers
+        # a cache row (one token's kv head): head_dim values, or 8-bit codes and their scale
+        self.kv_row_width = kv_quant.row_width(self.head_dim, self.kv_format)
+        self.kv_cache_dtype = dtype if self.kv_format is None else self.kv_format.dtype
         # Layers in KV groups of equal size, one window each (kv_groups.py); without windows,
         # one group of every layer.
         self.kv_layout = KVGroupLayout.from_windows(self.model.layer_windows)
@@ -88,12 +96,12 @@ class ModelRunner:
         if num_blocks is None and callable(kv_cache_memory):
             kv_cache_memory = kv_cache_memory()  # sized from what is free with the weights in
         self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
-        # [slots, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]: a block holds the
+        # [slots, 2 (K, V), num_blocks, block_size, kv_heads, row_width]: a block holds the
         # pages of `slots` layers (every layer without windows); layer l uses slot(l) through
         # its group's block table.
         shape = (self.slots_per_block, 2, self.num_blocks, block_size, self.num_kv_heads,
-                 self.head_dim)
-        self.kv_cache = allocate_kv_cache(shape, dtype, device, kv_cache_path)
+                 self.kv_row_width)
+        self.kv_cache = allocate_kv_cache(shape, self.kv_cache_dtype, device, kv_cache_path)
         self.kv_caches = [(self.kv_cache[slot][0], self.kv_cache[slot][1])
                           for slot in self.kv_layout.layer_slot]  # per layer
         if device.type == "cpu":
@@ -101,9 +109,17 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return (2 * self.slots_per_block * self.block_size * self.num_kv_heads * self.head_dim
-                * element_size)
+        element_size = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        return (2 * self.slots_per_block * self.block_size * self.num_kv_heads
+                * self.kv_row_width * element_size)
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """What the cache holds, as registration, logs and metrics name it: "bfloat16",
+        "fp8_e4m3", ..."""
+        if self.kv_format is not None:
+            return self.kv_format.name
+        return str(self.dtype).removeprefix("torch.")
 
     def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
         with torch.device("meta"), skip_weight_init():
@@ -276,25 +292,25 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
         return torch.zeros(shape, dtype=dtype, device=device)
     if device.type != "cpu":
         raise ValueError("a shared-memory KV cache needs device cpu")
-    numel = int(np.prod(shape))
+    num_bytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
     # its pages allocated now: a filesystem without room for them fails here, not with SIGBUS
-    shared_pages.reserve(path, numel * torch.tensor([], dtype=dtype).element_size())
-    cache = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    shared_pages.reserve(path, num_bytes)
+    cache = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
     shared_pages.populate(cache)  # and mapped now, not a fault at a time in the steps
-    return cache.view(shape)
+    return cache.view(dtype).view(shape)
 
 
 def map_kv_cache_file(path: str, dtype: torch.dtype,
                       block_shape: tuple[int, int, int, int]) -> torch.Tensor:
     """Map another worker's shared KV cache file; block_shape is (layers, block_size, kv_heads,
-    head_dim) and the block count follows from the file size."""
-    layers, block_size, kv_heads, head_dim = block_shape
+    row_width) and the block count follows from the file size."""
+    layers, block_size, kv_heads, row_width = block_shape
     element_size = torch.tensor([], dtype=dtype).element_size()
-    numel = Path(path).stat().st_size // element_size
-    num_blocks = numel // (layers * 2 * block_size * kv_heads * head_dim)
-    tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    num_bytes = Path(path).stat().st_size
+    num_blocks = num_bytes // (layers * 2 * block_size * kv_heads * row_width * element_size)
+    tensor = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
     shared_pages.populate(tensor)  # the pages exist (the owner populated them): map them all now
-    return tensor.view(layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    return tensor.view(dtype).view(layers, 2, num_blocks, block_size, kv_heads, row_width)
 
 
 @torch.no_grad()

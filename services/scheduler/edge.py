@@ -37,7 +37,8 @@ def worker_info_from_proto(message: scheduler_pb2.RegisterWorkerRequest) -> Work
         kv_transports=tuple(message.kv_transports), host_id=message.host_id,
         shm_path=message.shm_path, compute_domain=message.compute_domain,
         attention_crossover=message.attention_crossover, num_threads=message.num_threads,
-        kv_group_windows=tuple(message.kv_group_windows) or (0,))
+        kv_group_windows=tuple(message.kv_group_windows) or (0,),
+        kv_cache_dtype=message.kv_cache_dtype or message.dtype)
 
 
 # ---- steps --------------------------------------------------------------------------------------

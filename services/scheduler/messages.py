@@ -54,6 +54,7 @@ class WorkerInfo:
     kv_address: str = ""  # where other workers push KV pages over gRPC (empty: address)
     # per KV group of the model's layers, its window (0: full attention; engine/kv_groups.py)
     kv_group_windows: tuple[int, ...] = (0,)
+    kv_cache_dtype: str = ""  # its KV cache's element (empty: dtype); pages move only between equals
 
     @property
     def push_address(self) -> str:

@@ -53,8 +53,8 @@ class WorkerRegistry:
         that one held). Raises ValueError when the worker cannot join this group."""
         for other in self.workers.values():
             if other.alive and _identity(other.info) != _identity(info):
-                raise ValueError(f"worker {info.worker_id} ({info.model}, {info.dtype}, block "
-                                 f"{info.block_size}) does not match {other.worker_id}")
+                raise ValueError(f"worker {info.worker_id} ({_describe(info)}) does not match "
+                                 f"{other.worker_id} ({_describe(other.info)})")
         replaced = self.workers.get(info.worker_id)
         core = Scheduler(self._engine_config(info), info.num_blocks, info.max_model_len,
                          info.attention_crossover,
@@ -142,4 +142,10 @@ class WorkerRegistry:
 
 def _identity(info: WorkerInfo) -> tuple:
     """What every worker of one group must agree on."""
-    return (info.block_size, info.dtype, info.model, info.kv_group_windows)
+    return (info.block_size, info.dtype, info.model, info.kv_group_windows,
+            info.kv_cache_dtype or info.dtype)
+
+
+def _describe(info: WorkerInfo) -> str:
+    return (f"{info.model}, {info.dtype}, KV cache {info.kv_cache_dtype or info.dtype}, block "
+            f"{info.block_size}, windows {list(info.kv_group_windows)}")

@@ -34,6 +34,7 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--kv-cache-memory": ("worker",),
     "--kv-cache-memory-fraction": ("worker",),
     "--num-kv-blocks": ("worker",),
+    "--kv-cache-dtype": ("worker",),
     "--int4-max-tokens": ("worker",),
     "--amx-max-tokens": ("worker",),
     "--q4a8-max-tokens": ("worker",),

@@ -85,14 +85,16 @@ async def serve(args: argparse.Namespace) -> None:
         vocab_size=loaded.vocab_size, eos_token_ids=sorted(loaded.eos_token_ids),
         compute_domain=compute_domain(runner.device),
         attention_crossover=loaded.attention_crossover, instance_id=instance_id,
-        num_threads=loaded.num_threads, kv_group_windows=runner.kv_layout.windows))
+        num_threads=loaded.num_threads, kv_group_windows=runner.kv_layout.windows,
+        kv_cache_dtype=runner.kv_cache_dtype_name))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     dtype = str(runner.dtype).removeprefix("torch.")
     weights = runner.quantization or dtype
-    MODEL_INFO.labels(weights, runner.int4_kernel or "none", dtype).set(1)
+    MODEL_INFO.labels(weights, runner.int4_kernel or "none", runner.kv_cache_dtype_name).set(1)
     log.info("worker ready", worker_id=worker_id, port=server.port, role=args.role,
              num_blocks=runner.num_blocks, dtype=dtype, weights=weights,
+             kv_cache_dtype=runner.kv_cache_dtype_name,
              small_step_kernel=runner.int4_kernel,
              kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block / (1 << 30), 2),
              kv_capacity_tokens=runner.num_blocks * runner.block_size,
@@ -151,8 +153,8 @@ def _transports(names: list[str], runner) -> dict:
     transports = {"grpc": GrpcKvTransport()}
     if "shm" in names:
         block_shape = (runner.slots_per_block, runner.block_size, runner.num_kv_heads,
-                       runner.head_dim)
-        transports["shm"] = ShmKvTransport(block_shape, runner.dtype)
+                       runner.kv_row_width)
+        transports["shm"] = ShmKvTransport(block_shape, runner.kv_cache_dtype)
     return transports
 
 

@@ -42,7 +42,8 @@ def load_worker_model(args, shm_path: str | None) -> LoadedModel:
                          int4_max_tokens=args.int4_max_tokens,
                          amx_max_tokens=args.amx_max_tokens,
                          q4a8_max_tokens=args.q4a8_max_tokens,
-                         int8_activations=args.int8_activations)
+                         int8_activations=args.int8_activations,
+                         kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(runner, _model_name(args.model, model_dir), kv_size.reason,
                        max_model_len_for(hf_config, args.max_model_len), hf_config.vocab_size,

@@ -32,11 +32,18 @@ def test_codes_stay_within_the_formats_bound(name):
     coded = kv_quant.quantize_rows(rows, fmt)
     assert coded.dtype == fmt.dtype and coded.shape == (37, 3, 68)
     restored = kv_quant.dequantize_rows(coded)
-    error = (restored - rows).abs() / rows.abs().amax(-1, keepdim=True).clamp(min=1e-30)
-    assert error.max() <= ROW_ERROR[name]
+    # The bound holds per element in the rotated frame, where the codes are (dequantize_rows
+    # rotates back; rotating again undoes that up to float32 rounding).
+    rotated, restored_rotated = kv_quant.rotate(rows), kv_quant.rotate(restored)
+    largest = rotated.abs().amax(-1, keepdim=True)
+    error = (restored_rotated - rotated).abs() / largest.clamp(min=1e-30)
+    assert error.max() <= ROW_ERROR[name] + 1e-5
     assert torch.equal(restored[0, 0], torch.zeros(64))
-    # the row's largest value is a code's largest value times the scale: kept exactly or nearly
-    assert torch.allclose(restored.abs().amax(-1), rows.abs().amax(-1), rtol=1e-6)
+    # the row's largest value is a code's largest value times the scale: kept nearly exactly
+    assert torch.allclose(restored_rotated.abs().amax(-1), largest[..., 0], rtol=1e-5)
+    # and as a whole the row is as close as its rotated form (H is orthonormal)
+    assert torch.allclose((restored - rows).norm(dim=-1), (restored_rotated - rotated).norm(dim=-1),
+                          rtol=1e-3, atol=1e-5)
 
 
 def test_names_parse_as_vllm_spells_them():
@@ -134,3 +141,25 @@ def test_attention_on_8bit_rows_stays_near_the_float_cache(name):
     expected = paged_attention_reference(plain.query, plain.k_cache, plain.v_cache, plain.meta, plain.scale)
     bound = {"int8": 0.02, "fp8_e4m3": 0.15, "fp8_e5m2": 0.3}[name]
     assert (out - expected).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 96])
+def test_rotation_is_an_orthonormal_involution(head_dim):
+    rows = torch.randn(7, 2, head_dim)
+    rotated = kv_quant.rotate(rows)
+    assert torch.allclose(rotated.norm(dim=-1), rows.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(kv_quant.rotate(rotated), rows, atol=1e-5)
+    block = kv_quant.rotation_block(head_dim)
+    # each row's result is its own: the same row beside others rotates to the same bits
+    assert torch.equal(kv_quant.rotate(rows[3:4]), rotated[3:4])
+    assert block == {64: 64, 128: 128, 80: 16, 96: 32}[head_dim]
+
+
+def test_rotation_spreads_an_outlier_dimension():
+    rows = torch.randn(64, 64) * 0.1
+    rows[:, 5] = 8.0  # one dimension far above the rest, as some of a model's key dimensions are
+    fmt = kv_quant.FORMATS["int8"]
+    error = (kv_quant.dequantize_rows(kv_quant.quantize_rows(rows, fmt)) - rows).norm(dim=-1)
+    unrotated = kv_quant.dequantize_rows(kv_quant.code_rotated_rows(rows, fmt))
+    unrotated = kv_quant.rotate(unrotated)  # dequantize_rows rotates back what it reads
+    assert error.mean() < 0.5 * (unrotated - rows).norm(dim=-1).mean()

@@ -101,9 +101,6 @@ def chunk_from_proto(message: kv_transfer_pb2.KvChunk) -> PageChunk:
 
 
 def _raw_bytes(tensor) -> bytes:
-    # bfloat16 has no numpy dtype: view the bits as int16 to get at the bytes.
+    # numpy knows neither bfloat16 nor float8: view the elements as bytes to get at them.
     import torch
-    flat = tensor.contiguous()
-    if flat.dtype == torch.bfloat16:
-        flat = flat.view(torch.int16)
-    return flat.numpy().tobytes()
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.common.log import get_logger
+from kvrelay.kernels.kv_quant import byte_view
 
 log = get_logger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          # 8-bit codes with a scale per row (kernels/kv_quant.py)
+          "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +96,8 @@ class KvReceiver:
             raise ValueError("destination blocks missing or out of range")
         shape = (len(chunk.dst_block_ids), *self.page_shape)
         keys, values = _tensor(chunk.keys, dtype, shape), _tensor(chunk.values, dtype, shape)
-        self.kv_cache[chunk.layer, 0].index_copy_(0, dst, keys)
-        self.kv_cache[chunk.layer, 1].index_copy_(0, dst, values)
+        byte_view(self.kv_cache[chunk.layer, 0]).index_copy_(0, dst, byte_view(keys))
+        byte_view(self.kv_cache[chunk.layer, 1]).index_copy_(0, dst, byte_view(values))
         return len(chunk.keys) + len(chunk.values)
 
 
@@ -105,6 +108,6 @@ def _tensor(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Ten
         expected *= size
     if len(raw) != expected:
         raise ValueError(f"chunk has {len(raw)} bytes, expected {expected} for {shape}")
-    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    # frombuffer needs a writable buffer; the bytearray is that copy of the message bytes.
-    return torch.frombuffer(bytearray(raw), dtype=storage_dtype).view(dtype).view(shape)
+    # frombuffer needs a writable buffer; the bytearray is that copy of the message bytes. Bytes
+    # first: numpy, under frombuffer, knows neither bfloat16 nor float8.
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvrelay.engine.model_runner import map_kv_cache_file
+from kvrelay.kernels.kv_quant import byte_view
 from kvrelay.step_messages import SendOrder
 from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
 from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
@@ -65,7 +66,7 @@ class ShmKvTransport(KvTransport):
         num_bytes = 0
         async for layer, pages in feed.layers():  # pages [2, n, bs, kv_heads, head_dim]
             check_deadline(order)
-            destination[layer].index_copy_(1, dst_index, pages)
+            byte_view(destination[layer]).index_copy_(1, dst_index, byte_view(pages))
             num_bytes += pages.numel() * pages.element_size()
         return num_bytes
 
