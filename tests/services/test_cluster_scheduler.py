@@ -4,6 +4,7 @@ can end (finish, abort in each phase, failed transfer, worker death) leaving eve
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import settings, strategies as st
@@ -133,6 +134,17 @@ def test_pd_prompt_no_decode_worker_can_hold_is_refused_at_submit():
     with pytest.raises(ValueError, match="decode"):
         driver.submit("r", prompt(32), max_tokens=4)
     assert "r" not in driver.cluster.requests
+    _finish(driver)
+
+
+def test_a_worker_whose_kv_cache_dtype_differs_is_refused_at_registration():
+    """Pages move between the workers of a group as bytes: an 8-bit cache (kernels/kv_quant.py)
+    and a float one cannot share them, so the second worker is refused with both named."""
+    driver = pd_driver()
+    odd = replace(worker_info("d1", DECODE, 16), kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match=r"KV cache fp8_e4m3.*does not match.*KV cache float32"):
+        driver.register(odd)
+    assert "d1" not in driver.cluster.registry.workers
     _finish(driver)
 
 

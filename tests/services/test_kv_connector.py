@@ -24,7 +24,8 @@ from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
 
 GRPC_LIMIT = 4 << 20  # gRPC's default receive limit, which the test server keeps
 SMALL = (3, 2, 12, 4, 2, 8)  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-DTYPES = [torch.float32, torch.bfloat16]
+# 8-bit KV caches (kernels/kv_quant.py) move as bytes too: their rows hold codes and a scale
+DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 class CountingService(KvTransferService):
@@ -57,8 +58,9 @@ def _cache(shape, dtype, seed: int) -> torch.Tensor:
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """Compare bit for bit (bfloat16 and float32 alike, NaN-safe)."""
-    return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor.view(torch.int32)
+    """Compare bit for bit (float32, bfloat16 and 8-bit codes alike, NaN-safe)."""
+    integer = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[tensor.element_size()]
+    return tensor.view(integer)
 
 
 def _order(src: list[int], dst: list[int], address: str = "", transport: str = "grpc",
