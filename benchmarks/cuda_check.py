@@ -6,9 +6,9 @@ Llama-3-8B's config (bfloat16; no checkpoint is read or downloaded).
     python -m benchmarks.cuda_check --smoke                   # the same code on a CPU, tiny
 
 Measures, in order:
-1. paged attention (decode, whole prompts, chunked prefill, mixed; bf16, fp16, fp32; Llama-3-8B
-   and SmolLM2 head shapes), the KV store and the speculative rejection kernel against the
-   references, on fresh random inputs;
+1. paged attention (decode, whole prompts, chunked prefill, mixed; bf16, fp16, fp32 and 8-bit
+   int8/fp8 caches; Llama-3-8B and SmolLM2 head shapes), the KV store and the speculative
+   rejection kernel against the references, on fresh random inputs;
 2. the device's copy bandwidth (one large device-to-device copy, read + write bytes);
 3. the decode attention kernel's achieved bandwidth, batch 1-128 x context 1k-32k;
 4. one decode step of the whole model against its roofline (every weight and every
@@ -39,6 +39,7 @@ def run(device: torch.device, smoke: bool, max_kv_gib: float) -> dict:
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                     else "cpu", "torch": torch.__version__}
     report["checks"] = (cuda_kernels.check_attention(device, smoke)
+                        + cuda_kernels.check_attention_8bit(device, smoke)
                         + cuda_kernels.check_store_kv(device, smoke)
                         + cuda_kernels.check_rejection(device, smoke)
                         + cuda_kernels.check_moe(device, smoke))

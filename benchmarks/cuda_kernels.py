@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.attention_reference import paged_attention_reference
 from kvrelay.kernels.store_kv_torch import store_kv_reference
@@ -48,9 +49,10 @@ def device_timer(device: torch.device, fn, repeats: int, warmup: int = 2) -> flo
 
 
 def paged_batch(query_lens: list[int], context_lens: list[int], heads: HeadShape,
-                block_size: int, dtype: torch.dtype, device: torch.device, seed: int):
+                block_size: int, dtype: torch.dtype, device: torch.device, seed: int,
+                kv_format: str = "auto"):
     """(query, k_cache, v_cache, metadata) over shuffled blocks; unwritten slots hold NaN so a
-    kernel that reads one shows it."""
+    kernel that reads one shows it (an 8-bit row of 0xff bytes has a NaN scale)."""
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -64,9 +66,11 @@ def paged_batch(query_lens: list[int], context_lens: list[int], heads: HeadShape
         positions = torch.arange(seq_len)
         slots.append(tables[seq].long()[positions // block_size] * block_size
                      + positions % block_size)
-    shape = (num_blocks, block_size, heads.num_kv_heads, heads.head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    fmt = kv_quant.parse(kv_format)
+    shape = (num_blocks, block_size, heads.num_kv_heads, kv_quant.row_width(heads.head_dim, fmt))
+    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=dtype, device=device) if fmt is None
+                        else torch.full(shape, 0xff, dtype=torch.uint8, device=device).view(fmt.dtype)
+                        for _ in range(2))
     total = sum(seq_lens)
     keys = torch.randn(total, heads.num_kv_heads, heads.head_dim, generator=generator)
     values = torch.randn(total, heads.num_kv_heads, heads.head_dim, generator=generator)
@@ -113,6 +117,27 @@ def check_attention(device: torch.device, smoke: bool) -> list[dict]:
                 rows.append({"kernel": "paged attention", "heads": heads.name,
                              "dtype": str(dtype).removeprefix("torch."), "case": name,
                              "max_abs_error": error, "ok": error <= tolerance})
+    return rows
+
+
+def check_attention_8bit(device: torch.device, smoke: bool) -> list[dict]:
+    """The kernel on 8-bit caches (kernels/kv_quant.py: rows coded by torch's ops as the worker
+    stores them) against the reference on the same rows, bf16 queries."""
+    from kvrelay.kernels.triton_paged_attention import paged_attention_triton
+    rows = []
+    heads_list = [HeadShape("tiny", 4, 2, 32)] if smoke else [LLAMA3_8B_HEADS, SMOLLM2_HEADS]
+    for heads in heads_list:
+        for kv_format in ("int8", "fp8_e4m3"):
+            for seed, (name, query_lens, context_lens) in enumerate(attention_cases(smoke)):
+                query, k_cache, v_cache, meta = paged_batch(query_lens, context_lens, heads, 16,
+                                                            torch.bfloat16, device, seed, kv_format)
+                scale = heads.head_dim ** -0.5
+                got = paged_attention_triton(query, k_cache, v_cache, meta, scale).float()
+                want = paged_attention_reference(query.float(), k_cache, v_cache, meta, scale)
+                error = (got - want).abs().max().item()
+                rows.append({"kernel": "paged attention, 8-bit KV", "heads": heads.name,
+                             "dtype": kv_format, "case": name, "max_abs_error": error,
+                             "ok": error <= 3e-2})
     return rows
 
 

@@ -12,7 +12,8 @@ import torch
 
 from kvrelay.kernels.attention_cpu import paged_attention_cpu
 from kvrelay.kernels.metadata import AttentionMetadata
-from kvrelay.kernels.store_kv_torch import store_kv_cpu
+from kvrelay.kernels import kv_quant
+from kvrelay.kernels.store_kv_torch import store_kv_cpu, store_kv_torch
 
 
 def store_kv(
@@ -22,7 +23,10 @@ def store_kv(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 means skip the token
 ) -> None:
-    if k_cache.is_cuda:
+    if k_cache.is_cuda and kv_quant.format_of(k_cache) is not None:
+        # 8-bit rows: torch's ops rotate and code them (kv_quant.py), a few launches per layer
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    elif k_cache.is_cuda:
         # Imported here so that CPU-only installs never need a working triton.
         from kvrelay.kernels.triton_store_kv import store_kv_triton
 

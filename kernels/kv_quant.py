@@ -62,6 +62,9 @@ def format_of(cache: torch.Tensor) -> KvCodeFormat | None:
 
 def row_width(head_dim: int, fmt: KvCodeFormat | None) -> int:
     """Elements of a cache row: head_dim, and the scale's bytes after 8-bit codes."""
+    if fmt is not None and head_dim % SCALE_BYTES:
+        # the scale is read as a float32 at a multiple of 4 bytes
+        raise ValueError(f"an 8-bit KV cache needs head_dim a multiple of 4, not {head_dim}")
     return head_dim if fmt is None else head_dim + SCALE_BYTES
 
 

@@ -42,6 +42,17 @@ def store_kv_cpu(
     if native is not None:
         native(key, value, k_cache, v_cache, slot_mapping)
         return
+    store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_torch(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row_width]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row_width]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 means skip the token
+) -> None:
+    """Torch ops on any device: where the native store does not run, and CUDA's 8-bit caches."""
     slots = slot_mapping.long()
     # Skipped tokens are rare (padding), so pay for the boolean filter only when there are any.
     if slots.numel() and int(slots.min()) < 0:

@@ -10,6 +10,12 @@ A sliding window (meta.window) starts a program's keys at its first query's firs
 so block-table entries before it are never loaded, and masks each row's keys before its own
 window; a soft cap bends the scores before the mask. Both are compile-time switches: the
 default kernel is the one without them.
+
+An 8-bit cache (kernels/kv_quant.py) is read as bytes: each K/V row's codes are decoded in the
+kernel (KV_CODE: int8 converts; an fp8 code's bits shift into an fp32's, as kv_codes.h does on
+CPU) and multiplied by the row's float32 scale, which sits after its codes. Its rows hold
+rotated K and V, so the wrapper hands the kernel the rotated queries (in fp32) and rotates the
+output back.
 """
 from __future__ import annotations
 
@@ -17,11 +23,30 @@ import torch
 import triton
 import triton.language as tl
 
+from kvrelay.kernels import kv_quant
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.kernels.triton_support import ensure_runnable
 
 LOG2_E = 1.4426950408889634
 TILE_N = 32  # keys per inner step; independent of the cache block size
+KV_CODES = {None: 0, "int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # the kernel's KV_CODE
+
+
+@triton.jit
+def _decode_codes(codes, KV_CODE: tl.constexpr):
+    """uint8 codes -> fp32 values before the row's scale: int8 converts; an fp8 code's exponent
+    and mantissa go into an fp32's low exponent and high mantissa bits (the code's value times
+    2^(its bias - 127)), and one multiply by a power of two restores it."""
+    if KV_CODE == 1:
+        return codes.to(tl.int8, bitcast=True).to(tl.float32)
+    bits = codes.to(tl.uint32)
+    if KV_CODE == 2:  # e4m3: bias 7, 3 mantissa bits
+        magnitude = (bits & 0x7F) << 20
+        rebias = 1.329227995784916e36  # 2^120
+    else:  # e5m2: bias 15, 2 mantissa bits
+        magnitude = (bits & 0x7F) << 21
+        rebias = 5.192296858534828e33  # 2^112
+    return (magnitude | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True) * rebias
 
 
 @triton.jit
@@ -42,8 +67,10 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, q_tile, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_q_heads, head_dim]
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, row_width]; bytes for 8-bit codes
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, row_width]
+    k_scale_ptr,  # the K cache as float32 (8-bit codes: a row's scale follows its codes)
+    v_scale_ptr,  # the V cache as float32
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -73,6 +100,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps fp32 inputs out of TF32
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    KV_CODE: tl.constexpr,  # 0: a float cache; else the 8-bit code (KV_CODES)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +149,11 @@ def _paged_attention_kernel(
         values = tl.load(
             v_cache_ptr + v_rows[:, None] + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :], other=0.0
         )
+        if KV_CODE != 0:  # a row's scale: the float32 after its head_dim code bytes
+            k_scale = tl.load(k_scale_ptr + (k_rows + head_dim) // 4, mask=key_valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + (v_rows + head_dim) // 4, mask=key_valid, other=0.0)
+            keys_t = _decode_codes(keys_t, KV_CODE) * k_scale[None, :]
+            values = _decode_codes(values, KV_CODE) * v_scale[:, None]
         if DOT_IN_FP32:
             keys_t = keys_t.to(tl.float32)
             values = values.to(tl.float32)
@@ -171,12 +204,33 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim]
     soft_cap: float = 0.0,  # > 0: scores become soft_cap * tanh(score / soft_cap)
 ) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    fmt = kv_quant.format_of(k_cache)
+    if fmt is not None:  # rotated rows: rotated fp32 queries in, the output rotated back
+        rotated_out = _launch(kv_quant.rotate(query), k_cache.view(torch.uint8),
+                              v_cache.view(torch.uint8), meta, scale, None, soft_cap, fmt.name)
+        out.copy_(kv_quant.rotate(rotated_out))
+        return out
+    return _launch(query, k_cache, v_cache, meta, scale, out, soft_cap, None)
+
+
+def _launch(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row_width]; uint8 for codes
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, row_width]
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None,  # [num_tokens, num_q_heads, head_dim]
+    soft_cap: float,
+    code: str | None,  # the 8-bit format of uint8 caches, or None
+) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
         out = torch.empty_like(query)
-    if num_tokens == 0:
-        return out
     for tensor in (query, k_cache, v_cache, out):
         if tensor.stride(-1) != 1:
             raise ValueError("paged_attention_triton needs a unit stride on head_dim")
@@ -192,6 +246,8 @@ def paged_attention_triton(
         query,
         k_cache,
         v_cache,
+        k_cache.view(torch.float32) if code else k_cache,
+        v_cache.view(torch.float32) if code else v_cache,
         meta.block_tables,
         meta.seq_lens,
         meta.cu_seqlens_q,
@@ -223,5 +279,6 @@ def paged_attention_triton(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_WINDOW=meta.window > 0,
         HAS_SOFT_CAP=soft_cap > 0,
+        KV_CODE=KV_CODES[code],
     )
     return out

@@ -18,6 +18,10 @@
 
 #include "fp32_lanes.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvrelay {
 
 struct Int8Code { int8_t bits; };
@@ -80,20 +84,57 @@ inline void rotate(float* x, int64_t head_dim) {
   }
 }
 
-// 16 codes as 16 fp32 values (the scale not applied).
-typedef int8_t SignedBytes __attribute__((vector_size(kLanes)));
-typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+// 16 bytes widened to 16 32-bit lanes, sign- or zero-extended. Intrinsics, not
+// __builtin_convertvector: gcc 12 turns that conversion into 16 scalar converts (measured: an
+// int8 cache's decode steps 1.4x slower than bf16's, where they should be faster).
+template <bool kSigned>
+inline Words widen_bytes(const void* src) {
+  Words words;
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(src));
+  const __m512i wide = kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  std::memcpy(&words, &wide, sizeof(words));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(src));
+  const __m128i high = _mm_srli_si128(bytes, 8);
+  const __m256i low_words = kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  const __m256i high_words = kSigned ? _mm256_cvtepi8_epi32(high) : _mm256_cvtepu8_epi32(high);
+  std::memcpy(&words, &low_words, sizeof(low_words));
+  std::memcpy(reinterpret_cast<char*>(&words) + sizeof(low_words), &high_words, sizeof(high_words));
+#else
+  for (int l = 0; l < kLanes; ++l)
+    words[l] = kSigned ? uint32_t(int32_t(static_cast<const int8_t*>(src)[l]))
+                       : uint32_t(static_cast<const uint8_t*>(src)[l]);
+#endif
+  return words;
+}
 
+// 16 codes as 16 fp32 values (the scale not applied).
 inline Lanes decode_lanes(const Int8Code* src) {
-  SignedBytes codes;
-  std::memcpy(&codes, src, sizeof(codes));
-  return __builtin_convertvector(codes, Lanes);
+  const Ints values = (Ints)widen_bytes<true>(src);
+#if defined(__AVX512F__)
+  __m512i packed;
+  std::memcpy(&packed, &values, sizeof(packed));
+  const __m512 converted = _mm512_cvtepi32_ps(packed);
+  Lanes lanes;
+  std::memcpy(&lanes, &converted, sizeof(lanes));
+  return lanes;
+#elif defined(__AVX2__)
+  __m256i halves[2];
+  std::memcpy(halves, &values, sizeof(halves));
+  const __m256 converted[2] = {_mm256_cvtepi32_ps(halves[0]), _mm256_cvtepi32_ps(halves[1])};
+  Lanes lanes;
+  std::memcpy(&lanes, converted, sizeof(lanes));
+  return lanes;
+#else
+  Lanes lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = float(values[l]);
+  return lanes;
+#endif
 }
 template <typename KT, std::enable_if_t<std::is_same_v<KT, E4M3Code> || std::is_same_v<KT, E5M2Code>, int> = 0>
 inline Lanes decode_lanes(const KT* src) {
-  Bytes codes;
-  std::memcpy(&codes, src, sizeof(codes));
-  const Words words = __builtin_convertvector(codes, Words);
+  const Words words = widen_bytes<false>(src);
   const Words bits = ((words & 0x7fu) << kMantissaShift<KT>) | ((words & 0x80u) << 24);
   return (Lanes)bits * kRebias<KT>;
 }

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvrelay.kernels.kv_code_names import CHOICES as KV_CACHE_DTYPES
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
@@ -21,6 +23,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q4a8-max-tokens", type=int, default=None,
                         help="where the CPU has AVX512-VNNI, steps up to this many tokens use the "
                              "VNNI kernel (default: the engine's; 0: never)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                        help="the KV cache's element (default: the engine's, the model's dtype)")
     parser.add_argument("--int8-activations", action="store_true", default=None,
                         help="where the CPU has AVX512-VNNI, every layer step on the VNNI kernel "
                              "with int8 activations")
@@ -33,7 +37,7 @@ def make_llm(args, **extra_engine_args):
     engine_args = {"num_threads": args.num_threads,
                    "enable_prefix_caching": args.prefix_caching, **extra_engine_args}
     for name in ("max_num_batched_tokens", "max_num_seqs", "int4_max_tokens", "amx_max_tokens",
-                 "q4a8_max_tokens", "int8_activations"):
+                 "q4a8_max_tokens", "int8_activations", "kv_cache_dtype"):
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     return LLM(model=args.model, dtype=args.dtype, **engine_args)
@@ -45,6 +49,7 @@ def engine_description(llm) -> dict:
     return {"model_dir": str(engine.model_dir),
             "dtype": str(engine.dtype).removeprefix("torch."),
             "weights": engine.runner.quantization,
+            "kv_cache_dtype": engine.runner.kv_cache_dtype_name,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "max_num_seqs": engine.config.max_num_seqs,

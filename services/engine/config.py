@@ -22,7 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     # The KV cache's element: "auto" (the model's dtype), or 8-bit codes with a float32 scale per
     # (token, kv head) row, "int8", "fp8_e4m3" (vLLM's "fp8") or "fp8_e5m2": about half the
-    # bytes of bf16, so twice the tokens in the same memory (kernels/kv_quant.py). CPU only.
+    # bytes of bf16, so twice the tokens in the same memory (kernels/kv_quant.py).
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128

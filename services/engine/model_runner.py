@@ -60,9 +60,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_format = kv_quant.parse(kv_cache_dtype)  # None: the model's dtype
-        if self.kv_format is not None and device.type != "cpu":
-            raise ValueError(f"--kv-cache-dtype {self.kv_format.name} runs on CPU only: the "
-                             "Triton attention kernels read float caches")
         self.block_size = block_size
         self.int4_max_tokens = int4_max_tokens
         self.amx_max_tokens = amx_max_tokens

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="the KV cache's element: auto (the model's dtype), or 8-bit codes with a "
                   "float32 scale per token and kv head: int8, fp8_e4m3 (fp8, fp8_e4m3fn: vLLM's "
                   "names) or fp8_e5m2, about half of bf16's bytes, so about twice the tokens in "
-                  "--kv-cache-memory (CPU only). Every worker of a group must use the same")
+                  "--kv-cache-memory. Every worker of a group must use the same")
     add_flag(parser, "--int4-max-tokens", type=int, default=4,
              help="steps of at most this many tokens multiply the checkpoint's own 4-bit "
                   "weights (GGUF Q4_0/Q4_1, bf16 on CPU) on the native AVX512-BF16 kernel, a "

@@ -163,3 +163,19 @@ def test_rotation_spreads_an_outlier_dimension():
     unrotated = kv_quant.dequantize_rows(kv_quant.code_rotated_rows(rows, fmt))
     unrotated = kv_quant.rotate(unrotated)  # dequantize_rows rotates back what it reads
     assert error.mean() < 0.5 * (unrotated - rows).norm(dim=-1).mean()
+
+
+@pytest.mark.parametrize("window,soft_cap", [(0, 0.0), (12, 30.0)])
+@pytest.mark.parametrize("name", FORMATS)
+def test_triton_reads_8bit_rows(name, window, soft_cap):
+    """The Triton kernel (here in its CPU interpreter) decodes each row's codes and scale in its
+    tiles and rotates queries in and outputs out, as the native kernels do."""
+    from kvrelay.kernels.triton_paged_attention import paged_attention_triton
+    batch = make_paged_batch([1, 9, 1], [21, 7, 0], 16, 6, 2, 64, seed=17, kv_format=name, window=window)
+    out = torch.full_like(batch.query, float("nan"))
+    returned = paged_attention_triton(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                      out=out, soft_cap=soft_cap)
+    assert returned is out
+    expected = paged_attention_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                         soft_cap=soft_cap)
+    assert (out - expected).abs().max().item() <= 1e-4
