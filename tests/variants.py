@@ -2,8 +2,8 @@
 (KVRELAY_VARIANTS=1): the suffix drafter where the n-gram one runs the same checks (the greedy
 equality of both stays in make test), the 4-bit kernels other than the default one, a second
 tool_choice form, the end-to-end twin of an offline preemption test, two topology changes the
-chaos suite also exercises, the HF peer's harness, and an engine parity run without prefix
-caching. Each stays a test; make test's time on 2
+chaos suite also exercises, the HF peer's harness, an engine parity run without prefix
+caching, and the 8-bit KV cache's fp8 parity and PD stack. Each stays a test; make test's time on 2
 cores is what moves them here."""
 from __future__ import annotations
 
@@ -39,7 +39,14 @@ VARIANTS = frozenset(
        "tests/families/test_family_gguf.py::test_q4_0_gguf_small_steps_run_on_its_own_blocks"
        "[gemma3]",
        # without prefix caching: test_batched_greedy_matches_hf's run, in two calls
-       "tests/test_engine_parity.py::test_prefix_caching_with_shared_system_prompt[False]"])
+       "tests/test_engine_parity.py::test_prefix_caching_with_shared_system_prompt[False]",
+       # 8-bit KV: fp8 beside int8's teacher-forced run, and the PD stack beside the transports'
+       # tests on 8-bit pages and the offline engine's
+       "tests/test_kv_cache_8bit.py::test_greedy_tokens_agree_with_the_float_cache_teacher_"
+       "forced[fp8_e4m3]",
+       "tests/e2e/test_kv_cache_8bit_stack.py::"
+       "test_pd_tokens_equal_the_offline_engine_on_the_same_8bit_cache",
+       "tests/e2e/test_kv_cache_8bit_stack.py::test_each_worker_reports_its_kv_cache_dtype"])
 
 
 def mark_variants(items) -> None:
