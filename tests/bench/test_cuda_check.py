@@ -21,7 +21,8 @@ def test_smoke_run_checks_the_kernels_and_reports_every_part(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     kernels = {row["kernel"] for row in report["checks"]}
-    assert kernels == {"paged attention", "store kv", "spec rejection", "moe"}
+    assert kernels == {"paged attention", "paged attention, 8-bit KV", "store kv", "spec rejection",
+                       "moe"}
     assert all(row["ok"] for row in report["checks"])
     assert report["copy_bytes_per_s"] > 0 and report["attention"]
     assert [row["batch"] for row in report["decode_steps"]] == [1, 4]

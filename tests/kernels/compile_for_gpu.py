@@ -20,13 +20,18 @@ def _signature(kernel, pointer_types: dict, constexprs: dict) -> dict:
 
 
 def compile_attention(dtype: str, group_size: int, block_m: int, head_dim_padded: int, window: bool = False,
-                      soft_cap: bool = False):
+                      soft_cap: bool = False, kv_code: int = 0):
+    """kv_code > 0: an 8-bit cache (KV_CODES), read as bytes with fp32 queries."""
     constexprs = dict(
         GROUP_SIZE=group_size, BLOCK_Q=block_m // group_size, BLOCK_M=block_m, TILE_N=32,
         HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=16, DOT_IN_FP32=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", HAS_WINDOW=window, HAS_SOFT_CAP=soft_cap,
+        KV_CODE=kv_code,
     )
-    pointers = {name: f"*{dtype}" for name in ("out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr")}
+    cache_type = "*u8" if kv_code else f"*{dtype}"
+    scale_type = "*fp32" if kv_code else f"*{dtype}"
+    pointers = {"out_ptr": f"*{dtype}", "query_ptr": f"*{dtype}", "k_cache_ptr": cache_type,
+                "v_cache_ptr": cache_type, "k_scale_ptr": scale_type, "v_scale_ptr": scale_type}
     pointers.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", qk_scale_log2="fp32",
                     soft_cap_log2="fp32")
     signature = _signature(_paged_attention_kernel, pointers, constexprs)
@@ -69,6 +74,8 @@ if __name__ == "__main__":
     windowed = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64, window=True, soft_cap=True)
     assert "wgmma" in windowed.asm["ptx"], "windowed, capped bf16 attention should use Hopper tensor cores"
     compile_attention("fp32", group_size=1, block_m=16, head_dim_padded=64, window=True)
+    for kv_code in (1, 2, 3):  # int8, fp8_e4m3, fp8_e5m2 caches
+        compile_attention("fp32", group_size=3, block_m=64, head_dim_padded=64, kv_code=kv_code)
     compile_store("bf16")
     compile_rejection()
     compile_moe("bf16", block_m=16)
