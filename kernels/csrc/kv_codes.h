@@ -62,6 +62,28 @@ inline float decode(KT code) {
   return value * kRebias<KT>;
 }
 
+// An fp32 value within the code's range (|value| <= 448 for e4m3, 57344 for e5m2; the store
+// clamps) as its fp8 code, rounded to nearest even as torch's casts round. Below the smallest
+// normal (2^-6, 2^-14) codes are multiples of 2^-9 (2^-16): the magnitude in those units,
+// rounded. Above, the fp32's mantissa is rounded to the code's bits (adding half a unit less one,
+// plus the kept bit's parity, carries into the exponent where it must), its exponent rebiased.
+template <typename KT>
+inline uint8_t encode(float value) {
+  constexpr int kDropped = std::is_same_v<KT, E4M3Code> ? 20 : 21;  // fp32 mantissa bits cut
+  constexpr uint32_t kRebiasedExponent = std::is_same_v<KT, E4M3Code> ? (127 - 7) << 3 : (127 - 15) << 2;
+  constexpr float kSmallestNormal = std::is_same_v<KT, E4M3Code> ? 0x1p-6f : 0x1p-14f;
+  constexpr float kSubnormalUnits = std::is_same_v<KT, E4M3Code> ? 0x1p9f : 0x1p16f;
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  bits &= 0x7fffffffu;
+  float magnitude;
+  std::memcpy(&magnitude, &bits, sizeof(magnitude));
+  if (magnitude < kSmallestNormal) return uint8_t(uint32_t(std::nearbyint(magnitude * kSubnormalUnits)) | sign);
+  const uint32_t rounded = bits + ((1u << (kDropped - 1)) - 1) + ((bits >> kDropped) & 1u);
+  return uint8_t(((rounded >> kDropped) - kRebiasedExponent) | sign);
+}
+
 // The largest power of two dividing head_dim: H is block diagonal in blocks of this size.
 inline int64_t rotation_block(int64_t head_dim) { return head_dim & -head_dim; }
 

@@ -3,8 +3,6 @@
 // paged_prefill.cpp. The Python module is paged_attention_module.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -110,7 +108,7 @@ void check_rows(const at::Tensor& token_ids, const at::Tensor& seq_lens, int64_t
 
 // One row of head_dim values as 8-bit codes and their scale, as kernels/kv_quant.py's
 // quantize_rows computes them (bit for bit: the same float32 operations in the same order, and
-// c10's conversions, which torch's own casts use): the row rotated (x <- H x), then
+// fp8 rounding as torch's casts round, kv_codes.h's `encode`): the row rotated (x <- H x), then
 // scale = max |x| / the code's largest value, code = x / scale rounded to nearest even (int8)
 // or converted (fp8), 0 where the row is zero. `rotated`: head_dim floats of scratch.
 template <typename T>
@@ -127,9 +125,9 @@ void code_row(const T* src, int64_t head_dim, at::ScalarType code_type, float* r
   if (code_type == at::kChar)
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(rotated[d])));
   else if (code_type == at::kFloat8_e4m3fn)
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = c10::Float8_e4m3fn(rotated[d]).x;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = kvrelay::encode<kvrelay::E4M3Code>(rotated[d]);
   else
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = c10::Float8_e5m2(rotated[d]).x;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = kvrelay::encode<kvrelay::E5M2Code>(rotated[d]);
   std::memcpy(dst + head_dim, &scale, sizeof(scale));
 }
 

@@ -64,6 +64,10 @@ def test_native_store_codes_rows_as_the_reference_does(name, dtype):
     require_native_decode()
     fmt = kv_quant.FORMATS[name]
     keys, values = _rows(2, (20, 3, 64), dtype), _rows(3, (20, 3, 64), dtype)
+    # a row whose rotation spans nine decades (H undoes itself): its codes reach down among the
+    # fp8 subnormals, in float32 at least (bf16 rounding blurs the small ones)
+    decades = 10.0 ** -torch.linspace(0, 9, 64) * torch.tensor([1.0, -1.0]).repeat(32)
+    keys[1, 1] = kv_quant.rotate(decades).to(dtype)
     slots = torch.randperm(96, generator=torch.Generator().manual_seed(4))[:20]
     slots[5] = -1  # skipped (a padding row)
     k_native, v_native, k_ref, v_ref = _caches(fmt)
