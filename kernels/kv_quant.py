@@ -10,11 +10,12 @@ model in float32, int8 rows then change 0 of 192 teacher-forced greedy tokens ag
 cache (3 without it) and halve the mean logprob error. H is symmetric and orthonormal, so
 q . k = (H q) . (H k) and sum p v = H (sum p (H v)): the attention kernels read the rotated rows
 as they are, given H q, and rotate their output back; the torch paths and the reference
-dequantize (and rotate back) instead. The scale sits in
-the row, not in a tensor of its own, so that a block's bytes are everything a KV transfer (PD's
-gRPC and shared-memory pushes) or the prefix cache moves, unchanged. The cache tensor's dtype
-names the code (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2); its last dimension is the
-row's width in bytes.
+dequantize (and rotate back) instead.
+
+The scale sits in the row, not in a tensor of its own, so that a block's bytes are everything a
+KV transfer (PD's gRPC and shared-memory pushes) or the prefix cache moves, unchanged. The cache
+tensor's dtype names the code (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2); its last
+dimension is the row's width in bytes.
 
 A scale per row rather than one per tensor (what vLLM's fp8 cache defaults to, with scale 1)
 keeps fp8's relative precision whatever a layer's K and V magnitudes are and needs no

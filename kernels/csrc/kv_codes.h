@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "fp32_lanes.h"
+#include "paged_decode.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,8 +30,22 @@ struct E4M3Code { uint8_t bits; };  // float8_e4m3fn: sign, 4 exponent bits (bia
 struct E5M2Code { uint8_t bits; };  // float8_e5m2: sign, 5 exponent bits (bias 15), 2 mantissa
 
 template <typename KT>
-constexpr bool kCoded = std::is_same_v<KT, Int8Code> || std::is_same_v<KT, E4M3Code> ||
-                        std::is_same_v<KT, E5M2Code>;
+constexpr bool kFp8 = std::is_same_v<KT, E4M3Code> || std::is_same_v<KT, E5M2Code>;
+template <typename KT>
+constexpr bool kCoded = std::is_same_v<KT, Int8Code> || kFp8<KT>;
+
+// visit(element) with a value of the C++ element type of a cache of `dtype` (bf16: its bits),
+// so that each kernel picks its instantiation in one place.
+template <typename Visit>
+auto with_cache_element(Dtype dtype, Visit&& visit) {
+  switch (dtype) {
+    case Dtype::kFloat32: return visit(float{});
+    case Dtype::kInt8: return visit(Int8Code{});
+    case Dtype::kFp8E4M3: return visit(E4M3Code{});
+    case Dtype::kFp8E5M2: return visit(E5M2Code{});
+    default: return visit(uint16_t{});
+  }
+}
 
 constexpr int64_t kScaleBytes = 4;
 
@@ -54,7 +69,7 @@ template <typename KT>
 constexpr int kMantissaShift = std::is_same_v<KT, E4M3Code> ? 20 : 21;
 
 inline float decode(Int8Code code) { return float(code.bits); }
-template <typename KT, std::enable_if_t<std::is_same_v<KT, E4M3Code> || std::is_same_v<KT, E5M2Code>, int> = 0>
+template <typename KT, std::enable_if_t<kFp8<KT>, int> = 0>
 inline float decode(KT code) {
   const uint32_t bits = (uint32_t(code.bits & 0x7f) << kMantissaShift<KT>) | (uint32_t(code.bits & 0x80) << 24);
   float value;
@@ -69,7 +84,7 @@ inline float decode(KT code) {
 // plus the kept bit's parity, carries into the exponent where it must), its exponent rebiased.
 template <typename KT>
 inline uint8_t encode(float value) {
-  constexpr int kDropped = std::is_same_v<KT, E4M3Code> ? 20 : 21;  // fp32 mantissa bits cut
+  constexpr int kDropped = kMantissaShift<KT>;  // fp32 mantissa bits cut
   constexpr uint32_t kRebiasedExponent = std::is_same_v<KT, E4M3Code> ? (127 - 7) << 3 : (127 - 15) << 2;
   constexpr float kSmallestNormal = std::is_same_v<KT, E4M3Code> ? 0x1p-6f : 0x1p-14f;
   constexpr float kSubnormalUnits = std::is_same_v<KT, E4M3Code> ? 0x1p9f : 0x1p16f;
@@ -154,7 +169,7 @@ inline Lanes decode_lanes(const Int8Code* src) {
   return lanes;
 #endif
 }
-template <typename KT, std::enable_if_t<std::is_same_v<KT, E4M3Code> || std::is_same_v<KT, E5M2Code>, int> = 0>
+template <typename KT, std::enable_if_t<kFp8<KT>, int> = 0>
 inline Lanes decode_lanes(const KT* src) {
   const Words words = widen_bytes<false>(src);
   const Words bits = ((words & 0x7fu) << kMantissaShift<KT>) | ((words & 0x80u) << 24);

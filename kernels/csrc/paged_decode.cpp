@@ -530,13 +530,9 @@ bool attend_all(const PagedDecodeArgs& a, int num_threads) {
 
 template <typename QT>
 bool dispatch_cache(const PagedDecodeArgs& a, int num_threads) {
-  switch (a.cache_dtype) {
-    case Dtype::kFloat32: return attend_all<QT, float>(a, num_threads);
-    case Dtype::kInt8: return attend_all<QT, Int8Code>(a, num_threads);
-    case Dtype::kFp8E4M3: return attend_all<QT, E4M3Code>(a, num_threads);
-    case Dtype::kFp8E5M2: return attend_all<QT, E5M2Code>(a, num_threads);
-    default: return attend_all<QT, uint16_t>(a, num_threads);
-  }
+  return with_cache_element(a.cache_dtype, [&](auto element) {
+    return attend_all<QT, decltype(element)>(a, num_threads);
+  });
 }
 
 }  // namespace

@@ -738,15 +738,14 @@ bool for_head_dim(const PagedPrefillArgs& a, int num_threads) {
   return for_group<T, KT, 128>(a, num_threads);
 }
 
-// A float cache has the queries' dtype; 8-bit codes go with either.
+// A float cache has the queries' dtype (the binding checks); 8-bit codes go with either.
 template <typename T>
 bool for_cache(const PagedPrefillArgs& a, int num_threads) {
-  switch (a.cache_dtype) {
-    case Dtype::kInt8: return for_head_dim<T, Int8Code>(a, num_threads);
-    case Dtype::kFp8E4M3: return for_head_dim<T, E4M3Code>(a, num_threads);
-    case Dtype::kFp8E5M2: return for_head_dim<T, E5M2Code>(a, num_threads);
-    default: return for_head_dim<T, T>(a, num_threads);
-  }
+  return with_cache_element(a.cache_dtype, [&](auto element) {
+    using KT = decltype(element);
+    if constexpr (!kCoded<KT> && !std::is_same_v<KT, T>) return false;  // never reached
+    else return for_head_dim<T, KT>(a, num_threads);
+  });
 }
 
 }  // namespace
