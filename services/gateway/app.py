@@ -24,15 +24,19 @@ from kvrelay.gateway.openai_completions import create_completion
 from kvrelay.gateway.openai_limits import check_body_limits, check_unparsed_text, read_body
 from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, TokenizeRequest)
+from kvrelay.gateway.openai_responses import create_response, delete_response, get_response
 from kvrelay.gateway.openai_serving import ClientDisconnected, served_model
 from kvrelay.gateway.openai_tools import chat_messages
 from kvrelay.gateway.redaction import log_unexpected
+from kvrelay.gateway.responses_protocol import ResponsesRequest
+from kvrelay.gateway.responses_store import ResponseStore
 
 log = get_logger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 
 
-def build_app(core, api_key: str | None = None) -> FastAPI:
+def build_app(core, responses: ResponseStore, api_key: str | None = None) -> FastAPI:
+    """responses: where /v1/responses keeps what it answers (responses_store.py)."""
     # /openapi.json is served by _add_probe_routes, behind the API key like every route but
     # /health.
     app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
@@ -41,6 +45,7 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
     _add_error_handlers(app)
     auth = [Depends(_authorizer(api_key))] if api_key else []
     _add_generation_routes(app, auth)
+    _add_response_routes(app, responses, auth)
     _add_model_routes(app, core, auth)
     _add_probe_routes(app, core, auth)
     _document_bodies(app)
@@ -50,7 +55,8 @@ def build_app(core, api_key: str | None = None) -> FastAPI:
 # Bodies are parsed by _parse (so that no path answers FastAPI's 422): /openapi.json gets each
 # route's body schema from the same pydantic models.
 _BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+           "/detokenize": DetokenizeRequest}
 
 
 def _document_bodies(app: FastAPI) -> None:
@@ -79,6 +85,22 @@ def _add_generation_routes(app: FastAPI, auth: list) -> None:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
         return await _generate(request, CompletionRequest, create_completion, "cmpl")
+
+
+def _add_response_routes(app: FastAPI, store: ResponseStore, auth: list) -> None:
+    @app.post("/v1/responses", dependencies=auth)
+    async def responses(request: Request):
+        async def handler(core, http_request, body, client_request_id):
+            return await create_response(core, store, http_request, body, client_request_id)
+        return await _generate(request, ResponsesRequest, handler, "resp")
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth)
+    async def stored_response(response_id: str):
+        return get_response(store, response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth)
+    async def forget_response(response_id: str):
+        return delete_response(store, response_id)
 
 
 def _add_model_routes(app: FastAPI, core, auth: list) -> None:

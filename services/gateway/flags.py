@@ -8,6 +8,7 @@ from kvrelay.common.flags import add_flag
 from kvrelay.common.tls import add_tls_flags
 from kvrelay.gateway.limits import add_limit_flags
 from kvrelay.gateway.public_tls import add_public_tls_flags
+from kvrelay.gateway.responses_store import add_store_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "stream broke) to come back; it gets their detokenizer states again and their "
                   "streams go on. Past it they end with an error and are aborted (> 0)")
     add_limit_flags(parser)  # what one request may ask for (limits.py)
+    add_store_flags(parser)  # what /v1/responses keeps (responses_store.py)
     add_flag(parser, "--log-request-text", action="store_true",
              help="log prompts, outputs and their token ids (debugging; off: they are the "
                   "users' data)")

@@ -24,6 +24,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    if args.responses_store_bytes < 0 or args.responses_store_ttl <= 0:
+        raise SystemExit(f"--responses-store-bytes must be >= 0 and --responses-store-ttl > 0, "
+                         f"got {args.responses_store_bytes} and {args.responses_store_ttl}")
     if args.tokenizer_wait_timeout <= 0:  # a new stream's first answer takes a moment too
         raise SystemExit(f"--tokenizer-wait-timeout must be positive, "
                          f"got {args.tokenizer_wait_timeout}")
@@ -34,6 +37,7 @@ async def serve(args: argparse.Namespace) -> None:
     from kvrelay.gateway.app import build_app
     from kvrelay.gateway.core import GatewayCore
     from kvrelay.gateway.grpc_api import GenerationServicer, add_generation_service
+    from kvrelay.gateway.responses_store import ResponseStore
     from kvrelay.gateway.rest_server import RestServer
     from kvrelay.gateway.upstream import Upstream
 
@@ -49,7 +53,7 @@ async def serve(args: argparse.Namespace) -> None:
                            public_credentials=public_tls and public_tls.grpc_credentials(),
                            extra_options=core.limits.grpc_server_options())
     add_generation_service(GenerationServicer(core, args.api_key), server.server)
-    app = build_app(core, args.api_key)
+    app = build_app(core, ResponseStore.from_args(args), args.api_key)
 
     async def follow_health(ready: bool) -> None:
         if not server.stopping.is_set():  # while draining it stays NOT_SERVING

@@ -72,7 +72,7 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
                   uses_tools: bool = False):
     """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE].
     With tools, each choice's text goes through a ToolCallStream: content as it comes, each
-    tool call whole once its block closes."""
+    tool call's name once written, then its arguments in pieces."""
     chunk = {**header, "object": "chat.completion.chunk"}
     if include_usage:
         chunk["usage"] = None
@@ -112,7 +112,8 @@ def _tool_chunk(delta, stream: ToolCallStream) -> dict | None:
     content, calls = stream.feed(delta.text)
     finish_reason = delta.finish_reason
     if finish_reason is not None:
-        content += stream.finish()
+        rest, last_calls = stream.finish()
+        content, calls = content + rest, calls + last_calls
         finish_reason = _tools_reason(finish_reason, stream.num_calls > 0)
     body = {"content": content} if content else {}
     if calls:

@@ -54,6 +54,9 @@ def check_body_limits(body: BaseModel, raw: bytes, limits: RequestLimits) -> Non
     messages = getattr(body, "messages", None)
     if messages is not None:
         limits.check_messages(len(messages))
+    items = getattr(body, "input", None)  # /v1/responses: a text or a list of items
+    if isinstance(items, list):
+        limits.check_messages(len(items), "input")
     if isinstance(body, SamplingFields):
         limits.check_n(body.n)
         limits.check_stop([body.stop] if isinstance(body.stop, str) else body.stop or [])

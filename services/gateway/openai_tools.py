@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvrelay.engine.structured.spec import StructuredOutputs
 from kvrelay.gateway.errors import invalid
+from kvrelay.gateway.tool_call_events import CallArguments, CallStart, Content, ToolCallEvents
 from kvrelay.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -51,8 +52,8 @@ def chat_messages(messages) -> list[dict]:
         entry = {"role": message.role, "content": message.text()}
         if message.tool_calls:
             entry["tool_calls"] = [{"name": call.function.name,
-                                    "arguments": _arguments(call.function.name,
-                                                            call.function.arguments)}
+                                    "arguments": parsed_arguments(call.function.name,
+                                                                  call.function.arguments)}
                                    for call in message.tool_calls]
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
@@ -69,13 +70,14 @@ def tools_in_play(tools, mode: str | None) -> list[dict] | None:
     return [tool.model_dump(by_alias=True, exclude_none=True) for tool in tools]
 
 
-def _arguments(name: str, arguments: str) -> dict:
+def parsed_arguments(name: str, arguments: str, param: str = "messages") -> dict:
+    """A call's arguments as an object; a 400 naming `param` where they are not one."""
     try:
         parsed = json.loads(arguments)
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise invalid(f"tool call arguments of {name!r} are not a JSON object", "messages")
+        raise invalid(f"tool call arguments of {name!r} are not a JSON object", param)
     return parsed
 
 
@@ -143,45 +145,36 @@ def _call_entry(body: str) -> dict | None:
             "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
-@dataclass(slots=True)
 class ToolCallStream:
-    """One choice's streamed text split into content deltas and whole tool-call deltas (each
-    call goes out once its block is closed: id, name and the arguments in one delta)."""
-    pending: str = ""  # text not yet classified
-    in_calls: bool = False
-    num_calls: int = 0
-    deltas: list[dict] = field(default_factory=list)
+    """One choice's streamed text as OpenAI's chat deltas: content as it comes; each tool call's
+    id and name once its name is written, then its arguments in pieces as they are generated
+    (tool_call_events.py)."""
+
+    def __init__(self) -> None:
+        self.events = ToolCallEvents()
+        self.call_ids: list[str] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.call_ids)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """(content to send now, tool-call deltas to send now)."""
-        self.pending += text
-        content = ""
-        if not self.in_calls:
-            content, self.pending = self._split_content(self.pending)
-        calls = []
-        while self.in_calls and CALL_CLOSE in self.pending:
-            match = _CALL.search(self.pending)
-            if match is None:
-                break
-            call = _call_entry(match.group(1))
-            self.pending = self.pending[match.end():]
-            if call is not None:
-                calls.append({"index": self.num_calls, **call})
-                self.num_calls += 1
+        return self._deltas(self.events.feed(text))
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left at the end (an unclosed or broken block goes out as content)."""
+        return self._deltas(self.events.finish())
+
+    def _deltas(self, events) -> tuple[str, list[dict]]:
+        content, calls = "", []
+        for event in events:
+            if isinstance(event, Content):
+                content += event.text
+            elif isinstance(event, CallStart):
+                self.call_ids.append(new_call_id())
+                calls.append({"index": event.index, "id": self.call_ids[-1], "type": "function",
+                              "function": {"name": event.name, "arguments": ""}})
+            elif isinstance(event, CallArguments):
+                calls.append({"index": event.index, "function": {"arguments": event.text}})
         return content, calls
-
-    def finish(self) -> str:
-        """Text left over at the end (an unclosed or broken block) goes out as content."""
-        rest, self.pending = self.pending, ""
-        return rest
-
-    def _split_content(self, text: str) -> tuple[str, str]:
-        start = text.find(CALL_OPEN)
-        if start >= 0:
-            self.in_calls = True
-            return text[:start], text[start:]
-        # Hold back a tail that may be the start of a call's opening tag.
-        for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-            if CALL_OPEN.startswith(text[-size:]):
-                return text[:-size], text[-size:]
-        return text, ""

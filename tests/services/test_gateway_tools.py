@@ -1,6 +1,6 @@
 """Tool calling's text side, without a model: the tool grammar compiles and holds calls to the
-schemas, replies parse into OpenAI tool calls, and streamed text splits into content and whole
-tool-call deltas however it is chunked."""
+schemas, replies parse into OpenAI tool calls, and streamed text splits into content and
+tool-call deltas (the name, then the arguments in pieces) however it is chunked."""
 from __future__ import annotations
 
 import json
@@ -98,14 +98,22 @@ def test_parse_reply():
 def test_streamed_calls_equal_the_whole_reply_however_chunked(chunk_size):
     text = ('Sure <b>. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
-    stream, content, calls = ToolCallStream(), "", []
+    stream, content, deltas = ToolCallStream(), "", []
     for start in range(0, len(text), chunk_size):
-        piece, new_calls = stream.feed(text[start:start + chunk_size])
-        content, calls = content + piece, calls + new_calls
-    content += stream.finish()
+        piece, new_deltas = stream.feed(text[start:start + chunk_size])
+        content, deltas = content + piece, deltas + new_deltas
+    rest, last = stream.finish()
+    content, deltas = content + rest, deltas + last
     assert content == "Sure <b>. "
-    assert [call["index"] for call in calls] == [0, 1]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+    calls = {}
+    for delta in deltas:  # as the openai SDK reassembles them: by index
+        entry = calls.setdefault(delta["index"], {"name": "", "arguments": "", "ids": []})
+        entry["ids"] += [delta["id"]] if "id" in delta else []
+        entry["name"] += delta["function"].get("name", "")
+        entry["arguments"] += delta["function"]["arguments"]
+    assert sorted(calls) == [0, 1] and stream.num_calls == 2
+    assert all(len(call["ids"]) == 1 for call in calls.values())  # the id once, with the name
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
         [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Rome"})]
 
 
