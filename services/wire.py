@@ -64,19 +64,24 @@ def structured_from_proto(message: common_pb2.SamplingParams) -> StructuredOutpu
     kind = spec.WhichOneof("kind")
     if kind is None:
         return None
+    after = spec.after_reasoning
     if kind == "choice":
-        return StructuredOutputs("choice", choices=tuple(spec.choice.choices))
+        return StructuredOutputs("choice", choices=tuple(spec.choice.choices),
+                                 after_reasoning=after)
     if kind == "json_object":
-        return StructuredOutputs("json_object") if spec.json_object else None
-    return StructuredOutputs(kind, getattr(spec, kind))
+        return StructuredOutputs("json_object", after_reasoning=after) \
+            if spec.json_object else None
+    return StructuredOutputs(kind, getattr(spec, kind), after_reasoning=after)
 
 
 def structured_to_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs:
+    after = spec.after_reasoning
     if spec.kind == "choice":
-        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=spec.choices))
+        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=spec.choices),
+                                            after_reasoning=after)
     if spec.kind == "json_object":
-        return common_pb2.StructuredOutputs(json_object=True)
-    return common_pb2.StructuredOutputs(**{spec.kind: spec.value})
+        return common_pb2.StructuredOutputs(json_object=True, after_reasoning=after)
+    return common_pb2.StructuredOutputs(**{spec.kind: spec.value}, after_reasoning=after)
 
 
 def _round_float32(value: float) -> float:

@@ -48,7 +48,8 @@ async def serve(args: argparse.Namespace) -> None:
                        args.served_model_name, submit_wait_s=args.submit_wait_timeout,
                        request_timeout_s=args.request_timeout,
                        tokenizer_wait_s=args.tokenizer_wait_timeout,
-                       limits=RequestLimits.from_args(args), log_request_text=args.log_request_text)
+                       limits=RequestLimits.from_args(args), log_request_text=args.log_request_text,
+                       reasoning_parser=args.reasoning_parser)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME], public=True,
                            public_credentials=public_tls and public_tls.grpc_credentials(),
                            extra_options=core.limits.grpc_server_options())

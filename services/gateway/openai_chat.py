@@ -1,6 +1,7 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from starlette.requests import Request
@@ -16,6 +17,8 @@ from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamR
 from kvrelay.gateway.openai_structured import blame_constraint
 from kvrelay.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
                                            tool_choice_mode, tool_grammar, tools_in_play)
+from kvrelay.gateway.reasoning import (ReasoningSplit, after_reasoning, reasoning_enabled,
+                                       split_whole, starts_inside)
 from kvrelay.gateway.request_group import RequestGroup
 
 
@@ -31,6 +34,11 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
         if tools_mode is not None else None
     params = chat_params(body, grammar)
     params = await with_bad_words(core, params, body.bad_words, client_request_id)
+    inside = None  # without a reasoning parser; else whether the reply starts in reasoning
+    if reasoning_enabled(core.reasoning_parser):
+        inside = await starts_inside(core, prompt, client_request_id)
+        params = dataclasses.replace(
+            params, structured_outputs=after_reasoning(params.structured_outputs, inside))
     try:
         group = await core.generate(client_request_id, [prompt], params, body.priority)
     except GatewayError as error:
@@ -39,24 +47,32 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     uses_tools = tools_mode is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(group, header, params.n, include_usage, uses_tools),
-                                   group)
+        return EventStreamResponse(_stream(group, header, params.n, include_usage, uses_tools,
+                                           inside), group)
     with group:
         choices = await unless_disconnected(http_request, collect_choices(group, params.n))
         return JSONResponse({**header, "object": "chat.completion", "choices": [
-            {"index": index, **_message_and_reason(choice, uses_tools),
+            {"index": index, **_message_and_reason(choice, uses_tools, inside),
              "logprobs": ({"content": chat_logprobs(choice.logprobs)}
                           if params.logprobs is not None else None),
              "stop_reason": choice.stop_reason}
             for index, choice in enumerate(choices)], "usage": usage(group)})
 
 
-def _message_and_reason(choice, uses_tools: bool) -> dict:
+def _message_and_reason(choice, uses_tools: bool, inside: bool | None) -> dict:
+    """inside: None without a reasoning parser; else whether the reply starts in reasoning."""
+    text, reasoning = choice.text, None
+    if inside is not None:
+        reasoning, text = split_whole(text, inside)
     if not uses_tools:
-        return {"message": {"role": "assistant", "content": choice.text},
-                "finish_reason": choice.finish_reason}
-    reply = parse_reply(choice.text)
+        message = {"role": "assistant", "content": text}
+        if inside is not None:
+            message["reasoning_content"] = reasoning
+        return {"message": message, "finish_reason": choice.finish_reason}
+    reply = parse_reply(text)
     message = {"role": "assistant", "content": reply.content}
+    if inside is not None:
+        message["reasoning_content"] = reasoning
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
     return {"message": message, "finish_reason": _tools_reason(choice.finish_reason,
@@ -69,10 +85,11 @@ def _tools_reason(finish_reason: str | None, called: bool) -> str | None:
 
 
 async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool,
-                  uses_tools: bool = False):
+                  uses_tools: bool = False, inside: bool | None = None):
     """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE].
-    With tools, each choice's text goes through a ToolCallStream: content as it comes, each
-    tool call's name once written, then its arguments in pieces."""
+    With a reasoning parser (inside not None) each choice's text is split first: reasoning
+    goes out as reasoning_content deltas. With tools, the rest goes through a ToolCallStream:
+    content as it comes, each tool call's name once written, then its arguments in pieces."""
     chunk = {**header, "object": "chat.completion.chunk"}
     if include_usage:
         chunk["usage"] = None
@@ -81,12 +98,19 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
         yield encoder.event({"index": index, "logprobs": None, "finish_reason": None,
                              "delta": {"role": "assistant", "content": ""}})
     tool_streams = {index: ToolCallStream() for index in range(n)} if uses_tools else None
+    splits = {index: ReasoningSplit(inside) for index in range(n)} if inside is not None else None
     async for _, deltas in group.steps():
         for delta in deltas:
             if delta.finish_reason == "error":
                 yield sse_error(delta.error or "generation failed")
                 yield SSE_DONE
                 return
+            if splits is not None:
+                reasoning, delta = _split_reasoning(delta, splits[delta.index])
+                if reasoning:
+                    yield encoder.event({"index": delta.index, "logprobs": None,
+                                         "finish_reason": None,
+                                         "delta": {"reasoning_content": reasoning}})
             if tool_streams is not None:
                 choice = _tool_chunk(delta, tool_streams[delta.index])
                 if choice is not None:
@@ -96,6 +120,15 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
     if include_usage:
         yield sse({**chunk, "choices": [], "usage": usage(group)})
     yield SSE_DONE
+
+
+def _split_reasoning(delta, split: ReasoningSplit):
+    """(the delta's reasoning text, the delta with only its answer text)."""
+    reasoning, content = split.feed(delta.text)
+    if delta.finish_reason is not None:
+        rest_reasoning, rest_content = split.finish()
+        reasoning, content = reasoning + rest_reasoning, content + rest_content
+    return reasoning, dataclasses.replace(delta, text=content)
 
 
 def _choice_chunk(delta) -> dict:

@@ -133,6 +133,9 @@ class ChatMessage(Strict):
     tool_calls: Annotated[list[AssistantToolCall], Field(max_length=128)] | None = None
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None
     refusal: str | None = None  # an earlier assistant refusal: rendered as its content
+    # an earlier reply's reasoning (--reasoning-parser), passed back: not rendered, as thinking
+    # models' templates drop earlier turns' reasoning
+    reasoning_content: str | None = None
     # What the SDK writes back when a reply is passed on as is: accepted only as null.
     audio: None = None
     function_call: None = None

@@ -2,6 +2,7 @@
 the same path as chat (the model's chat template, the tool grammar, structured output)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -15,6 +16,7 @@ from kvrelay.gateway.openai_protocol import NamedToolChoice, Tool
 from kvrelay.gateway.openai_serving import (EventStreamResponse, collect_choices,
                                              generation_model, unless_disconnected)
 from kvrelay.gateway.openai_tools import tool_choice_mode, tool_grammar, tools_in_play
+from kvrelay.gateway.reasoning import after_reasoning, reasoning_enabled, starts_inside
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.responses_input import (input_messages, output_messages,
                                               prior_conversation, with_instructions)
@@ -42,17 +44,24 @@ async def create_response(core, store: ResponseStore, http_request: Request,
     core.limits.check_prompt_tokens([prompt], "input")
     grammar = tool_grammar(tools, mode, body.parallel_tool_calls, call_format) \
         if mode is not None else None
+    params = _params(body, grammar)
+    inside = None  # without a reasoning parser; else whether the reply starts in reasoning
+    if reasoning_enabled(core.reasoning_parser):
+        inside = await starts_inside(core, prompt, client_request_id)
+        params = dataclasses.replace(
+            params, structured_outputs=after_reasoning(params.structured_outputs, inside))
     try:
-        group = await core.generate(client_request_id, [prompt], _params(body, grammar))
+        group = await core.generate(client_request_id, [prompt], params)
     except GatewayError as error:
         raise _blame(error, from_tools=grammar is not None) from None
-    builder = ResponseBuilder(_fields(body, model, keep), uses_tools=mode is not None)
+    builder = ResponseBuilder(_fields(body, model, keep), mode is not None, inside)
     on_done = _storer(store, conversation) if keep else None
     if body.stream:
         return EventStreamResponse(_stream(group, builder, on_done), group)
     with group:
         choice, = await unless_disconnected(http_request, collect_choices(group, 1))
-    builder.feed(choice.text)
+    for text, num_tokens in zip(choice.texts, choice.num_tokens):
+        builder.feed(text, num_tokens)
     _, response = builder.finish(choice.finish_reason, _usage(group))
     if on_done is not None:
         on_done(response)
@@ -183,7 +192,7 @@ async def _stream(group: RequestGroup, builder: ResponseBuilder, on_done):
             if delta.finish_reason == "error":
                 yield _sse(builder.failed(delta.error or "generation failed"))
                 return
-            for event in builder.feed(delta.text):
+            for event in builder.feed(delta.text, len(delta.token_ids)):
                 yield _sse(event)
             if delta.finish_reason is not None:
                 events, response = builder.finish(delta.finish_reason, _usage(group))

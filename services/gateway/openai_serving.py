@@ -87,6 +87,7 @@ class EventStreamResponse(StreamingResponse):
 class ChoiceResult:
     """One choice of a non-streamed response, gathered from its deltas."""
     texts: list[str] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # each delta's, beside its text
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -94,6 +95,7 @@ class ChoiceResult:
 
     def add(self, delta: SampleDelta) -> None:
         self.texts.append(delta.text)
+        self.num_tokens.append(len(delta.token_ids))
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:

@@ -40,6 +40,7 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "content": item.text(),
                              "tool_call_id": item.call_id})
+        # a ReasoningItem is not rendered: thinking models' templates drop earlier reasoning
     return messages
 
 
@@ -50,7 +51,8 @@ def with_instructions(body: ResponsesRequest, conversation: list[dict]) -> list[
 
 
 def output_messages(output: list[dict]) -> list[dict]:
-    """A response's output items as the assistant's turn."""
+    """A response's output items as the assistant's turn (its reasoning left out, as the
+    templates of thinking models leave out earlier turns' reasoning)."""
     messages: list[dict] = []
     for item in output:
         if item["type"] == "message":

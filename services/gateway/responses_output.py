@@ -2,6 +2,9 @@
 message, function calls) and the typed events OpenAI's Responses API streams, in its order:
 
     response.created, response.in_progress,
+    reasoning (with a reasoning parser): response.output_item.added,
+                 response.reasoning_text.delta ..., response.reasoning_text.done,
+                 response.output_item.done
     per message: response.output_item.added, response.content_part.added,
                  response.output_text.delta ..., response.output_text.done,
                  response.content_part.done, response.output_item.done
@@ -12,8 +15,10 @@ message, function calls) and the typed events OpenAI's Responses API streams, in
 A non-streamed response is built the same way, its events dropped, so both read the same."""
 from __future__ import annotations
 
+import copy
 import uuid
 
+from kvrelay.gateway.reasoning import ReasoningSplit
 from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content,
                                               ToolCallEvents)
 
@@ -27,12 +32,16 @@ def new_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    def __init__(self, fields: dict, uses_tools: bool) -> None:
+    def __init__(self, fields: dict, uses_tools: bool, inside: bool | None = None) -> None:
         """fields: the response object's fields other than status, output, usage, error and
-        incomplete_details (id, created_at, model, and the request's settings echoed)."""
+        incomplete_details (id, created_at, model, and the request's settings echoed);
+        inside: None without a reasoning parser, else whether the reply starts in reasoning."""
         self.fields = fields
         self.output: list[dict] = []
         self.calls = ToolCallEvents() if uses_tools else None
+        self.split = ReasoningSplit(inside) if inside is not None else None
+        self.reasoning: dict | None = None  # the reasoning item being written, if any
+        self.num_reasoning_tokens = 0  # the reply's tokens before its answer began
         self.message: dict | None = None  # the message item being written, if any
         self.call_items: dict[int, dict] = {}  # call index -> its item
         self.num_events = 0
@@ -49,18 +58,27 @@ class ResponseBuilder:
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
-    def feed(self, text: str) -> list[dict]:
-        if not text:
-            return []
-        if self.calls is None:
-            return self._content(text)
-        return self._apply(self.calls.feed(text))
+    def feed(self, text: str, num_tokens: int = 0) -> list[dict]:
+        """text: what one step added; num_tokens: its tokens (counted as reasoning tokens
+        while the answer has not begun)."""
+        if self.split is None:
+            return self._answer(text)
+        if self.split.has_reasoning and not self.split.content_started:
+            self.num_reasoning_tokens += num_tokens
+        reasoning, content = self.split.feed(text)
+        return self._reasoning_text(reasoning) + self._answer(content)
 
     def finish(self, finish_reason: str | None, usage: dict) -> tuple[list[dict], dict]:
         """The closing events and the finished response."""
         status, incomplete = _STATUS.get(finish_reason, ("incomplete", {"reason": "aborted"}))
-        events = self._apply(self.calls.finish(), cut=True) if self.calls is not None else []
+        events = []
+        if self.split is not None:
+            reasoning, content = self.split.finish()
+            events += self._reasoning_text(reasoning) + self._answer(content)
+            events += self._close_reasoning(status)
+        events += self._apply(self.calls.finish(), cut=True) if self.calls is not None else []
         events += self._close_message(status)
+        usage = {**usage, "output_tokens_details": {"reasoning_tokens": self.num_reasoning_tokens}}
         response = self.response(status, usage, incomplete_details=incomplete)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return events + [self._event(kind, response=response)], response
@@ -70,6 +88,40 @@ class ResponseBuilder:
         return self._event("response.failed", response=self.response("failed", error=error))
 
     # ---- items --------------------------------------------------------------------------------
+    def _answer(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = self._close_reasoning("completed")
+        if self.calls is None:
+            return events + self._content(text)
+        return events + self._apply(self.calls.feed(text))
+
+    def _reasoning_text(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        events = []
+        if self.reasoning is None:
+            self.reasoning = {"id": new_id("rs"), "type": "reasoning", "summary": [],
+                              "content": [{"type": "reasoning_text", "text": ""}],
+                              "status": "in_progress"}
+            events.append(self._item_added(self.reasoning))
+        self.reasoning["content"][0]["text"] += text
+        where = {"item_id": self.reasoning["id"],
+                 "output_index": self.output.index(self.reasoning)}
+        return events + [self._event("response.reasoning_text.delta", **where, content_index=0,
+                                     delta=text)]
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        if self.reasoning is None:
+            return []
+        item, self.reasoning = self.reasoning, None
+        item["status"] = "incomplete" if status == "incomplete" else "completed"
+        output_index = self.output.index(item)
+        return [self._event("response.reasoning_text.done", item_id=item["id"],
+                            output_index=output_index, content_index=0,
+                            text=item["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=output_index, item=item)]
+
     def _apply(self, parsed, cut: bool = False) -> list[dict]:
         events: list[dict] = []
         for event in parsed:
@@ -138,7 +190,7 @@ class ResponseBuilder:
     def _item_added(self, item: dict) -> dict:
         self.output.append(item)
         return self._event("response.output_item.added", output_index=len(self.output) - 1,
-                           item=dict(item))
+                           item=copy.deepcopy(item))  # as it is now: its text comes after
 
     def _where(self) -> dict:
         return {"item_id": self.message["id"], "output_index": self.output.index(self.message)}

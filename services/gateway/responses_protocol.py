@@ -58,7 +58,23 @@ class FunctionCallOutputItem(Strict):
         return "".join(part.text for part in self.output)
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningPart(Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """An earlier response's reasoning, passed back: accepted and not rendered, as the chat
+    templates of thinking models drop the reasoning of earlier turns."""
+    type: Literal["reasoning"]
+    id: ItemId | None = None
+    summary: list[ReasoningPart] = []
+    content: list[ReasoningPart] | None = None
+    encrypted_content: None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 class FunctionTool(Strict):

@@ -71,6 +71,10 @@ class LlguidanceBackend:
         return LlguidanceGrammar(template)
 
     def _grammar_text(self, spec: StructuredOutputs) -> str:
+        inner = self._constraint_text(spec)
+        return inner if not spec.after_reasoning else after_reasoning(inner, spec.after_reasoning)
+
+    def _constraint_text(self, spec: StructuredOutputs) -> str:
         matcher = self._llguidance.LLMatcher
         try:
             if spec.kind == "json":
@@ -97,3 +101,22 @@ class LlguidanceBackend:
             except Exception as exc:  # noqa: BLE001 - the converter raises plain Exceptions
                 raise GrammarError(f"invalid grammar (GBNF): {exc}") from None
         return grammar
+
+
+# A <think>...</think> block (its first </think> ends it) and the space after it, as one lexeme:
+# the lexer cannot split a free-text lexeme from the closing tag that follows it.
+_REASONING = (r"(?s:.*)<\/think>[ \t\r\n]*/ & ~/(?s:.*)<\/think>(?s:.*)<\/think>(?s:.*)/ & "
+              r"~/(?s:.*)<\/think>[ \t\r\n]*[^ \t\r\n](?s:.*)/")
+_WRAPPERS = {"inside": f"start: REASONING @constraint\nREASONING: /{_REASONING}\n",
+             "optional": f"start: REASONING? @constraint\nREASONING: /<think>{_REASONING}\n"}
+
+
+def after_reasoning(constraint: str, mode: str) -> str:
+    """The constraint (llguidance's grammar JSON, or Lark text) held only after the reasoning
+    block: a top-level grammar whose first grammar reads the block, then the constraint's."""
+    if constraint.lstrip().startswith("{"):
+        grammars = json.loads(constraint)["grammars"]
+    else:
+        grammars = [{"lark_grammar": constraint}]
+    grammars[0] = {**grammars[0], "name": "constraint"}
+    return json.dumps({"grammars": [{"lark_grammar": _WRAPPERS[mode]}, *grammars]})

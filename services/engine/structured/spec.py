@@ -10,6 +10,11 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Where the constraint starts, for models that think first in <think>...</think>: "" at the
+# first token; "optional" after a <think>...</think> block if the output opens with one;
+# "inside" after the first </think> (the prompt ended inside the block).
+AFTER_REASONING = ("", "optional", "inside")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar bigger than this is refused
 MAX_CHOICES = 1024
 
@@ -17,15 +22,20 @@ MAX_CHOICES = 1024
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """kind: one of KINDS. value: the JSON schema as JSON text (json), the regex (regex), the
-    grammar text (grammar), "" (json_object). choices: the strings (choice)."""
+    grammar text (grammar), "" (json_object). choices: the strings (choice). after_reasoning:
+    one of AFTER_REASONING."""
     kind: str
     value: str = ""
     choices: tuple[str, ...] = ()
+    after_reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, "
                              f"got {self.kind!r}")
+        if self.after_reasoning not in AFTER_REASONING:
+            raise ValueError(f"after_reasoning must be one of {AFTER_REASONING}, got "
+                             f"{self.after_reasoning!r}")
         if len(self.value) > MAX_SPEC_CHARS:
             raise ValueError(f"structured output {self.kind} is longer than {MAX_SPEC_CHARS} "
                              "characters")
@@ -54,7 +64,7 @@ class StructuredOutputs:
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.value, self.choices)
+        return (self.kind, self.value, self.choices, self.after_reasoning)
 
     @classmethod
     def json_schema(cls, schema: dict | bool | str) -> "StructuredOutputs":

@@ -66,6 +66,9 @@ class XgrammarBackend:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
 
     def compile(self, spec: StructuredOutputs) -> XgrammarGrammar:
+        if spec.after_reasoning:
+            raise GrammarError(f"invalid {spec.kind}: a constraint after a reasoning block "
+                               "needs the llguidance structured-outputs backend")
         compiler = self._compiler
         try:
             if spec.kind == "json":
