@@ -30,7 +30,7 @@ class ForcedDrafts:
         self.step_seconds: list[float] = []
         engine = llm.engine
         engine.scheduler.drafter.drafts = self._drafts
-        execute = engine.runner.execute
+        execute = engine.runner.execute_step  # what the engine core calls
 
         def timed(step):
             started = time.perf_counter()
@@ -38,7 +38,7 @@ class ForcedDrafts:
             self.step_seconds.append(time.perf_counter() - started)
             return result
 
-        engine.runner.execute = timed
+        engine.runner.execute_step = timed
 
     def _drafts(self, request, num_running: int, room: int) -> list[int]:
         return [request.output_token_ids[-1]] * min(self.num_drafts, room)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.engine.prompt_logprobs import PromptLogprobs, TokenLogprob  # noqa: F401 (re-exported)
 from kvrelay.engine.sampling_params import SamplingParams
 
 
@@ -75,13 +76,6 @@ class StepOrder:
     num_threads: int = 0  # 0: all of the worker's
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first
-
 
 @dataclass(slots=True)
 class Sampled:  # not frozen: one per sampled row per step (above)
@@ -95,6 +89,7 @@ class Sampled:  # not frozen: one per sampled row per step (above)
 class StepOutcome:
     step_id: int
     sampled: tuple[Sampled, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # of the prompt chunks the step computed
 
 
 def token_logprob(entry: dict[int, float], rank: int, token_id: int,

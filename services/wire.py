@@ -8,7 +8,7 @@ from kvrelay.step_messages import TokenLogprob
 
 # proto field -> SamplingParams field, for the `optional` scalars (unset keeps the default)
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-             "repetition_penalty", "logprobs", "skip_special_tokens")
+             "repetition_penalty", "logprobs", "skip_special_tokens", "prompt_logprobs")
 _PLAIN = ("min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty",
           "disable_speculation")
 
@@ -43,7 +43,7 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         skip_special_tokens=params.skip_special_tokens,
         disable_speculation=params.disable_speculation)
-    for name in ("seed", "max_tokens", "logprobs"):
+    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)

@@ -10,7 +10,7 @@ import torch
 
 from kvrelay.common import env_switches
 from kvrelay.kernels import native_stack
-from kvrelay.engine import LLM
+from kvrelay.engine import LLM, SamplingParams
 
 _BASE = [[1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 3,
          [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173] * 7,
@@ -36,7 +36,8 @@ def runner():
 
 def _item(tokens: list[int], start: int, num_new: int, block_ids: list[int],
           drafts: list[int]) -> SimpleNamespace:
-    request = SimpleNamespace(num_computed_tokens=start, all_token_ids=tokens)
+    request = SimpleNamespace(num_computed_tokens=start, all_token_ids=tokens,
+                              params=SamplingParams())
     return SimpleNamespace(request=request, num_new_tokens=num_new, block_ids=[block_ids],
                            draft_token_ids=drafts, samples=True)
 

@@ -39,18 +39,18 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
 def _real_logits(llm: LLM) -> torch.Tensor:
     """Next-token logits of the real model after a prompt: run one greedy step, keep its logits."""
     captured = []
-    original = llm.engine.runner.execute
+    original = llm.engine.runner.execute_step
 
     def capture(step):
-        logits = original(step)
+        logits, prompt_logprobs = original(step)
         captured.append(logits.clone())
-        return logits
+        return logits, prompt_logprobs
 
-    llm.engine.runner.execute = capture
+    llm.engine.runner.execute_step = capture
     try:
         llm.generate(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     finally:
-        llm.engine.runner.execute = original
+        llm.engine.runner.execute_step = original
     return captured[0][0]  # [vocab]
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvrelay.engine import LLM
+from kvrelay.engine import LLM, SamplingParams
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] * 6  # 84 tokens
 
@@ -15,7 +15,8 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 29, 7, 2085, 1790, 28, 957, 253, 1928] *
 def _logits(runner, token_ids: list[int]) -> torch.Tensor:
     """Prefill `token_ids` in one step and return every position's logits [T, V]."""
     num_blocks = -(-len(token_ids) // runner.block_size)
-    item = SimpleNamespace(request=SimpleNamespace(num_computed_tokens=0, all_token_ids=token_ids),
+    item = SimpleNamespace(request=SimpleNamespace(num_computed_tokens=0, all_token_ids=token_ids,
+                                                   params=SamplingParams()),
                            num_new_tokens=len(token_ids), block_ids=[list(range(num_blocks))],
                            draft_token_ids=[], samples=True)
     step = runner.prepare([item])

@@ -165,16 +165,20 @@ def _chunks(response) -> list[GenerationChunk]:
     chunks = [GenerationChunk(
         request_id=response.request_id, index=choice.index, text=choice.text,
         token_ids=list(choice.token_ids),
-        logprobs=[TokenLogprob(lp.token_id, lp.logprob, lp.rank,
-                               {top.token_id: top.logprob for top in lp.top})
-                  for lp in choice.logprobs] or None,
-        finish_reason=FINISH_REASONS[choice.finish_reason],
-        stop_reason=choice.stop_reason or None) for choice in response.choices]
+        logprobs=_logprobs(choice.logprobs), finish_reason=FINISH_REASONS[choice.finish_reason],
+        stop_reason=choice.stop_reason or None,
+        prompt_logprobs=_logprobs(choice.prompt_logprobs)) for choice in response.choices]
     if chunks and usage is not None:  # the request's last chunk carries its usage
         chunks[-1] = replace(chunks[-1], usage=usage)
     if chunks and response.prompt_token_ids:
         chunks[0] = replace(chunks[0], prompt_token_ids=list(response.prompt_token_ids))
     return chunks
+
+
+def _logprobs(entries) -> list[TokenLogprob] | None:
+    return [TokenLogprob(entry.token_id, entry.logprob, entry.rank,
+                         {top.token_id: top.logprob for top in entry.top})
+            for entry in entries] or None
 
 
 def _add_chunk(completion: Completion, chunk: GenerationChunk) -> None:
@@ -186,6 +190,8 @@ def _add_chunk(completion: Completion, chunk: GenerationChunk) -> None:
     choice = completion.choices[chunk.index]
     choice.text += chunk.text
     choice.token_ids.extend(chunk.token_ids)
+    if chunk.prompt_logprobs is not None:
+        choice.prompt_logprobs = chunk.prompt_logprobs
     if chunk.logprobs:
         if choice.logprobs is None:
             choice.logprobs = []

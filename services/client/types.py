@@ -25,6 +25,7 @@ class SamplingOptions(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float
     logprobs: int  # the sampled token's logprob plus this many alternatives
+    prompt_logprobs: int  # each prompt token's logprob (after the first) plus this many
     skip_special_tokens: bool
     # One output constraint, vLLM's spelling: {"json": schema}, {"regex": ...}, {"choice": [...]},
     # {"grammar": lark_or_gbnf} or {"json_object": True}.
@@ -65,6 +66,8 @@ class GenerationChunk:
     stop_reason: str | None  # the stop string or stop token id that ended it
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None  # on the first chunk
+    # on a choice's first chunk, with prompt_logprobs: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

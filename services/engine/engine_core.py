@@ -98,7 +98,12 @@ class EngineCore:
 
     def _run(self, output: SchedulerOutput) -> dict[str, EmittedRun]:
         step = self.runner.prepare(output.scheduled)
-        logits = self.runner.execute(step)  # [S, vocab]
+        logits, prompt_logprobs = self.runner.execute_step(step)  # logits [S, vocab]
+        if prompt_logprobs:
+            requests = {item.request.sequence_id: item.request for item in output.scheduled}
+            for result in prompt_logprobs:
+                requests[result.sequence_id].add_prompt_logprobs(result.first_position,
+                                                                 result.entries)
         if not step.sample_rows:
             return {}
         items = [output.scheduled[row] for row in dict.fromkeys(step.sample_rows)]

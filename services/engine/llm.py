@@ -207,8 +207,14 @@ class _Tracker:
     def result(self, tokenizer) -> RequestOutput:
         outputs = [self._completion(index, req, tokenizer)
                    for index, req in enumerate(self.requests)]
+        first = self.requests[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None if entry is None else _prompt_entry(entry, tokenizer)
+                               for entry in first.prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.token_ids, outputs,
-                             num_cached_tokens=self.requests[0].num_cached_prompt_tokens)
+                             num_cached_tokens=first.num_cached_prompt_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, request: Request, tokenizer) -> CompletionOutput:
         skip = request.params.skip_special_tokens
@@ -241,6 +247,16 @@ def _logprob_entry(entry: dict[int, float], rank: int, sampled: int,
     ranks[sampled] = rank
     return {token: Logprob(value, ranks[token], tokenizer.decode([token]))
             for token, value in entry.items()}
+
+
+def _prompt_entry(entry, tokenizer) -> dict[int, Logprob]:
+    """A prompt token's TokenLogprob as vLLM shows it: the token and its top alternatives."""
+    values = dict(entry.top)
+    values[entry.token_id] = entry.logprob
+    ranks = {token: position + 1 for position, (token, _) in enumerate(entry.top)}
+    ranks[entry.token_id] = entry.rank
+    return {token: Logprob(value, ranks[token], tokenizer.decode([token]))
+            for token, value in values.items()}
 
 
 def _eos_token_ids(engine: EngineCore, tokenizer) -> frozenset[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +16,8 @@ from kvrelay.kernels.onednn_linear import onednn_packs_bf16
 from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
-from kvrelay.engine import shared_pages
+from kvrelay.engine import prompt_logprobs, shared_pages
+from kvrelay.engine.prompt_logprobs import PromptLogprobs, PromptRows
 from kvrelay.engine.kv_groups import KVGroupLayout
 from kvrelay.engine.models import gguf_int4, gguf_q8_head, quant_schemes, small_steps
 from kvrelay.engine.models.fp8_checkpoint import Fp8Checkpoint
@@ -46,6 +47,10 @@ class StepInput:
     sample_rows: list[int]  # [S] index into the scheduled list (repeated for drafts)
     max_seqlen_q: int
     max_seqlen_k: int
+    # rows whose next token is a prompt token, for requests that ask for prompt logprobs:
+    # [P] int64 flat rows, and per item which tokens they predict (prompt_logprobs.py)
+    prompt_indices: torch.Tensor | None = None
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -214,6 +219,7 @@ class ModelRunner:
         num_groups = self.kv_layout.num_groups
         slot_chunks = [[] for _ in range(num_groups)]  # per group, per item
         cu_seqlens, seq_lens, logits_indices, sample_rows = [0], [], [], []
+        prompt_indices, prompt_rows = [], []
         block_tables = [np.zeros((len(scheduled), max(len(item.block_ids[group])
                                                       for item in scheduled)), dtype=np.int32)
                         for group in range(num_groups)]
@@ -236,8 +242,18 @@ class ModelRunner:
                 num_sampled = 1 + len(item.draft_token_ids)
                 logits_indices.extend(range(cu_seqlens[-1] - num_sampled, cu_seqlens[-1]))
                 sample_rows.extend([row] * num_sampled)
-        return self._to_step_input(token_chunks, position_chunks, slot_chunks, cu_seqlens,
+            rows = prompt_logprobs.prompt_rows(request, start, end)
+            if rows is not None:
+                first_row = cu_seqlens[-2]
+                prompt_indices.extend(range(first_row, first_row + len(rows.target_ids)))
+                prompt_rows.append(rows)
+        step = self._to_step_input(token_chunks, position_chunks, slot_chunks, cu_seqlens,
                                    seq_lens, block_tables, logits_indices, sample_rows)
+        if prompt_rows:
+            step.prompt_indices = torch.tensor(prompt_indices, dtype=torch.int64,
+                                               device=self.device)
+            step.prompt_rows = prompt_rows
+        return step
 
     def _to_step_input(self, token_chunks, position_chunks, slot_chunks, cu_seqlens, seq_lens,
                        block_tables, logits_indices, sample_rows) -> StepInput:
@@ -264,9 +280,15 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
         )
 
-    @torch.inference_mode()
     def execute(self, step: StepInput, on_layer_done=None) -> torch.Tensor:
         """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
+        return self.execute_step(step, on_layer_done)[0]
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInput, on_layer_done=None,
+                     ) -> tuple[torch.Tensor, list[PromptLogprobs]]:
+        """The forward pass: float32 logits [S, vocab] for the sampled rows, and the prompt
+        logprobs of the items that ask for them."""
         # One metadata per KV group, with the group's window (layers of a window group see
         # only the last W keys; the blocks before those may already be freed).
         group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
@@ -275,10 +297,18 @@ class ModelRunner:
                                                 window=self.kv_layout.groups[group].window)
                        for group, table in enumerate(step.block_tables)]
         layer_groups = self.kv_layout.layer_group
-        return self.model(step.input_ids, step.positions, self.kv_caches,
-                          [step.slot_mappings[group] for group in layer_groups],
-                          [group_metas[group] for group in layer_groups],
-                          step.logits_indices, on_layer_done)
+        rows = step.logits_indices if step.prompt_indices is None else \
+            torch.cat([step.logits_indices, step.prompt_indices])
+        hidden = self.model.final_hidden(step.input_ids, step.positions, self.kv_caches,
+                                         [step.slot_mappings[group] for group in layer_groups],
+                                         [group_metas[group] for group in layer_groups],
+                                         rows, on_layer_done)
+        num_sampled = step.logits_indices.shape[0]
+        logits = self.model.logits_of(hidden[:num_sampled])
+        if not step.prompt_rows:
+            return logits, []
+        return logits, prompt_logprobs.compute(self.model.logits_of, hidden[num_sampled:],
+                                               step.prompt_rows)
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

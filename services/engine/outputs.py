@@ -32,6 +32,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -57,6 +57,10 @@ class Request:
         self.output_token_ids: list[int] = []
         # per output token: ({token id: logprob} for it and the top alternatives, its rank)
         self.output_logprobs: list[tuple[dict[int, float], int]] = []
+        # with params.prompt_logprobs: per prompt position, its TokenLogprob once computed
+        # (position 0 never is); filled by position, so a recomputed prompt changes nothing
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None \
+            else [None] * len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission
         self.num_preemptions = 0
@@ -69,6 +73,14 @@ class Request:
         # Under speculative decoding: the proposer's index over this sample's tokens and its
         # recent acceptance (spec/state.py); like the tokens, it survives preemption.
         self.draft_state: DraftState | None = None
+
+    def add_prompt_logprobs(self, first_position: int, entries) -> None:
+        self.prompt_logprobs[first_position:first_position + len(entries)] = entries
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed: no cache hit skips any."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +124,8 @@ class Request:
         for token_id in self.all_token_ids[self.num_prompt_tokens:num_tokens]:
             copy.append_token(token_id)
         copy.output_logprobs = self.output_logprobs[:copy.num_output_tokens]
+        if self.prompt_logprobs is not None:
+            copy.prompt_logprobs = list(self.prompt_logprobs)
         copy.grammar = self.grammar
         return copy
 

@@ -31,6 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    # vLLM's prompt_logprobs: each prompt token's logprob (after the first) plus the top k;
+    # computed where the prompt is (no prefix-cache hit skips any of it)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Output constraints, applied before every other sampling step (sampler.py): the grammar's
     # allowed tokens, then allowed_token_ids, then the bias added to the logits.
@@ -66,6 +69,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")

@@ -131,7 +131,7 @@ class Scheduler:
     def tokens_to_prefill(self, request: Request) -> int:
         """The tokens the request has yet to compute, a waiting one's cached prefix aside."""
         left = request.num_tokens - request.num_computed_tokens
-        if request.num_computed_tokens == 0:
+        if request.num_computed_tokens == 0 and request.reads_prefix_cache:
             left -= self.kv.get_computed_blocks(request).num_blocks * self.config.block_size
         return left
 
@@ -306,7 +306,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed, num_cached = None, 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and request.reads_prefix_cache:
                 computed = self.kv.get_computed_blocks(request)
                 num_cached = computed.num_blocks * self.config.block_size
             num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached), budget)

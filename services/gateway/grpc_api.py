@@ -209,12 +209,17 @@ def _choice(delta: SampleDelta) -> generation_pb2.ChoiceDelta:
         index=delta.index, text=delta.text, token_ids=delta.token_ids,
         finish_reason=FINISH_REASONS[delta.finish_reason],
         stop_reason="" if delta.stop_reason is None else str(delta.stop_reason))
-    for entry in delta.logprobs or ():
-        choice.logprobs.append(common_pb2.TokenLogprob(
-            token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
-            top=[common_pb2.TopLogprob(token_id=top.token_id, logprob=top.logprob)
-                 for top in entry.top]))
+    choice.logprobs.extend(_logprob(entry) for entry in delta.logprobs or ())
+    if delta.prompt_logprobs:
+        choice.prompt_logprobs.extend(_logprob(entry) for entry in delta.prompt_logprobs[1:])
     return choice
+
+
+def _logprob(entry) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+        top=[common_pb2.TopLogprob(token_id=top.token_id, logprob=top.logprob)
+             for top in entry.top])
 
 
 def _messages(chat) -> list[dict]:

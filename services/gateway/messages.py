@@ -69,6 +69,8 @@ class OutputDelta:
     logprobs: tuple[SampledLogprob, ...] = ()
     error: str = ""  # with finish reason error
     num_cached_prompt_tokens: int = 0
+    # on a sample's first delta, where asked: each prompt token's after the first
+    prompt_logprobs: tuple[SampledLogprob, ...] = ()
 
 
 # ---- the Detokenize stream -----------------------------------------------------------------------

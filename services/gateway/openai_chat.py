@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from kvrelay.gateway.errors import GatewayError
-from kvrelay.gateway.openai_logprobs import chat_logprobs
+from kvrelay.gateway.openai_logprobs import chat_logprobs, prompt_logprobs_json
 from kvrelay.gateway.openai_params import chat_params, with_bad_words
 from kvrelay.gateway.openai_protocol import ChatCompletionRequest
 from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
@@ -48,7 +48,7 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(group, header, params.n, include_usage, uses_tools,
-                                           inside), group)
+                                           inside, params.prompt_logprobs), group)
     with group:
         choices = await unless_disconnected(http_request, collect_choices(group, params.n))
         return JSONResponse({**header, "object": "chat.completion", "choices": [
@@ -56,7 +56,13 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
              "logprobs": ({"content": chat_logprobs(choice.logprobs)}
                           if params.logprobs is not None else None),
              "stop_reason": choice.stop_reason}
-            for index, choice in enumerate(choices)], "usage": usage(group)})
+            for index, choice in enumerate(choices)], "usage": usage(group),
+            **_prompt_logprobs(choices[0].prompt_logprobs, params.prompt_logprobs)})
+
+
+def _prompt_logprobs(entries, num_top: int | None) -> dict:
+    """vLLM's top-level prompt_logprobs, where asked."""
+    return {} if num_top is None else {"prompt_logprobs": prompt_logprobs_json(entries, num_top)}
 
 
 def _message_and_reason(choice, uses_tools: bool, inside: bool | None) -> dict:
@@ -85,11 +91,14 @@ def _tools_reason(finish_reason: str | None, called: bool) -> str | None:
 
 
 async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool,
-                  uses_tools: bool = False, inside: bool | None = None):
+                  uses_tools: bool = False, inside: bool | None = None,
+                  num_prompt_top: int | None = None):
     """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE].
     With a reasoning parser (inside not None) each choice's text is split first: reasoning
     goes out as reasoning_content deltas. With tools, the rest goes through a ToolCallStream:
-    content as it comes, each tool call's name once written, then its arguments in pieces."""
+    content as it comes, each tool call's name once written, then its arguments in pieces.
+    Where prompt logprobs are asked for, a chunk without choices carries them when they come
+    (with the first token)."""
     chunk = {**header, "object": "chat.completion.chunk"}
     if include_usage:
         chunk["usage"] = None
@@ -105,6 +114,9 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
                 yield sse_error(delta.error or "generation failed")
                 yield SSE_DONE
                 return
+            if delta.prompt_logprobs is not None and delta.index == 0:
+                yield sse({**chunk, "choices": [],
+                           **_prompt_logprobs(delta.prompt_logprobs, num_prompt_top)})
             if splits is not None:
                 reasoning, delta = _split_reasoning(delta, splits[delta.index])
                 if reasoning:

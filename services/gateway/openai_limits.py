@@ -60,6 +60,8 @@ def check_body_limits(body: BaseModel, raw: bytes, limits: RequestLimits) -> Non
     if isinstance(body, SamplingFields):
         limits.check_n(body.n)
         limits.check_stop([body.stop] if isinstance(body.stop, str) else body.stop or [])
+    if isinstance(body, SamplingFields):
+        limits.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     if isinstance(body, ChatCompletionRequest):
         limits.check_logprobs(body.top_logprobs, "top_logprobs")
     if isinstance(body, CompletionRequest):

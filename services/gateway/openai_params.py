@@ -13,7 +13,8 @@ from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRe
 # Request fields passed through as they are unless null (null means the engine's default).
 _PASSTHROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
                 "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                "skip_special_tokens", "allowed_token_ids", "disable_speculation")
+                "skip_special_tokens", "allowed_token_ids", "disable_speculation",
+                "prompt_logprobs")
 
 
 async def with_bad_words(core, params: SamplingParams, words: list[str] | None,
@@ -53,12 +54,13 @@ def chat_params(request: ChatCompletionRequest,
 def completion_params(request: CompletionRequest) -> SamplingParams:
     if request.suffix is not None:
         raise invalid("suffix is not supported", "suffix")
-    if request.echo and request.logprobs is not None:
-        raise invalid("echo with logprobs is not supported: prompt logprobs are not computed",
-                      "echo")
     # OpenAI's completions default to 16 tokens; chat runs to the end of the context.
     max_tokens = 16 if request.max_tokens is None else request.max_tokens
-    return _sampling_params(request, max_tokens, request.logprobs)
+    params = _sampling_params(request, max_tokens, request.logprobs)
+    if request.echo and request.logprobs is not None:  # the echoed prompt's logprobs too
+        wanted = max(request.logprobs, params.prompt_logprobs or 0)
+        params = dataclasses.replace(params, prompt_logprobs=wanted)
+    return params
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int | None,

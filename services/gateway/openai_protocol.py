@@ -81,6 +81,8 @@ class SamplingFields(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    # vLLM's: each prompt token's logprob and its top k alternatives (openai_logprobs.py)
+    prompt_logprobs: Annotated[int, Field(le=UINT32)] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]],
                          Field(max_length=256)] | None = None  # vLLM's; openai_params.py

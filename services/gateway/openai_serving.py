@@ -92,8 +92,11 @@ class ChoiceResult:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    prompt_logprobs: list | None = None  # where asked: one per prompt token
 
     def add(self, delta: SampleDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.texts.append(delta.text)
         self.num_tokens.append(len(delta.token_ids))
         if delta.logprobs:

@@ -23,8 +23,8 @@ class TopToken:
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    rank: int
+    logprob: float | None  # None (and rank None) for a prompt's first token: nothing before it
+    rank: int | None
     text: str
     top: list[TopToken]
 
@@ -39,6 +39,8 @@ class SampleDelta:
     finish_reason: str | None = None  # stop, length, abort, error
     stop_reason: str | int | None = None  # the stop string or stop token id
     error: str | None = None
+    # on the first delta, where asked: one per prompt token (the first's logprob is None)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class SampleState:
@@ -60,10 +62,12 @@ class SampleState:
         # detokenizer state on a new Detokenize stream when the old one broke (4 bytes each).
         self.detokenized_ids = array("I")
 
-    def detokenize_item(self, delta: OutputDelta) -> DetokenizeItem:
+    def detokenize_item(self, delta: OutputDelta, first_prompt_token: int) -> DetokenizeItem:
         final = delta.finish_reason is not None
         self.detokenizing = not final
         pieces = _piece_token_ids(delta.logprobs) if delta.logprobs else ()
+        if delta.prompt_logprobs:  # the prompt's pieces go first, its first token's too
+            pieces = [first_prompt_token, *_piece_token_ids(delta.prompt_logprobs), *pieces]
         return DetokenizeItem(self.sequence_id, delta.new_token_ids, final,
                               self.skip_special_tokens, pieces)
 
@@ -80,7 +84,8 @@ class SampleState:
         self.detokenizing = False
         return DetokenizeItem(self.sequence_id, finished=True)
 
-    def apply(self, delta: OutputDelta, text: str, pieces) -> SampleDelta:
+    def apply(self, delta: OutputDelta, text: str, pieces,
+              first_prompt_token: int = -1) -> SampleDelta:
         # Counts every token of the step that completed a stop string, as the offline engine.
         self.num_tokens += len(delta.new_token_ids)
         self.detokenized_ids.extend(delta.new_token_ids)
@@ -95,10 +100,15 @@ class SampleState:
                 and delta.stop_token_id in self.stop_token_ids:
             stop_reason = delta.stop_token_id  # EOS leaves it None, as in vLLM
         self.finished = finish_reason is not None
+        prompt_logprobs = None
+        if delta.prompt_logprobs:
+            first = TokenLogprob(first_prompt_token, None, None, pieces[0], [])
+            prompt_logprobs = [first, *_logprobs(delta.prompt_logprobs, pieces[1:])]
+            pieces = pieces[1 + _num_pieces(delta.prompt_logprobs):]
         logprobs = _logprobs(delta.logprobs, pieces) if delta.logprobs else None
         # The delta's token list is the consumer's now: nothing else changes it.
         return SampleDelta(self.index, text, delta.new_token_ids, logprobs,
-                           finish_reason, stop_reason, delta.error or None)
+                           finish_reason, stop_reason, delta.error or None, prompt_logprobs)
 
     def error_delta(self, message: str) -> SampleDelta:
         self.finished = True
@@ -113,6 +123,10 @@ def _piece_token_ids(entries: tuple[SampledLogprob, ...]) -> list[int]:
         token_ids.append(entry.token_id)
         token_ids.extend(token_id for token_id, _ in entry.top)
     return token_ids
+
+
+def _num_pieces(entries: tuple[SampledLogprob, ...]) -> int:
+    return sum(1 + len(entry.top) for entry in entries)
 
 
 def _logprobs(entries: tuple[SampledLogprob, ...], pieces) -> list[TokenLogprob]:

@@ -40,7 +40,7 @@ class OutputRouter:
                 continue
             if delta.num_cached_prompt_tokens:
                 state.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
-            items.append(sample.detokenize_item(delta))
+            items.append(sample.detokenize_item(delta, state.prompt_token_ids[0]))
             routed.append((state, sample, delta))
         if items:
             self.send_nowait(items, routed)
@@ -53,7 +53,8 @@ class OutputRouter:
         for (state, sample, delta), item in zip(routed, result):
             if sample.finished:  # a stop string ended it in an earlier answer
                 continue
-            updates.setdefault(state, []).append(sample.apply(delta, item.text, item.pieces))
+            updates.setdefault(state, []).append(
+                sample.apply(delta, item.text, item.pieces, state.prompt_token_ids[0]))
             if sample.cut_short:
                 self.abort_nowait(state.scheduler, [sample.sequence_id])
                 self._forget([sample])

@@ -23,6 +23,9 @@ def token_delta(sample: SampleRecord, update: SequenceUpdate) -> Delta:
         # recovered sample's request holds every output: only its first token's delta is one)
         num_cached_prompt_tokens=(request.num_cached_prompt_tokens
                                   if request.num_output_tokens == num_new else 0),
+        prompt_logprobs=(tuple(request.prompt_logprobs[1:])
+                         if request.prompt_logprobs is not None
+                         and request.num_output_tokens == num_new else ()),
         finish_reason=FINISH_REASONS[request.status] if update.finished else None,
         stop_token_id=request.stop_token_id if update.finished else None)
 
@@ -43,6 +46,7 @@ def token_deltas(sample: SampleRecord, update: SequenceUpdate) -> list[Delta]:
             request_id=whole.request_id, index=whole.index, new_token_ids=(token_id,),
             logprobs=whole.logprobs[position:position + 1],
             num_cached_prompt_tokens=whole.num_cached_prompt_tokens if position == 0 else 0,
+            prompt_logprobs=whole.prompt_logprobs if position == 0 else (),
             finish_reason=whole.finish_reason if last else None,
             stop_token_id=whole.stop_token_id if last else None))
     return deltas

@@ -3,9 +3,10 @@ back. Nothing past this module (and the gRPC handlers that call it) sees a `_pb2
 from __future__ import annotations
 
 from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
-from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, Role, Sampled,
-                                         ScheduledSequence, SendOrder, SendResult, StepOrder,
-                                         StepOutcome, TokenLogprob, WorkerInfo)
+from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, PromptLogprobs,
+                                         Role, Sampled, ScheduledSequence, SendOrder,
+                                         SendResult, StepOrder, StepOutcome, TokenLogprob,
+                                         WorkerInfo)
 from kvrelay.wire import group_tables_to_wire, params_to_proto, token_logprob_to_proto
 
 ROLES = {scheduler_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
@@ -83,7 +84,10 @@ def outcome_from_proto(message: worker_pb2.StepResult) -> StepOutcome:
     return StepOutcome(step_id=message.step_id, sampled=tuple(
         Sampled(token.seq_id, tuple(token.token_ids),
                 tuple(_logprob_from_proto(entry) for entry in token.logprobs))
-        for token in message.sampled))
+        for token in message.sampled), prompt_logprobs=tuple(
+        PromptLogprobs(chunk.seq_id, chunk.first_position,
+                       tuple(_logprob_from_proto(entry) for entry in chunk.entries))
+        for chunk in message.prompt_logprobs))
 
 
 def send_results_from_proto(message: worker_pb2.StepResult) -> list[SendResult]:
@@ -101,6 +105,9 @@ def delta_to_proto(delta: Delta) -> scheduler_pb2.SequenceDelta:
         request_id=delta.request_id, index=delta.index, new_token_ids=delta.new_token_ids,
         logprobs=[token_logprob_to_proto(entry) for entry in delta.logprobs], error=delta.error,
         num_cached_prompt_tokens=delta.num_cached_prompt_tokens)
+    if delta.prompt_logprobs:
+        message.prompt_logprobs.extend(token_logprob_to_proto(entry)
+                                       for entry in delta.prompt_logprobs)
     if delta.finish_reason is not None:
         message.finish_reason = FINISH_REASON_TO_PROTO[delta.finish_reason]
     if delta.stop_token_id is not None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvrelay.step_messages import (NewSequence, Sampled, ScheduledSequence, SendOrder,
-                                   SendResult, StepOrder, StepOutcome, TokenLogprob)
+from kvrelay.step_messages import (NewSequence, PromptLogprobs, Sampled, ScheduledSequence,
+                                   SendOrder, SendResult, StepOrder, StepOutcome, TokenLogprob)
 
 __all__ = ["Role", "PREFILL", "DECODE", "BOTH", "FinishReason", "WorkerInfo", "Delta",
-           "NewSequence", "Sampled", "ScheduledSequence", "SendOrder", "SendResult", "StepOrder",
+           "NewSequence", "PromptLogprobs", "Sampled", "ScheduledSequence", "SendOrder", "SendResult", "StepOrder",
            "StepOutcome", "TokenLogprob"]
 
 
@@ -72,3 +72,5 @@ class Delta:
     stop_token_id: int | None = None
     error: str = ""
     num_cached_prompt_tokens: int = 0  # on a sample's first delta
+    # on a sample's first delta, where asked: each prompt token's after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()

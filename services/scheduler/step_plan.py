@@ -114,6 +114,12 @@ class StepPlanner:
         cluster, worker = self.cluster, self.worker
         sampled = {token.sequence_id: list(token.token_ids) for token in outcome.sampled}
         logprobs = {token.sequence_id: token.logprobs for token in outcome.sampled}
+        if outcome.prompt_logprobs:
+            requests = {item.request.sequence_id: item.request for item in plan.output.scheduled}
+            for chunk in outcome.prompt_logprobs:
+                request = requests.get(chunk.sequence_id)
+                if request is not None and request.prompt_logprobs is not None:
+                    request.add_prompt_logprobs(chunk.first_position, chunk.entries)
         num_emitted = 0
         for update in apply_step_outputs(worker.core, plan.output, sampled, logprobs):
             request = update.request

@@ -49,8 +49,13 @@ def send_order_from_proto(message: worker_pb2.KvSendOrder) -> SendOrder:
 
 # ---- results ------------------------------------------------------------------------------------
 def outcome_to_proto(outcome: StepOutcome) -> worker_pb2.StepResult:
-    return worker_pb2.StepResult(step_id=outcome.step_id,
-                                 sampled=[_sampled_to_proto(item) for item in outcome.sampled])
+    message = worker_pb2.StepResult(step_id=outcome.step_id,
+                                    sampled=[_sampled_to_proto(item) for item in outcome.sampled])
+    for chunk in outcome.prompt_logprobs:
+        message.prompt_logprobs.add(
+            seq_id=chunk.sequence_id, first_position=chunk.first_position,
+            entries=[token_logprob_to_proto(entry) for entry in chunk.entries])
+    return message
 
 
 def _sampled_to_proto(sampled: Sampled) -> worker_pb2.SampledToken:

@@ -10,7 +10,7 @@ from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvrelay.engine.spec.verify import EmittedRun, sample_items
 from kvrelay.engine.structured.backend import bitmask_words
-from kvrelay.step_messages import Sampled, StepOrder, token_logprob
+from kvrelay.step_messages import Sampled, StepOrder, StepOutcome, token_logprob
 from kvrelay.worker.sequences import SequenceTable
 from kvrelay.worker.step_threads import StepThreads
 
@@ -36,17 +36,22 @@ class StepExecutor:
             for scheduled in order.scheduled])
 
     def execute(self, order: StepOrder, batch: SchedulerOutput,
-                on_layer_done=None) -> list[Sampled]:
+                on_layer_done=None) -> StepOutcome:
         """The forward pass and sampling of `apply`'s batch (heavy; runs in the compute
         thread)."""
         if not batch.scheduled:
-            return []
+            return StepOutcome(order.step_id)
         if self.threads is not None:
             self.threads.use(order.num_threads)
         step_input = self.runner.prepare(batch.scheduled)
-        logits = self.runner.execute(step_input, on_layer_done)  # [S, vocab]
+        logits, prompt_logprobs = self.runner.execute_step(step_input, on_layer_done)
         for item in batch.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
+        sampled = self._sample(order, batch, step_input, logits)  # logits [S, vocab]
+        return StepOutcome(order.step_id, tuple(sampled), tuple(prompt_logprobs))
+
+    def _sample(self, order: StepOrder, batch: SchedulerOutput, step_input,
+                logits: torch.Tensor) -> list[Sampled]:
         if not step_input.sample_rows:
             return []
         rows = list(dict.fromkeys(step_input.sample_rows))  # indexes of batch and order alike

@@ -85,7 +85,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         with STEP_SECONDS.time():
             try:
-                sampled = await loop.run_in_executor(self.compute, self._execute, order, batch,
+                outcome = await loop.run_in_executor(self.compute, self._execute, order, batch,
                                                      hook, feeds if hook is None else [])
             except BaseException as exc:
                 for feed in feeds:
@@ -95,17 +95,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             for feed in feeds:
                 feed.fill_now()  # those with a lander landed in the compute thread already
         STEP_TOKENS.inc(batch.num_batched_tokens)
-        return StepOutcome(order.step_id, tuple(sampled))
+        return outcome
 
     def _execute(self, order: StepOrder, batch: SchedulerOutput, hook,
-                 final_feeds: list[LayerFeed]) -> list[Sampled]:
+                 final_feeds: list[LayerFeed]) -> StepOutcome:
         """The compute thread's part: the step, then the sends that land their pages straight
         in the destination do so on the same thread (both cores, and before any later step can
         reuse the source blocks)."""
-        sampled = self.executor.execute(order, batch, hook)
+        outcome = self.executor.execute(order, batch, hook)
         for feed in final_feeds:
             feed.land()
-        return sampled
+        return outcome
 
     def _start_sends(self, orders: list[SendOrder], outbox: asyncio.Queue,
                      sends: set) -> list[LayerFeed]:

@@ -24,6 +24,7 @@ import torch
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.models.packed_linear import warm_onednn_rows
+from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.sampling_ops import greedy_tokens
 from kvrelay.engine.step_padding import bucket_sizes
 
@@ -40,6 +41,7 @@ class _Sequence:
     """What ModelRunner.prepare reads of a request."""
     all_token_ids: list[int]
     num_computed_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)  # no prompt logprobs
 
 
 @dataclass(slots=True)

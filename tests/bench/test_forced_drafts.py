@@ -9,13 +9,13 @@ def test_every_decode_step_carries_the_forced_drafts():
                                   "disable_by_batch_size": 0})
     forced = ForcedDrafts(llm)
     rows_per_step: list[int] = []
-    timed = llm.engine.runner.execute
+    timed = llm.engine.runner.execute_step
 
     def recording(step):
         rows_per_step.append(step.max_seqlen_q)
         return timed(step)
 
-    llm.engine.runner.execute = recording
+    llm.engine.runner.execute_step = recording
     prompt = {"prompt_token_ids": distinct_prompt(40, sequence=0, round_index=0)}
     step_ms = forced.time_steps([prompt], SamplingParams(temperature=0.0, max_tokens=25,
                                                          ignore_eos=True), num_drafts=3)

@@ -49,10 +49,10 @@ class ModelClusterDriver(ClusterDriver):
     def _run_step(self, worker: WorkerRecord, step: InFlightStep) -> list[Sampled]:
         executor = self.executors[worker.info.instance_id]
         order = worker_edge.step_from_proto(scheduler_edge.step_to_proto(step.plan.order))
-        sampled = executor.execute(order, executor.apply(order))
+        outcome = executor.execute(order, executor.apply(order))
         for send in order.kv_sends:  # the step computed (or had) their pages: out they go
             self._push(executor, send)
-        result = worker_edge.outcome_to_proto(StepOutcome(order.step_id, tuple(sampled)))
+        result = worker_edge.outcome_to_proto(outcome)
         return list(scheduler_edge.outcome_from_proto(result).sampled)
 
     def _push(self, source: StepExecutor, send: SendOrder) -> None:

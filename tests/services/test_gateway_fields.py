@@ -35,12 +35,13 @@ VLLM_CHAT_HONOURED = {
     "add_generation_prompt": True, "priority": 1, "allowed_token_ids": [5, 6],
     "bad_words": ["x"], "structured_outputs": {"regex": "a+"}, "guided_regex": "a+",
     "guided_json": {"type": "object"}, "guided_choice": ["a"], "guided_grammar": 'start: "a"',
+    "prompt_logprobs": 1,
 }
 VLLM_CHAT_REFUSED = {
     "best_of": 2, "use_beam_search": True, "length_penalty": 1.0,
     "include_stop_str_in_output": True, "continue_final_message": True,
     "chat_template": "{{ x }}", "chat_template_kwargs": {}, "documents": [],
-    "guided_decoding_backend": "xgrammar", "logits_processors": [], "prompt_logprobs": 1,
+    "guided_decoding_backend": "xgrammar", "logits_processors": [],
     "truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {}, "request_id": "r", "spaces_between_special_tokens": False,
 }

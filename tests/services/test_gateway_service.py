@@ -55,7 +55,8 @@ BAD_COMPLETION_BODIES = {
     "negative token id": {"prompt": [1, -2]},
     "negative max_tokens": {"prompt": "Hi", "max_tokens": -1},
     "logprobs too many": {"prompt": "Hi", "logprobs": 1000},
-    "echo with logprobs": {"prompt": "Hi", "echo": True, "logprobs": 1},
+    "prompt_logprobs too many": {"prompt": "Hi", "prompt_logprobs": 21},
+    "prompt_logprobs negative": {"prompt": "Hi", "prompt_logprobs": -1},
     "suffix": {"prompt": "Hi", "suffix": "end"},
 }
 

@@ -162,8 +162,17 @@ class DecoderLM(nn.Module):
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         # input_ids, positions [T]; per layer: kv_caches, slot_mappings [T], attn_metas;
         # logits_indices [S] rows to sample -> [S, vocab] float32.
-        # on_layer_done(i) runs once layer i's KV for this step is stored (the KV connector
-        # starts pushing that layer while later layers compute).
+        return self.logits_of(self.final_hidden(input_ids, positions, kv_caches, slot_mappings,
+                                                attn_metas, logits_indices, on_layer_done))
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[KVCache], slot_mappings: list[torch.Tensor],
+                     attn_metas: list[AttentionMetadata], row_indices: torch.Tensor,
+                     on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The final norm's output for rows row_indices [R] -> [R, hidden] (forward's args).
+        on_layer_done(i) runs once layer i's KV for this step is stored (the KV connector
+        starts pushing that layer while later layers compute)."""
+        logits_indices = row_indices
         hidden = self._embed(input_ids)
         ropes = {key: rope.tables_for(positions, hidden.dtype) for key, rope in self.ropes.items()}
         if self.fused_layers:
@@ -176,9 +185,9 @@ class DecoderLM(nn.Module):
                 if on_layer_done is not None:
                     on_layer_done(index)
             hidden = self.norm(hidden[logits_indices])
-        return self._logits(hidden)
+        return hidden
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] f32
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] f32
         if self.packed_head is not None:
             logits = self.packed_head(hidden).float()
         else:

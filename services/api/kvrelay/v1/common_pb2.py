@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/common.proto\x12\nkvrelay.v1\"\xba\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\t\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1d.kvrelay.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x32\n\x11\x61llowed_token_ids\x18\x13 \x01(\x0b\x32\x17.kvrelay.v1.TokenIdList\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x14 \x03(\x0b\x32\x17.kvrelay.v1.TokenIdList\x12\x1b\n\x13\x64isable_speculation\x18\x15 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\xa9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x17\n\x0f\x61\x66ter_reasoning\x18\x06 \x01(\tB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/common.proto\x12\nkvrelay.v1\"\xec\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\t\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1d.kvrelay.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).kvrelay.v1.SamplingParams.LogitBiasEntry\x12\x32\n\x11\x61llowed_token_ids\x18\x13 \x01(\x0b\x32\x17.kvrelay.v1.TokenIdList\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x14 \x03(\x0b\x32\x17.kvrelay.v1.TokenIdList\x12\x1b\n\x13\x64isable_speculation\x18\x15 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_prompt_logprobs\"\xa9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvrelay.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x17\n\x0f\x61\x66ter_reasoning\x18\x06 \x01(\tB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvrelay.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1447
-  _globals['_FINISHREASON']._serialized_end=1592
+  _globals['_FINISHREASON']._serialized_start=1497
+  _globals['_FINISHREASON']._serialized_end=1642
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=866
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=682
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=730
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=869
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1038
-  _globals['_CHOICELIST']._serialized_start=1040
-  _globals['_CHOICELIST']._serialized_end=1069
-  _globals['_TOKENIDLIST']._serialized_start=1071
-  _globals['_TOKENIDLIST']._serialized_end=1097
-  _globals['_TOPLOGPROB']._serialized_start=1099
-  _globals['_TOPLOGPROB']._serialized_end=1146
-  _globals['_TOKENLOGPROB']._serialized_start=1148
-  _globals['_TOKENLOGPROB']._serialized_end=1248
-  _globals['_USAGE']._serialized_start=1250
-  _globals['_USAGE']._serialized_end=1337
-  _globals['_CHATMESSAGE']._serialized_start=1339
-  _globals['_CHATMESSAGE']._serialized_end=1444
+  _globals['_SAMPLINGPARAMS']._serialized_end=916
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=712
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=760
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=919
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1088
+  _globals['_CHOICELIST']._serialized_start=1090
+  _globals['_CHOICELIST']._serialized_end=1119
+  _globals['_TOKENIDLIST']._serialized_start=1121
+  _globals['_TOKENIDLIST']._serialized_end=1147
+  _globals['_TOPLOGPROB']._serialized_start=1149
+  _globals['_TOPLOGPROB']._serialized_end=1196
+  _globals['_TOKENLOGPROB']._serialized_start=1198
+  _globals['_TOKENLOGPROB']._serialized_end=1298
+  _globals['_USAGE']._serialized_start=1300
+  _globals['_USAGE']._serialized_end=1387
+  _globals['_CHATMESSAGE']._serialized_start=1389
+  _globals['_CHATMESSAGE']._serialized_end=1494
 # @@protoc_insertion_point(module_scope)

@@ -111,12 +111,24 @@ class KvSendResult(_message.Message):
     seconds: float
     def __init__(self, transfer_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class PromptLogprobChunk(_message.Message):
+    __slots__ = ("seq_id", "first_position", "entries")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    first_position: int
+    entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, seq_id: _Optional[str] = ..., first_position: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "kv_sends")
+    __slots__ = ("step_id", "sampled", "kv_sends", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     KV_SENDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     kv_sends: _containers.RepeatedCompositeFieldContainer[KvSendResult]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KvSendResult, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobChunk]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KvSendResult, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobChunk, _Mapping]]] = ...) -> None: ...
