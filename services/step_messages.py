@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvrelay.engine.prompt_logprobs import PromptLogprobs, TokenLogprob  # noqa: F401 (re-exported)
+from kvrelay.engine.step_results import (Pooled, PromptLogprobs,  # noqa: F401 (re-exported)
+                                          TokenLogprob)
 from kvrelay.engine.sampling_params import SamplingParams
 
 
@@ -90,6 +91,7 @@ class StepOutcome:
     step_id: int
     sampled: tuple[Sampled, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # of the prompt chunks the step computed
+    pooled: tuple[Pooled, ...] = ()  # the embeddings the step finished
 
 
 def token_logprob(entry: dict[int, float], rank: int, token_id: int,

@@ -26,6 +26,7 @@ def params_from_proto(message: common_pb2.SamplingParams,
     if message.HasField("allowed_token_ids"):
         values["allowed_token_ids"] = list(message.allowed_token_ids.ids)
     values["bad_words_token_ids"] = [list(word.ids) for word in message.bad_words_token_ids]
+    values["pooling"] = message.pooling or None
     values.setdefault("max_tokens", default_max_tokens)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -42,7 +43,7 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         skip_special_tokens=params.skip_special_tokens,
-        disable_speculation=params.disable_speculation)
+        disable_speculation=params.disable_speculation, pooling=params.pooling or "")
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:

@@ -42,9 +42,9 @@ def _real_logits(llm: LLM) -> torch.Tensor:
     original = llm.engine.runner.execute_step
 
     def capture(step):
-        logits, prompt_logprobs = original(step)
-        captured.append(logits.clone())
-        return logits, prompt_logprobs
+        result = original(step)
+        captured.append(result.logits.clone())
+        return result
 
     llm.engine.runner.execute_step = capture
     try:

@@ -14,6 +14,8 @@ _EXPORTS = {
     "RequestOutput": "kvrelay.engine.outputs",
     "CompletionOutput": "kvrelay.engine.outputs",
     "Logprob": "kvrelay.engine.outputs",
+    "EmbeddingRequestOutput": "kvrelay.engine.outputs",
+    "EmbeddingOutput": "kvrelay.engine.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -98,12 +98,15 @@ class EngineCore:
 
     def _run(self, output: SchedulerOutput) -> dict[str, EmittedRun]:
         step = self.runner.prepare(output.scheduled)
-        logits, prompt_logprobs = self.runner.execute_step(step)  # logits [S, vocab]
-        if prompt_logprobs:
+        result = self.runner.execute_step(step)
+        logits = result.logits  # [S, vocab]
+        if result.prompt_logprobs or result.pooled:
             requests = {item.request.sequence_id: item.request for item in output.scheduled}
-            for result in prompt_logprobs:
-                requests[result.sequence_id].add_prompt_logprobs(result.first_position,
-                                                                 result.entries)
+            for scored in result.prompt_logprobs:
+                requests[scored.sequence_id].add_prompt_logprobs(scored.first_position,
+                                                                 scored.entries)
+            for pooled in result.pooled:
+                requests[pooled.sequence_id].embedding = pooled.values
         if not step.sample_rows:
             return {}
         items = [output.scheduled[row] for row in dict.fromkeys(step.sample_rows)]

@@ -12,7 +12,8 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.conversation import check_conversation
 from kvrelay.engine.detokenizer import IncrementalDetokenizer
 from kvrelay.engine.engine_core import EngineCore
-from kvrelay.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvrelay.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                                    Logprob, RequestOutput)
 from kvrelay.engine.request import Request, RequestStatus, make_sequence_id
 from kvrelay.engine.sampler import make_generator
 from kvrelay.engine.sampling_params import SamplingParams
@@ -53,6 +54,19 @@ class LLM:
                                                 **(chat_template_kwargs or {}))
                        for conversation in conversations]
         return self._run(token_lists, [None] * len(token_lists), sampling_params, use_tqdm, None)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last",
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: its final hidden states (after the last norm) pooled, the
+        last token's or the mean of all, L2-normalized (pooling.py)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        token_lists = [self._prompt_token_ids(prompt) for prompt in prompts]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
+        return [EmbeddingRequestOutput(output.request_id, output.prompt_token_ids,
+                                       EmbeddingOutput(output.embedding))
+                for output in self._run(token_lists, texts, params, use_tqdm, None)]
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> list[int]:
@@ -214,7 +228,8 @@ class _Tracker:
                                for entry in first.prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.token_ids, outputs,
                              num_cached_tokens=first.num_cached_prompt_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             embedding=None if first.embedding is None else list(first.embedding))
 
     def _completion(self, index: int, request: Request, tokenizer) -> CompletionOutput:
         skip = request.params.skip_special_tokens

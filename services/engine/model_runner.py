@@ -16,8 +16,10 @@ from kvrelay.kernels.onednn_linear import onednn_packs_bf16
 from kvrelay.kernels.metadata import build_attention_metadata
 from kvrelay.kernels.native_cpu import paged_decode_op
 from kvrelay.kernels.native_elementwise import elementwise_ops
-from kvrelay.engine import prompt_logprobs, shared_pages
-from kvrelay.engine.prompt_logprobs import PromptLogprobs, PromptRows
+from kvrelay.engine import pooling, prompt_logprobs, shared_pages
+from kvrelay.engine.pooling import PoolRows
+from kvrelay.engine.prompt_logprobs import PromptRows
+from kvrelay.engine.step_results import Pooled, PromptLogprobs
 from kvrelay.engine.kv_groups import KVGroupLayout
 from kvrelay.engine.models import gguf_int4, gguf_q8_head, quant_schemes, small_steps
 from kvrelay.engine.models.fp8_checkpoint import Fp8Checkpoint
@@ -51,6 +53,16 @@ class StepInput:
     # [P] int64 flat rows, and per item which tokens they predict (prompt_logprobs.py)
     prompt_indices: torch.Tensor | None = None
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # rows an embedding pools: [Q] int64 flat rows, and per item how many (pooling.py)
+    pool_indices: torch.Tensor | None = None
+    pool_rows: list[PoolRows] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    logits: torch.Tensor  # [S, vocab] float32, the sampled rows'
+    prompt_logprobs: list[PromptLogprobs]
+    pooled: list[Pooled]  # the embeddings the step finished
 
 
 class ModelRunner:
@@ -219,7 +231,7 @@ class ModelRunner:
         num_groups = self.kv_layout.num_groups
         slot_chunks = [[] for _ in range(num_groups)]  # per group, per item
         cu_seqlens, seq_lens, logits_indices, sample_rows = [0], [], [], []
-        prompt_indices, prompt_rows = [], []
+        prompt_indices, prompt_rows, pool_indices, pool_rows = [], [], [], []
         block_tables = [np.zeros((len(scheduled), max(len(item.block_ids[group])
                                                       for item in scheduled)), dtype=np.int32)
                         for group in range(num_groups)]
@@ -247,12 +259,20 @@ class ModelRunner:
                 first_row = cu_seqlens[-2]
                 prompt_indices.extend(range(first_row, first_row + len(rows.target_ids)))
                 prompt_rows.append(rows)
+            pooled = pooling.pool_rows(request, start, end)
+            if pooled is not None:
+                first_row = cu_seqlens[-2] + pooled[0] - start
+                pool_indices.extend(range(first_row, first_row + pooled[1].num_rows))
+                pool_rows.append(pooled[1])
         step = self._to_step_input(token_chunks, position_chunks, slot_chunks, cu_seqlens,
                                    seq_lens, block_tables, logits_indices, sample_rows)
         if prompt_rows:
             step.prompt_indices = torch.tensor(prompt_indices, dtype=torch.int64,
                                                device=self.device)
             step.prompt_rows = prompt_rows
+        if pool_rows:
+            step.pool_indices = torch.tensor(pool_indices, dtype=torch.int64, device=self.device)
+            step.pool_rows = pool_rows
         return step
 
     def _to_step_input(self, token_chunks, position_chunks, slot_chunks, cu_seqlens, seq_lens,
@@ -282,13 +302,12 @@ class ModelRunner:
 
     def execute(self, step: StepInput, on_layer_done=None) -> torch.Tensor:
         """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
-        return self.execute_step(step, on_layer_done)[0]
+        return self.execute_step(step, on_layer_done).logits
 
     @torch.inference_mode()
-    def execute_step(self, step: StepInput, on_layer_done=None,
-                     ) -> tuple[torch.Tensor, list[PromptLogprobs]]:
-        """The forward pass: float32 logits [S, vocab] for the sampled rows, and the prompt
-        logprobs of the items that ask for them."""
+    def execute_step(self, step: StepInput, on_layer_done=None) -> StepResult:
+        """The forward pass: float32 logits [S, vocab] for the sampled rows, the prompt
+        logprobs of the items that ask for them, the embeddings the step finishes."""
         # One metadata per KV group, with the group's window (layers of a window group see
         # only the last W keys; the blocks before those may already be freed).
         group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
@@ -297,18 +316,22 @@ class ModelRunner:
                                                 window=self.kv_layout.groups[group].window)
                        for group, table in enumerate(step.block_tables)]
         layer_groups = self.kv_layout.layer_group
-        rows = step.logits_indices if step.prompt_indices is None else \
-            torch.cat([step.logits_indices, step.prompt_indices])
+        parts = [step.logits_indices, step.prompt_indices, step.pool_indices]
+        rows = torch.cat([part for part in parts if part is not None]) \
+            if step.prompt_rows or step.pool_rows else step.logits_indices
         hidden = self.model.final_hidden(step.input_ids, step.positions, self.kv_caches,
                                          [step.slot_mappings[group] for group in layer_groups],
                                          [group_metas[group] for group in layer_groups],
                                          rows, on_layer_done)
         num_sampled = step.logits_indices.shape[0]
+        num_prompt = 0 if step.prompt_indices is None else step.prompt_indices.shape[0]
         logits = self.model.logits_of(hidden[:num_sampled])
-        if not step.prompt_rows:
-            return logits, []
-        return logits, prompt_logprobs.compute(self.model.logits_of, hidden[num_sampled:],
-                                               step.prompt_rows)
+        scored = prompt_logprobs.compute(
+            self.model.logits_of, hidden[num_sampled:num_sampled + num_prompt],
+            step.prompt_rows) if step.prompt_rows else []
+        pooled = pooling.pool(hidden[num_sampled + num_prompt:], step.pool_rows) \
+            if step.pool_rows else []
+        return StepResult(logits, scored, pooled)
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -34,7 +34,21 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling
 
     @property
     def finished(self) -> bool:
         return all(output.finished for output in self.outputs)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # [hidden], unit length
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, as vLLM's offline API shapes it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput

@@ -11,24 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.engine.step_results import PromptLogprobs, TokenLogprob
+
 SLICE_ROWS = 128
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLogprobs:
-    """One step's prompt logprobs of one sequence: entries[i] is prompt token
-    first_position + i's (positions count from 0; the first token has none)."""
-    sequence_id: str
-    first_position: int
-    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True, slots=True)

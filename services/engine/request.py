@@ -61,6 +61,10 @@ class Request:
         # (position 0 never is); filled by position, so a recomputed prompt changes nothing
         self.prompt_logprobs: list | None = None if params.prompt_logprobs is None \
             else [None] * len(prompt_token_ids)
+        # with params.pooling: the embedding once computed; a mean's running sum meanwhile
+        self.embedding: tuple[float, ...] | None = None
+        self.pooled_sum = None
+        self.pooled_count = 0
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission
         self.num_preemptions = 0
@@ -79,8 +83,9 @@ class Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position computed: no cache hit skips any."""
-        return self.params.prompt_logprobs is None
+        """Prompt logprobs and a mean's pooling need every prompt position computed: no cache
+        hit skips any."""
+        return self.params.prompt_logprobs is None and self.params.pooling != "mean"
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from kvrelay.engine.step_results import POOLINGS
 from kvrelay.engine.structured.spec import StructuredOutputs, from_vllm_fields
 
 MAX_LOGPROBS = 20
@@ -34,6 +35,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) plus the top k;
     # computed where the prompt is (no prefix-cache hit skips any of it)
     prompt_logprobs: int | None = None
+    # An embedding instead of text (pooling.py): "last" or "mean" of the prompt's final hidden
+    # states; such a request is one token long (max_tokens 1, n 1) and its token is dropped.
+    pooling: str | None = None
     skip_special_tokens: bool = True
     # Output constraints, applied before every other sampling step (sampler.py): the grammar's
     # allowed tokens, then allowed_token_ids, then the bias added to the logits.
@@ -71,6 +75,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        if self.pooling is not None:
+            self._check_pooling()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -133,6 +139,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    def _check_pooling(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got "
+                             f"{self.pooling!r}")
+        if self.max_tokens != 1 or self.n != 1:
+            raise ValueError("pooling (an embedding) takes max_tokens 1 and n 1")
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":

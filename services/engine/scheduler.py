@@ -192,7 +192,7 @@ class Scheduler:
             return None  # a sequence joined: the next step is planned in full
         output = SchedulerOutput()
         for request in requests:
-            if self._ends_after_next_token(request):
+            if self.ends_after_next_token(request):
                 continue
             if not self.kv.allocate_slots(request, 2):  # (slots taken early stay its own)
                 return None
@@ -203,7 +203,7 @@ class Scheduler:
         self.stats.num_steps += 1
         return output
 
-    def _ends_after_next_token(self, request: Request) -> bool:
+    def ends_after_next_token(self, request: Request) -> bool:
         """The token the step in flight samples is the request's last by length."""
         max_tokens = request.params.max_tokens
         return ((max_tokens is not None and request.num_output_tokens + 1 >= max_tokens)

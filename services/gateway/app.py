@@ -21,9 +21,11 @@ from kvrelay.common.log import bind_request_id, get_logger
 from kvrelay.gateway.errors import KINDS, GatewayError, invalid
 from kvrelay.gateway.openai_chat import create_chat_completion
 from kvrelay.gateway.openai_completions import create_completion
+from kvrelay.gateway.openai_embeddings import create_embedding
 from kvrelay.gateway.openai_limits import check_body_limits, check_unparsed_text, read_body
 from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
-                                              DetokenizeRequest, TokenizeRequest)
+                                              DetokenizeRequest, EmbeddingRequest,
+                                              TokenizeRequest)
 from kvrelay.gateway.openai_responses import create_response, delete_response, get_response
 from kvrelay.gateway.openai_serving import ClientDisconnected, served_model
 from kvrelay.gateway.openai_tools import chat_messages
@@ -55,7 +57,8 @@ def build_app(core, responses: ResponseStore, api_key: str | None = None) -> Fas
 # Bodies are parsed by _parse (so that no path answers FastAPI's 422): /openapi.json gets each
 # route's body schema from the same pydantic models.
 _BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+           "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
+           "/tokenize": TokenizeRequest,
            "/detokenize": DetokenizeRequest}
 
 
@@ -85,6 +88,10 @@ def _add_generation_routes(app: FastAPI, auth: list) -> None:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
         return await _generate(request, CompletionRequest, create_completion, "cmpl")
+
+    @app.post("/v1/embeddings", dependencies=auth)
+    async def embeddings(request: Request):
+        return await _generate(request, EmbeddingRequest, create_embedding, "embd")
 
 
 def _add_response_routes(app: FastAPI, store: ResponseStore, auth: list) -> None:
@@ -151,7 +158,8 @@ async def _generate(request: Request, model: type[BaseModel], handler, prefix: s
         raise GatewayError("unavailable", "the gateway is shutting down")
     client_request_id = _client_request_id(request, prefix)
     body = await _parse(request, model)
-    log.info("request", endpoint=request.url.path, stream=body.stream, user=body.user)
+    log.info("request", endpoint=request.url.path, stream=getattr(body, "stream", False),
+             user=body.user)
     if core.log_request_text:  # off by default: prompts are the users' data
         log.info("request text", body=body.model_dump(mode="json", exclude_unset=True))
     try:

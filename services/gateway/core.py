@@ -46,9 +46,10 @@ class GatewayCore:
                  served_model_name: str | None = None, submit_wait_s: float = 0.0,
                  request_timeout_s: float = 0.0, limits: RequestLimits | None = None,
                  log_request_text: bool = False, tokenizer_wait_s: float = 30.0,
-                 reasoning_parser: str = "none") -> None:
+                 reasoning_parser: str = "none", pooling: str = "last") -> None:
         self.upstream = upstream
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (reasoning.py)
+        self.pooling = pooling  # --pooling, of /v1/embeddings (openai_embeddings.py)
         self.limits = limits or RequestLimits()
         # Prompts, outputs and their token ids are the users' data: logged only when asked
         # (--log-request-text), for debugging.

@@ -49,8 +49,8 @@ def output_deltas(batch: scheduler_pb2.OutputBatch) -> list[OutputDelta]:
         delta.stop_token_id if delta.HasField("stop_token_id") else None,
         _logprobs(delta.logprobs) if delta.logprobs else (),
         delta.error, delta.num_cached_prompt_tokens,
-        _logprobs(delta.prompt_logprobs) if delta.prompt_logprobs else ())
-        for delta in batch.deltas]
+        _logprobs(delta.prompt_logprobs) if delta.prompt_logprobs else (),
+        tuple(delta.embedding)) for delta in batch.deltas]
 
 
 def _logprobs(entries) -> tuple[SampledLogprob, ...]:

@@ -14,6 +14,7 @@ from kvrelay.wire import params_from_proto
 from kvrelay.gateway import edge
 from kvrelay.gateway.errors import GatewayError, invalid, param_from_value_error
 from kvrelay.gateway.limits import RequestLimits
+from kvrelay.gateway.openai_embeddings import embed
 from kvrelay.gateway.openai_serving import generation_model, served_model
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.request_state import SampleDelta
@@ -121,6 +122,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise invalid("prompt must not be empty", "prompt")
         return prompt
 
+    async def Embed(self, request, context):
+        await self._admit(request, context)
+        client_request_id = request.request_id or f"embd-{uuid.uuid4().hex}"
+        bind_request_id(client_request_id)
+        try:
+            await generation_model(self.core, request.model or None)
+            prompts = await self._embed_inputs(request, client_request_id)
+            vectors = await embed(self.core, None, prompts, client_request_id,
+                                  request.priority)
+        except GatewayError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        return generation_pb2.EmbedResponse(
+            request_id=client_request_id,
+            embeddings=[generation_pb2.Embedding(values=vector) for vector in vectors],
+            usage=common_pb2.Usage(prompt_tokens=sum(map(len, prompts))))
+
+    async def _embed_inputs(self, request, client_request_id: str) -> list[list[int]]:
+        if bool(request.texts) == bool(request.token_ids):
+            raise invalid("give either texts or token_ids", "texts")
+        limits = self.core.limits
+        limits.check_prompts(len(request.texts) + len(request.token_ids), "texts")
+        prompts = [list(ids.ids) for ids in request.token_ids] or [
+            await self.core.upstream.encode(text, True, client_request_id)
+            for text in request.texts]
+        if not all(prompts):
+            raise invalid("an input is empty", "texts" if request.texts else "token_ids")
+        limits.check_prompt_tokens(prompts, "texts" if request.texts else "token_ids")
+        return prompts
+
     async def Abort(self, request, context):
         await self._admit(request, context)
         return generation_pb2.AbortResponse(found=await self.core.abort(request.request_id))
@@ -189,6 +219,11 @@ def _check_generate_limits(limits: RequestLimits, request) -> None:
     limits.check_stop(list(params.stop), "params.stop")
     if params.HasField("logprobs"):
         limits.check_logprobs(params.logprobs, "params.logprobs")
+    if params.HasField("prompt_logprobs"):
+        limits.check_logprobs(params.prompt_logprobs, "params.prompt_logprobs")
+    if params.pooling:
+        raise invalid("params.pooling: embeddings come from the Embed call",
+                      "params.pooling")
 
 
 def _response(group: RequestGroup, client_request_id: str, deltas: list[SampleDelta],

@@ -47,7 +47,7 @@ LIMITS = {
         "--max-prompt-tokens", 0,
         "tokens in one prompt (0: only the model's context length, which the scheduler "
         "checks with max_tokens)"),
-    "max_prompts": Limit("--max-prompts", 128, "prompts in one /v1/completions request"),
+    "max_prompts": Limit("--max-prompts", 128, "prompts in one /v1/completions or /v1/embeddings request"),
     "max_n": Limit("--max-n", 16, "choices (n) per prompt"),
     "max_messages": Limit("--max-messages", 1024, "chat messages in one request"),
     "max_stop_strings": Limit("--max-stop-strings", 16, "stop strings in one request"),
@@ -137,10 +137,10 @@ class RequestLimits:
             raise invalid(f"{param} takes at most {self.max_messages} messages, got {count}",
                           param)
 
-    def check_prompts(self, count: int) -> None:
+    def check_prompts(self, count: int, param: str = "prompt") -> None:
         if count > self.max_prompts:
-            raise invalid(f"prompt takes at most {self.max_prompts} prompts, got {count}",
-                          "prompt")
+            raise invalid(f"{param} takes at most {self.max_prompts} prompts, got {count}",
+                          param)
 
     def check_prompt_tokens(self, prompts: list[list[int]], param: str = "prompt") -> None:
         """The gateway's own cap; the model's context length stays the scheduler's check."""

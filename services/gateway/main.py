@@ -49,7 +49,7 @@ async def serve(args: argparse.Namespace) -> None:
                        request_timeout_s=args.request_timeout,
                        tokenizer_wait_s=args.tokenizer_wait_timeout,
                        limits=RequestLimits.from_args(args), log_request_text=args.log_request_text,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser, pooling=args.pooling)
     server = ServiceServer(args.host, args.grpc_port, [SERVICE_NAME], public=True,
                            public_credentials=public_tls and public_tls.grpc_credentials(),
                            extra_options=core.limits.grpc_server_options())

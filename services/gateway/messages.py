@@ -71,6 +71,7 @@ class OutputDelta:
     num_cached_prompt_tokens: int = 0
     # on a sample's first delta, where asked: each prompt token's after the first
     prompt_logprobs: tuple[SampledLogprob, ...] = ()
+    embedding: tuple[float, ...] = ()  # a request with pooling's, on its only delta
 
 
 # ---- the Detokenize stream -----------------------------------------------------------------------

@@ -23,7 +23,7 @@ async def create_completion(core, http_request: Request, body: CompletionRequest
     model = await generation_model(core, body.model)
     params = completion_params(body)
     params = await with_bad_words(core, params, body.bad_words, client_request_id)
-    prompts = await _prompt_token_ids(core, body.prompt, client_request_id)
+    prompts = await prompt_token_ids(core, body.prompt, client_request_id)
     core.limits.check_prompt_tokens(prompts)
     echoes = (await _echo_texts(core, body.prompt, prompts, client_request_id)
               if body.echo else None)
@@ -76,18 +76,20 @@ class _Shape:
         return CompletionLogprobs(0).prompt(entries, self.logprobs)
 
 
-async def _prompt_token_ids(core, prompt, client_request_id: str) -> list[list[int]]:
-    """The prompt field in its four shapes, as one token id list per prompt."""
+async def prompt_token_ids(core, prompt, client_request_id: str,
+                           param: str = "prompt") -> list[list[int]]:
+    """The prompt field (embeddings: input) in its four shapes, as one token id list per
+    prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise invalid("prompt must not be empty", "prompt")
+        raise invalid(f"{param} must not be empty", param)
     if isinstance(prompt[0], int):
         prompt = [prompt]
     prompts = await asyncio.gather(*[_token_ids(core, item, client_request_id)
                                      for item in prompt])
     if not all(prompts):
-        raise invalid("prompt must not be empty", "prompt")
+        raise invalid(f"{param} must not be empty", param)
     return prompts
 
 

@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from kvrelay.gateway.limits import RequestLimits
 from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
-                                              SamplingFields)
+                                              EmbeddingRequest, SamplingFields)
 from kvrelay.gateway.text_fields import json_texts
 
 async def read_body(request: Request, limits: RequestLimits) -> bytes:
@@ -67,6 +67,8 @@ def check_body_limits(body: BaseModel, raw: bytes, limits: RequestLimits) -> Non
     if isinstance(body, CompletionRequest):
         limits.check_logprobs(body.logprobs)
         limits.check_prompts(num_prompts(body.prompt))
+    if isinstance(body, EmbeddingRequest):
+        limits.check_prompts(num_prompts(body.input), "input")
 
 
 def num_prompts(prompt: str | list) -> int:

@@ -174,6 +174,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # rejected when set: there is no fill-in-the-middle
 
 
+class EmbeddingRequest(Strict):
+    """OpenAI's embeddings body (one input, or a batch of texts or token id lists)."""
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=UINT32)] | None = None  # only the model's width
+    user: str | None = None
+    priority: Annotated[int, Field(ge=-INT32 - 1, le=INT32)] = 0
+
+
 class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None

@@ -93,10 +93,13 @@ class ChoiceResult:
     stop_reason: str | int | None = None
     error: str | None = None
     prompt_logprobs: list | None = None  # where asked: one per prompt token
+    embedding: tuple[float, ...] = ()  # a request with pooling's
 
     def add(self, delta: SampleDelta) -> None:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding:
+            self.embedding = delta.embedding
         self.texts.append(delta.text)
         self.num_tokens.append(len(delta.token_ids))
         if delta.logprobs:

@@ -41,6 +41,7 @@ class SampleDelta:
     error: str | None = None
     # on the first delta, where asked: one per prompt token (the first's logprob is None)
     prompt_logprobs: list[TokenLogprob] | None = None
+    embedding: tuple[float, ...] = ()  # a request with pooling's
 
 
 class SampleState:
@@ -108,7 +109,8 @@ class SampleState:
         logprobs = _logprobs(delta.logprobs, pieces) if delta.logprobs else None
         # The delta's token list is the consumer's now: nothing else changes it.
         return SampleDelta(self.index, text, delta.new_token_ids, logprobs,
-                           finish_reason, stop_reason, delta.error or None, prompt_logprobs)
+                           finish_reason, stop_reason, delta.error or None, prompt_logprobs,
+                           delta.embedding)
 
     def error_delta(self, message: str) -> SampleDelta:
         self.finished = True

@@ -26,6 +26,7 @@ def token_delta(sample: SampleRecord, update: SequenceUpdate) -> Delta:
         prompt_logprobs=(tuple(request.prompt_logprobs[1:])
                          if request.prompt_logprobs is not None
                          and request.num_output_tokens == num_new else ()),
+        embedding=request.embedding or (),
         finish_reason=FINISH_REASONS[request.status] if update.finished else None,
         stop_token_id=request.stop_token_id if update.finished else None)
 
@@ -47,6 +48,7 @@ def token_deltas(sample: SampleRecord, update: SequenceUpdate) -> list[Delta]:
             logprobs=whole.logprobs[position:position + 1],
             num_cached_prompt_tokens=whole.num_cached_prompt_tokens if position == 0 else 0,
             prompt_logprobs=whole.prompt_logprobs if position == 0 else (),
+            embedding=whole.embedding if position == 0 else (),
             finish_reason=whole.finish_reason if last else None,
             stop_token_id=whole.stop_token_id if last else None))
     return deltas

@@ -3,8 +3,8 @@ back. Nothing past this module (and the gRPC handlers that call it) sees a `_pb2
 from __future__ import annotations
 
 from kvrelay.api.kvrelay.v1 import common_pb2, scheduler_pb2, worker_pb2
-from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, PromptLogprobs,
-                                         Role, Sampled, ScheduledSequence, SendOrder,
+from kvrelay.scheduler.messages import (Delta, FinishReason, NewSequence, Pooled,
+                                         PromptLogprobs, Role, Sampled, ScheduledSequence, SendOrder,
                                          SendResult, StepOrder, StepOutcome, TokenLogprob,
                                          WorkerInfo)
 from kvrelay.wire import group_tables_to_wire, params_to_proto, token_logprob_to_proto
@@ -87,7 +87,8 @@ def outcome_from_proto(message: worker_pb2.StepResult) -> StepOutcome:
         for token in message.sampled), prompt_logprobs=tuple(
         PromptLogprobs(chunk.seq_id, chunk.first_position,
                        tuple(_logprob_from_proto(entry) for entry in chunk.entries))
-        for chunk in message.prompt_logprobs))
+        for chunk in message.prompt_logprobs), pooled=tuple(
+        Pooled(pooled.seq_id, tuple(pooled.values)) for pooled in message.pooled))
 
 
 def send_results_from_proto(message: worker_pb2.StepResult) -> list[SendResult]:
@@ -108,6 +109,8 @@ def delta_to_proto(delta: Delta) -> scheduler_pb2.SequenceDelta:
     if delta.prompt_logprobs:
         message.prompt_logprobs.extend(token_logprob_to_proto(entry)
                                        for entry in delta.prompt_logprobs)
+    if delta.embedding:
+        message.embedding.extend(delta.embedding)
     if delta.finish_reason is not None:
         message.finish_reason = FINISH_REASON_TO_PROTO[delta.finish_reason]
     if delta.stop_token_id is not None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvrelay.step_messages import (NewSequence, PromptLogprobs, Sampled, ScheduledSequence,
-                                   SendOrder, SendResult, StepOrder, StepOutcome, TokenLogprob)
+from kvrelay.step_messages import (NewSequence, Pooled, PromptLogprobs, Sampled,
+                                   ScheduledSequence, SendOrder, SendResult, StepOrder,
+                                   StepOutcome, TokenLogprob)
 
 __all__ = ["Role", "PREFILL", "DECODE", "BOTH", "FinishReason", "WorkerInfo", "Delta",
-           "NewSequence", "PromptLogprobs", "Sampled", "ScheduledSequence", "SendOrder", "SendResult", "StepOrder",
+           "NewSequence", "Pooled", "PromptLogprobs", "Sampled", "ScheduledSequence", "SendOrder", "SendResult", "StepOrder",
            "StepOutcome", "TokenLogprob"]
 
 
@@ -74,3 +75,4 @@ class Delta:
     num_cached_prompt_tokens: int = 0  # on a sample's first delta
     # on a sample's first delta, where asked: each prompt token's after the first
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    embedding: tuple[float, ...] = ()  # on the only delta of a request with pooling

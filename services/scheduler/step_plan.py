@@ -104,7 +104,10 @@ class StepPlanner:
                                                  new_block_ids, bitmask,
                                                  tuple(item.draft_token_ids)))
         worker.known_blocks[sequence_id] = [len(table) for table in item.block_ids]
-        if worker.role is PREFILL and item.samples:
+        # (a sample that ends with the token this step samples, by length, needs no decode
+        # worker: an embedding, a one-token request)
+        if worker.role is PREFILL and item.samples \
+                and not worker.core.ends_after_next_token(request):
             return self.cluster.reserve_decode(self.cluster.samples[sequence_id], during_step=True)
         return None
 
@@ -114,12 +117,15 @@ class StepPlanner:
         cluster, worker = self.cluster, self.worker
         sampled = {token.sequence_id: list(token.token_ids) for token in outcome.sampled}
         logprobs = {token.sequence_id: token.logprobs for token in outcome.sampled}
-        if outcome.prompt_logprobs:
+        if outcome.prompt_logprobs or outcome.pooled:
             requests = {item.request.sequence_id: item.request for item in plan.output.scheduled}
             for chunk in outcome.prompt_logprobs:
                 request = requests.get(chunk.sequence_id)
                 if request is not None and request.prompt_logprobs is not None:
                     request.add_prompt_logprobs(chunk.first_position, chunk.entries)
+            for pooled in outcome.pooled:
+                if pooled.sequence_id in requests:
+                    requests[pooled.sequence_id].embedding = pooled.values
         num_emitted = 0
         for update in apply_step_outputs(worker.core, plan.output, sampled, logprobs):
             request = update.request

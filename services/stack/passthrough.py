@@ -31,6 +31,7 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--request-timeout": ("gateway",),
     "--tokenizer-wait-timeout": ("gateway",),
     "--reasoning-parser": ("gateway",),
+    "--pooling": ("gateway",),
     "--responses-store-bytes": ("gateway",),
     "--responses-store-ttl": ("gateway",),
     "--dtype": ("worker",),

@@ -55,6 +55,8 @@ def outcome_to_proto(outcome: StepOutcome) -> worker_pb2.StepResult:
         message.prompt_logprobs.add(
             seq_id=chunk.sequence_id, first_position=chunk.first_position,
             entries=[token_logprob_to_proto(entry) for entry in chunk.entries])
+    for pooled in outcome.pooled:
+        message.pooled.add(seq_id=pooled.sequence_id, values=pooled.values)
     return message
 
 

@@ -44,11 +44,12 @@ class StepExecutor:
         if self.threads is not None:
             self.threads.use(order.num_threads)
         step_input = self.runner.prepare(batch.scheduled)
-        logits, prompt_logprobs = self.runner.execute_step(step_input, on_layer_done)
+        result = self.runner.execute_step(step_input, on_layer_done)
         for item in batch.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-        sampled = self._sample(order, batch, step_input, logits)  # logits [S, vocab]
-        return StepOutcome(order.step_id, tuple(sampled), tuple(prompt_logprobs))
+        sampled = self._sample(order, batch, step_input, result.logits)  # logits [S, vocab]
+        return StepOutcome(order.step_id, tuple(sampled), tuple(result.prompt_logprobs),
+                           tuple(result.pooled))
 
     def _sample(self, order: StepOrder, batch: SchedulerOutput, step_input,
                 logits: torch.Tensor) -> list[Sampled]:

@@ -22,11 +22,13 @@ from tests.fuzz.conftest import (REQUEST_TIMEOUT_S, SECONDS, TALLIES, assert_sta
 # Every route the gateway serves on its REST port, as /openapi.json must document it.
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
               ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("POST", "/v1/embeddings"),
               ("DELETE", "/v1/responses/{response_id}"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/version")]
 BODIES = {"/v1/chat/completions": "ChatCompletionRequest",
           "/v1/completions": "CompletionRequest", "/v1/responses": "ResponsesRequest",
+          "/v1/embeddings": "EmbeddingRequest",
           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
 # Examples per (operation, mode); the GET routes take no input, so a few do.
 EXAMPLES = int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "150"))

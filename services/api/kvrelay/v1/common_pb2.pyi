@@ -21,7 +21,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "skip_special_tokens", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words_token_ids", "disable_speculation", "prompt_logprobs")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "skip_special_tokens", "structured_outputs", "logit_bias", "allowed_token_ids", "bad_words_token_ids", "disable_speculation", "prompt_logprobs", "pooling")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class SamplingParams(_message.Message):
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -73,7 +74,8 @@ class SamplingParams(_message.Message):
     bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIdList]
     disable_speculation: bool
     prompt_logprobs: int
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Union[TokenIdList, _Mapping]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIdList, _Mapping]]] = ..., disable_speculation: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    pooling: str
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Union[TokenIdList, _Mapping]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIdList, _Mapping]]] = ..., disable_speculation: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar", "after_reasoning")

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=kvrelay_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvrelay.v1.Generation/Embed',
+                request_serializer=kvrelay_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -84,6 +89,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Each input's embedding: the model's final hidden states pooled as the gateway's --pooling
+        says, L2-normalized (as POST /v1/embeddings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +119,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=kvrelay_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvrelay_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +234,33 @@ class Generation:
             '/kvrelay.v1.Generation/Tokenize',
             kvrelay_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             kvrelay_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Generation/Embed',
+            kvrelay_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            kvrelay_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

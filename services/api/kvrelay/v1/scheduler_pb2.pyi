@@ -56,7 +56,7 @@ class OutputsRequest(_message.Message):
     def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("request_id", "index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "error", "num_cached_prompt_tokens", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "error", "num_cached_prompt_tokens", "prompt_logprobs", "embedding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SequenceDelta(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +76,8 @@ class SequenceDelta(_message.Message):
     error: str
     num_cached_prompt_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., error: _Optional[str] = ..., num_cached_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
     __slots__ = ("deltas",)

@@ -121,14 +121,24 @@ class PromptLogprobChunk(_message.Message):
     entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, seq_id: _Optional[str] = ..., first_position: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class PooledOutput(_message.Message):
+    __slots__ = ("seq_id", "values")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "kv_sends", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "kv_sends", "prompt_logprobs", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     KV_SENDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     kv_sends: _containers.RepeatedCompositeFieldContainer[KvSendResult]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobChunk]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KvSendResult, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobChunk, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., kv_sends: _Optional[_Iterable[_Union[KvSendResult, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobChunk, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
