@@ -70,9 +70,11 @@ def structured_from_proto(message: common_pb2.SamplingParams) -> StructuredOutpu
         return StructuredOutputs("choice", choices=tuple(spec.choice.choices),
                                  after_reasoning=after)
     if kind == "json_object":
-        return StructuredOutputs("json_object", after_reasoning=after) \
+        return StructuredOutputs("json_object", after_reasoning=after,
+                                 whitespace_pattern=spec.whitespace_pattern) \
             if spec.json_object else None
-    return StructuredOutputs(kind, getattr(spec, kind), after_reasoning=after)
+    return StructuredOutputs(kind, getattr(spec, kind), after_reasoning=after,
+                             whitespace_pattern=spec.whitespace_pattern)
 
 
 def structured_to_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs:
@@ -81,8 +83,10 @@ def structured_to_proto(spec: StructuredOutputs) -> common_pb2.StructuredOutputs
         return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=spec.choices),
                                             after_reasoning=after)
     if spec.kind == "json_object":
-        return common_pb2.StructuredOutputs(json_object=True, after_reasoning=after)
-    return common_pb2.StructuredOutputs(**{spec.kind: spec.value}, after_reasoning=after)
+        return common_pb2.StructuredOutputs(json_object=True, after_reasoning=after,
+                                            whitespace_pattern=spec.whitespace_pattern)
+    return common_pb2.StructuredOutputs(**{spec.kind: spec.value}, after_reasoning=after,
+                                        whitespace_pattern=spec.whitespace_pattern)
 
 
 def _round_float32(value: float) -> float:

@@ -40,12 +40,15 @@ class ResponseFormat(Strict):
 
 
 class StructuredOutputsField(Strict):
-    """vLLM's structured_outputs: exactly one constraint."""
+    """vLLM's structured_outputs: exactly one constraint, and for JSON its whitespace (unset:
+    none, compact JSON; disable_any_whitespace false: any; or a regex of what is allowed)."""
     json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class SamplingFields(Strict):

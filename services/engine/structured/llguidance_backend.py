@@ -78,10 +78,11 @@ class LlguidanceBackend:
         matcher = self._llguidance.LLMatcher
         try:
             if spec.kind == "json":
-                return matcher.grammar_from_json_schema(spec.value, defaults=_JSON_OPTIONS)
+                return matcher.grammar_from_json_schema(spec.value,
+                                                        defaults=_json_options(spec))
             if spec.kind == "json_object":
                 return matcher.grammar_from_json_schema('{"type": "object"}',
-                                                        defaults=_JSON_OPTIONS)
+                                                        defaults=_json_options(spec))
             if spec.kind == "regex":
                 return matcher.grammar_from_regex(spec.value)
             if spec.kind == "choice":
@@ -109,6 +110,13 @@ _REASONING = (r"(?s:.*)<\/think>[ \t\r\n]*/ & ~/(?s:.*)<\/think>(?s:.*)<\/think>
               r"~/(?s:.*)<\/think>[ \t\r\n]*[^ \t\r\n](?s:.*)/")
 _WRAPPERS = {"inside": f"start: REASONING @constraint\nREASONING: /{_REASONING}\n",
              "optional": f"start: REASONING? @constraint\nREASONING: /<think>{_REASONING}\n"}
+
+
+def _json_options(spec: StructuredOutputs) -> dict:
+    """Compact JSON unless the request allows whitespace (whitespace_pattern)."""
+    if not spec.whitespace_pattern:
+        return _JSON_OPTIONS
+    return {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
 
 
 def after_reasoning(constraint: str, mode: str) -> str:

@@ -6,6 +6,7 @@ what compiled grammars are cached under.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # "inside" after the first </think> (the prompt ended inside the block).
 AFTER_REASONING = ("", "optional", "inside")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# JSON's whitespace between tokens, where a request allows any (vLLM's default; kvrelay's is
+# none: a small model can pad with whitespace until max_tokens)
+ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar bigger than this is refused
 MAX_CHOICES = 1024
 
@@ -23,11 +27,13 @@ MAX_CHOICES = 1024
 class StructuredOutputs:
     """kind: one of KINDS. value: the JSON schema as JSON text (json), the regex (regex), the
     grammar text (grammar), "" (json_object). choices: the strings (choice). after_reasoning:
-    one of AFTER_REASONING."""
+    one of AFTER_REASONING. whitespace_pattern (json, json_object): a regex of the whitespace
+    allowed between JSON tokens; "": none (compact JSON)."""
     kind: str
     value: str = ""
     choices: tuple[str, ...] = ()
     after_reasoning: str = ""
+    whitespace_pattern: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -36,6 +42,10 @@ class StructuredOutputs:
         if self.after_reasoning not in AFTER_REASONING:
             raise ValueError(f"after_reasoning must be one of {AFTER_REASONING}, got "
                              f"{self.after_reasoning!r}")
+        if self.whitespace_pattern and self.kind not in ("json", "json_object"):
+            raise ValueError("a whitespace pattern applies to json and json_object only")
+        if len(self.whitespace_pattern) > 256:
+            raise ValueError("whitespace_pattern is longer than 256 characters")
         if len(self.value) > MAX_SPEC_CHARS:
             raise ValueError(f"structured output {self.kind} is longer than {MAX_SPEC_CHARS} "
                              "characters")
@@ -64,7 +74,8 @@ class StructuredOutputs:
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.value, self.choices, self.after_reasoning)
+        return (self.kind, self.value, self.choices, self.after_reasoning,
+                self.whitespace_pattern)
 
     @classmethod
     def json_schema(cls, schema: dict | bool | str) -> "StructuredOutputs":
@@ -75,7 +86,35 @@ class StructuredOutputs:
 
 def from_vllm_fields(fields: dict) -> StructuredOutputs | None:
     """vLLM's structured_outputs object ({"json": schema} or regex, choice, grammar,
-    json_object): exactly one constraint, or none (None)."""
+    json_object): exactly one constraint, or none (None); with its JSON whitespace options
+    (disable_any_whitespace, whitespace_pattern)."""
+    fields = dict(fields)
+    whitespace = _whitespace_pattern(fields.pop("disable_any_whitespace", None),
+                                     fields.pop("whitespace_pattern", None))
+    spec = _one_constraint(fields)
+    if whitespace:
+        if spec is None or spec.kind not in ("json", "json_object"):
+            raise ValueError("disable_any_whitespace and whitespace_pattern apply to json and "
+                             "json_object only")
+        spec = dataclasses.replace(spec, whitespace_pattern=whitespace)
+    return spec
+
+
+def _whitespace_pattern(disable_any_whitespace, whitespace_pattern) -> str:
+    """vLLM's two JSON whitespace options as a pattern ("": compact). Unset, kvrelay keeps
+    compact JSON; disable_any_whitespace false allows any whitespace."""
+    if whitespace_pattern is not None:
+        if not isinstance(whitespace_pattern, str) or not whitespace_pattern:
+            raise ValueError("whitespace_pattern must be a non-empty regex")
+        if disable_any_whitespace:
+            raise ValueError("whitespace_pattern contradicts disable_any_whitespace")
+        return whitespace_pattern
+    if disable_any_whitespace is None or disable_any_whitespace:
+        return ""
+    return ANY_WHITESPACE
+
+
+def _one_constraint(fields: dict) -> StructuredOutputs | None:
     present = {name: value for name, value in fields.items()
                if value is not None and value is not False}
     unknown = sorted(set(present) - set(KINDS))

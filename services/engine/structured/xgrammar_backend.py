@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvrelay.engine.structured.backend import GrammarError, check_bitmask_row
-from kvrelay.engine.structured.spec import StructuredOutputs
+from kvrelay.engine.structured.spec import ANY_WHITESPACE, StructuredOutputs
 
 
 class XgrammarMatcher:
@@ -69,13 +69,18 @@ class XgrammarBackend:
         if spec.after_reasoning:
             raise GrammarError(f"invalid {spec.kind}: a constraint after a reasoning block "
                                "needs the llguidance structured-outputs backend")
+        if spec.whitespace_pattern not in ("", ANY_WHITESPACE):
+            raise GrammarError(f"invalid {spec.kind}: whitespace_pattern needs the llguidance "
+                               "structured-outputs backend (xgrammar allows any whitespace "
+                               "or none)")
         compiler = self._compiler
+        any_whitespace = spec.whitespace_pattern == ANY_WHITESPACE
         try:
             if spec.kind == "json":
-                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False)
+                compiled = compiler.compile_json_schema(spec.value, any_whitespace=any_whitespace)
             elif spec.kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}',
-                                                        any_whitespace=False)
+                                                        any_whitespace=any_whitespace)
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.value)
             elif spec.kind == "choice":
