@@ -44,15 +44,15 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     except GatewayError as error:
         raise blame_constraint(error, body, from_tools=grammar is not None) from None
     header = {"id": client_request_id, "created": int(time.time()), "model": model}
-    uses_tools = tools_mode is not None
+    tools_format = call_format if tools_mode is not None else None  # how calls are read
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(group, header, params.n, include_usage, uses_tools,
+        return EventStreamResponse(_stream(group, header, params.n, include_usage, tools_format,
                                            inside, params.prompt_logprobs), group)
     with group:
         choices = await unless_disconnected(http_request, collect_choices(group, params.n))
         return JSONResponse({**header, "object": "chat.completion", "choices": [
-            {"index": index, **_message_and_reason(choice, uses_tools, inside),
+            {"index": index, **_message_and_reason(choice, tools_format, inside),
              "logprobs": ({"content": chat_logprobs(choice.logprobs)}
                           if params.logprobs is not None else None),
              "stop_reason": choice.stop_reason}
@@ -65,17 +65,18 @@ def _prompt_logprobs(entries, num_top: int | None) -> dict:
     return {} if num_top is None else {"prompt_logprobs": prompt_logprobs_json(entries, num_top)}
 
 
-def _message_and_reason(choice, uses_tools: bool, inside: bool | None) -> dict:
-    """inside: None without a reasoning parser; else whether the reply starts in reasoning."""
+def _message_and_reason(choice, tools_format: str | None, inside: bool | None) -> dict:
+    """tools_format: how the reply writes calls (None: no tools in play); inside: None without
+    a reasoning parser, else whether the reply starts in reasoning."""
     text, reasoning = choice.text, None
     if inside is not None:
         reasoning, text = split_whole(text, inside)
-    if not uses_tools:
+    if tools_format is None:
         message = {"role": "assistant", "content": text}
         if inside is not None:
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": choice.finish_reason}
-    reply = parse_reply(text)
+    reply = parse_reply(text, tools_format)
     message = {"role": "assistant", "content": reply.content}
     if inside is not None:
         message["reasoning_content"] = reasoning
@@ -91,7 +92,7 @@ def _tools_reason(finish_reason: str | None, called: bool) -> str | None:
 
 
 async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool,
-                  uses_tools: bool = False, inside: bool | None = None,
+                  tools_format: str | None = None, inside: bool | None = None,
                   num_prompt_top: int | None = None):
     """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE].
     With a reasoning parser (inside not None) each choice's text is split first: reasoning
@@ -106,7 +107,8 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
     for index in range(n):
         yield encoder.event({"index": index, "logprobs": None, "finish_reason": None,
                              "delta": {"role": "assistant", "content": ""}})
-    tool_streams = {index: ToolCallStream() for index in range(n)} if uses_tools else None
+    tool_streams = {index: ToolCallStream(tools_format) for index in range(n)} \
+        if tools_format is not None else None
     splits = {index: ReasoningSplit(inside) for index in range(n)} if inside is not None else None
     async for _, deltas in group.steps():
         for delta in deltas:

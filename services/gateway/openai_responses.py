@@ -54,7 +54,8 @@ async def create_response(core, store: ResponseStore, http_request: Request,
         group = await core.generate(client_request_id, [prompt], params)
     except GatewayError as error:
         raise _blame(error, from_tools=grammar is not None) from None
-    builder = ResponseBuilder(_fields(body, model, keep), mode is not None, inside)
+    builder = ResponseBuilder(_fields(body, model, keep),
+                              call_format if mode is not None else None, inside)
     on_done = _storer(store, conversation) if keep else None
     if body.stream:
         return EventStreamResponse(_stream(group, builder, on_done), group)

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 from kvrelay.engine.structured.spec import StructuredOutputs
 from kvrelay.gateway.errors import invalid
-from kvrelay.gateway.tool_call_events import CallArguments, CallStart, Content, ToolCallEvents
-from kvrelay.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY
+from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content,
+                                              ToolCallEvents)
+from kvrelay.gateway.json_call_events import JsonCallEvents, LLAMA3_JSON_SYNTAX, MISTRAL_SYNTAX
+from kvrelay.tokenizer.tool_render import (CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY, LLAMA3_JSON,
+                                           MISTRAL)
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}  # as for response_format (llguidance_backend.py)
@@ -84,11 +87,13 @@ def parsed_arguments(name: str, arguments: str, param: str = "messages") -> dict
 def tool_grammar(tools, mode: str, parallel: bool, fmt: str = KVRELAY) -> StructuredOutputs:
     """A Lark grammar (llguidance's, with %json for the call objects) for the mode, in the
     format the prompt taught (tool_render.py): hermes puts each call's JSON on a line of its own
-    and calls on lines of their own."""
+    and calls on lines of their own; llama3_json and mistral write bare JSON objects."""
     chosen = [tool for tool in tools if mode in ("auto", "required") or
               tool.function.name == mode]
-    call_schema = {"anyOf": [_call_schema(tool) for tool in chosen], "x-guidance": _COMPACT}
     several = parallel and mode in ("auto", "required")
+    if fmt in (LLAMA3_JSON, MISTRAL):
+        return _json_call_grammar(chosen, mode, several, fmt)
+    call_schema = {"anyOf": [_call_schema(tool) for tool in chosen], "x-guidance": _COMPACT}
     line = "\\n" if fmt == HERMES else ""  # a newline, as Lark reads a string literal
     calls = (f'calls: call ("{line}" call)*' if line else "calls: call+") if several \
         else "calls: call"
@@ -102,11 +107,39 @@ def tool_grammar(tools, mode: str, parallel: bool, fmt: str = KVRELAY) -> Struct
     return StructuredOutputs("grammar", "\n".join(start + rules))
 
 
-def _call_schema(tool) -> dict:
+def _json_call_grammar(chosen, mode: str, several: bool, fmt: str) -> StructuredOutputs:
+    """Llama 3: `{"name": ..., "parameters": {...}}`, several joined by "; "; Mistral:
+    `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. With "auto", text that cannot open
+    a call, or calls."""
+    key = "parameters" if fmt == LLAMA3_JSON else "arguments"
+    call_schema = {"anyOf": [_call_schema(tool, key) for tool in chosen],
+                   "x-guidance": _COMPACT}
+    if fmt == LLAMA3_JSON:
+        calls = 'calls: call ("; " call)*' if several else "calls: call"
+        text = r"TEXT: /(?s:.+)/ & ~/[ \t\n]*[{<](?s:.*)/"
+    else:
+        calls = ('calls: "[TOOL_CALLS][" call (", " call)* "]"' if several
+                 else 'calls: "[TOOL_CALLS][" call "]"')
+        text = r"TEXT: /(?s:.+)/ & ~/[ \t\n]*\[(?s:.*)/"
+    rules = [calls, f"call: %json {json.dumps(call_schema)}"]
+    start = ["start: TEXT | calls", text] if mode == "auto" else ["start: calls"]
+    return StructuredOutputs("grammar", "\n".join(start + rules))
+
+
+def _call_schema(tool, key: str = "arguments") -> dict:
     parameters = tool.function.parameters or {"type": "object", "properties": {}}
     return {"type": "object", "properties": {"name": {"const": tool.function.name},
-                                             "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+                                             key: parameters},
+            "required": ["name", key], "additionalProperties": False}
+
+
+def call_events(fmt: str):
+    """The streaming reader of the format's calls (tool_call_events.py's events)."""
+    if fmt == LLAMA3_JSON:
+        return JsonCallEvents(LLAMA3_JSON_SYNTAX)
+    if fmt == MISTRAL:
+        return JsonCallEvents(MISTRAL_SYNTAX)
+    return ToolCallEvents()
 
 
 def new_call_id() -> str:
@@ -119,9 +152,11 @@ class ParsedReply:
     tool_calls: list[dict]  # OpenAI's message.tool_calls entries
 
 
-def parse_reply(text: str) -> ParsedReply:
+def parse_reply(text: str, fmt: str = KVRELAY) -> ParsedReply:
     """The whole reply: text before the first call is content; each call block becomes a
     tool call (a block that does not parse, e.g. cut by max_tokens, stays in the content)."""
+    if fmt in (LLAMA3_JSON, MISTRAL):
+        return _parse_json_calls(text, fmt)
     calls = []
     for match in _CALL.finditer(text):
         call = _call_entry(match.group(1))
@@ -133,6 +168,29 @@ def parse_reply(text: str) -> ParsedReply:
     first = text.index(CALL_OPEN)
     content = text[:first].strip() or None
     return ParsedReply(content, calls)
+
+
+def _parse_json_calls(text: str, fmt: str) -> ParsedReply:
+    """The JSON formats' calls, read by their streaming reader; a reply with a call that is not
+    whole (cut by max_tokens) keeps all its text as content, with the whole calls before it."""
+    parser = call_events(fmt)
+    events = parser.feed(text) + parser.finish()
+    content = "".join(event.text for event in events if isinstance(event, Content))
+    names = {event.index: event.name for event in events if isinstance(event, CallStart)}
+    calls = []
+    for event in events:
+        if not isinstance(event, CallEnd):
+            continue
+        try:
+            arguments = json.loads(event.arguments)
+        except ValueError:
+            return ParsedReply(text, calls)
+        calls.append({"id": new_call_id(), "type": "function",
+                      "function": {"name": names[event.index],
+                                   "arguments": json.dumps(arguments)}})
+    if not calls:
+        return ParsedReply(text, [])
+    return ParsedReply(content.strip() or None, calls)
 
 
 def _call_entry(body: str) -> dict | None:
@@ -150,8 +208,8 @@ class ToolCallStream:
     id and name once its name is written, then its arguments in pieces as they are generated
     (tool_call_events.py)."""
 
-    def __init__(self) -> None:
-        self.events = ToolCallEvents()
+    def __init__(self, fmt: str = KVRELAY) -> None:
+        self.events = call_events(fmt)
         self.call_ids: list[str] = []
 
     @property

@@ -19,8 +19,8 @@ import copy
 import uuid
 
 from kvrelay.gateway.reasoning import ReasoningSplit
-from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content,
-                                              ToolCallEvents)
+from kvrelay.gateway.openai_tools import call_events
+from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart, Content
 
 # finish_reason -> (the response's status, incomplete_details)
 _STATUS = {"stop": ("completed", None),
@@ -32,13 +32,15 @@ def new_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    def __init__(self, fields: dict, uses_tools: bool, inside: bool | None = None) -> None:
+    def __init__(self, fields: dict, tools_format: str | None,
+                 inside: bool | None = None) -> None:
         """fields: the response object's fields other than status, output, usage, error and
         incomplete_details (id, created_at, model, and the request's settings echoed);
+        tools_format: how the reply writes tool calls (None: no tools in play);
         inside: None without a reasoning parser, else whether the reply starts in reasoning."""
         self.fields = fields
         self.output: list[dict] = []
-        self.calls = ToolCallEvents() if uses_tools else None
+        self.calls = call_events(tools_format) if tools_format is not None else None
         self.split = ReasoningSplit(inside) if inside is not None else None
         self.reasoning: dict | None = None  # the reasoning item being written, if any
         self.num_reasoning_tokens = 0  # the reply's tokens before its answer began

@@ -26,6 +26,7 @@ SERVICE_FLAGS = {
 PASSED_ON: dict[str, tuple[str, ...]] = {
     "--model": ("tokenizer", "scheduler", "worker"),
     "--chat-template": ("tokenizer",),
+    "--tool-call-parser": ("tokenizer",),
     "--served-model-name": ("gateway",),
     "--api-key": ("gateway",),
     "--request-timeout": ("gateway",),

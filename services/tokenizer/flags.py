@@ -6,6 +6,7 @@ import argparse
 
 from kvrelay.common.flags import add_flag
 from kvrelay.common.tls import add_tls_flags
+from kvrelay.tokenizer.tool_render import FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,5 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="a Jinja chat template file to use instead of the model's own (one with "
                   "Hermes-style tool support makes tool calls use it: services/tokenizer/"
                   "tool_render.py)")
+    add_flag(parser, "--tool-call-parser", default="auto", choices=("auto", *FORMATS),
+             help="how the model writes tool calls, vLLM's names (auto: read from the chat "
+                  "template: [TOOL_CALLS] mistral, a {\"name\", \"parameters\"} object "
+                  "llama3_json, <tool_call> blocks hermes; kvrelay's own format for templates "
+                  "without tool support)")
     add_tls_flags(parser)
     add_flag(parser, "--log-level", default="info", help="debug, info, warning, error")

@@ -38,7 +38,7 @@ async def serve(args: argparse.Namespace) -> None:
     from kvrelay.tokenizer.servicer import TokenizerServicer
 
     server = ServiceServer(args.host, args.port, [SERVICE_NAME])
-    servicer = TokenizerServicer()
+    servicer = TokenizerServicer(args.tool_call_parser)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server.server)
     server.install_signal_handlers()
     await server.start()

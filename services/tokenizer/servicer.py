@@ -35,14 +35,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """Serves once `load` has set the tokenizer; before that every call is UNAVAILABLE (the
     server starts first so health checks see NOT_SERVING while a GGUF converts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_call_parser: str = "auto") -> None:
         self.tokenizer = None
         self.vocab_size = 0
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser
         self.tool_call_format = KVRELAY
 
     def load(self, tokenizer) -> None:
         self.vocab_size = len(tokenizer)
-        self.tool_call_format = tool_call_format(getattr(tokenizer, "chat_template", None))
+        self.tool_call_format = tool_call_format(getattr(tokenizer, "chat_template", None),
+                                                 self.tool_call_parser)
         self.tokenizer = tokenizer
 
     async def _check_loaded(self, context) -> None:

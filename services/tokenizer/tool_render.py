@@ -22,6 +22,8 @@ import json
 import re
 
 KVRELAY, HERMES = "kvrelay", "hermes"
+LLAMA3_JSON, MISTRAL = "llama3_json", "mistral"  # vLLM's --tool-call-parser names
+FORMATS = (KVRELAY, HERMES, LLAMA3_JSON, MISTRAL)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 _INSTRUCTIONS = """# Tools
@@ -36,10 +38,21 @@ To call one, reply with {open}{{"name": "<function name>", "arguments": {{<its a
 _USES_TOOLS = re.compile(r"\btools\b")
 
 
-def tool_call_format(chat_template: str | None) -> str:
-    """HERMES where the template renders the tools itself and writes calls as <tool_call>
-    blocks, else KVRELAY."""
-    if chat_template and _USES_TOOLS.search(chat_template) and CALL_OPEN in chat_template:
+def tool_call_format(chat_template: str | None, chosen: str = "auto") -> str:
+    """The format the template teaches, where it renders the tools itself: MISTRAL
+    ([TOOL_CALLS] and a JSON list), LLAMA3_JSON (a bare {"name", "parameters"} object, as Llama
+    3.1-3.3's templates teach beside <|python_tag|>), HERMES (<tool_call> blocks); else KVRELAY.
+    chosen: the tokenizer's --tool-call-parser, "auto" to read the template."""
+    if chosen != "auto":
+        return chosen
+    if not chat_template or not _USES_TOOLS.search(chat_template):
+        return KVRELAY
+    if "[TOOL_CALLS]" in chat_template:
+        return MISTRAL
+    if '"parameters"' in chat_template and ("<|python_tag|>" in chat_template
+                                            or "ipython" in chat_template):
+        return LLAMA3_JSON
+    if CALL_OPEN in chat_template:
         return HERMES
     return KVRELAY
 
@@ -75,7 +88,7 @@ def template_inputs(messages: list[dict], tools: list[dict] | None,
                     fmt: str) -> tuple[list[dict], list[dict] | None]:
     """messages: role and content, and where present tool_calls ([{"name", "arguments"}]),
     tool_call_id and name. Returns the conversation and the `tools` argument for the template."""
-    if fmt == HERMES:
+    if fmt != KVRELAY:  # the template renders tools, calls and results itself
         return [_native_message(message) for message in messages], tools
     return _kvrelay_messages(messages, tools), None
 
