@@ -48,11 +48,11 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(group, header, params.n, include_usage, tools_format,
-                                           inside, params.prompt_logprobs), group)
+                                           inside, params.prompt_logprobs, body.tools), group)
     with group:
         choices = await unless_disconnected(http_request, collect_choices(group, params.n))
         return JSONResponse({**header, "object": "chat.completion", "choices": [
-            {"index": index, **_message_and_reason(choice, tools_format, inside),
+            {"index": index, **_message_and_reason(choice, tools_format, inside, body.tools),
              "logprobs": ({"content": chat_logprobs(choice.logprobs)}
                           if params.logprobs is not None else None),
              "stop_reason": choice.stop_reason}
@@ -65,7 +65,8 @@ def _prompt_logprobs(entries, num_top: int | None) -> dict:
     return {} if num_top is None else {"prompt_logprobs": prompt_logprobs_json(entries, num_top)}
 
 
-def _message_and_reason(choice, tools_format: str | None, inside: bool | None) -> dict:
+def _message_and_reason(choice, tools_format: str | None, inside: bool | None,
+                        tools=None) -> dict:
     """tools_format: how the reply writes calls (None: no tools in play); inside: None without
     a reasoning parser, else whether the reply starts in reasoning."""
     text, reasoning = choice.text, None
@@ -76,7 +77,7 @@ def _message_and_reason(choice, tools_format: str | None, inside: bool | None) -
         if inside is not None:
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": choice.finish_reason}
-    reply = parse_reply(text, tools_format)
+    reply = parse_reply(text, tools_format, tools)
     message = {"role": "assistant", "content": reply.content}
     if inside is not None:
         message["reasoning_content"] = reasoning
@@ -93,7 +94,7 @@ def _tools_reason(finish_reason: str | None, called: bool) -> str | None:
 
 async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool,
                   tools_format: str | None = None, inside: bool | None = None,
-                  num_prompt_top: int | None = None):
+                  num_prompt_top: int | None = None, tools=None):
     """SSE chunks: a role delta per choice, one chunk per choice and step, usage, [DONE].
     With a reasoning parser (inside not None) each choice's text is split first: reasoning
     goes out as reasoning_content deltas. With tools, the rest goes through a ToolCallStream:
@@ -107,7 +108,7 @@ async def _stream(group: RequestGroup, header: dict, n: int, include_usage: bool
     for index in range(n):
         yield encoder.event({"index": index, "logprobs": None, "finish_reason": None,
                              "delta": {"role": "assistant", "content": ""}})
-    tool_streams = {index: ToolCallStream(tools_format) for index in range(n)} \
+    tool_streams = {index: ToolCallStream(tools_format, tools) for index in range(n)} \
         if tools_format is not None else None
     splits = {index: ReasoningSplit(inside) for index in range(n)} if inside is not None else None
     async for _, deltas in group.steps():

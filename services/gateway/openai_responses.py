@@ -55,7 +55,7 @@ async def create_response(core, store: ResponseStore, http_request: Request,
     except GatewayError as error:
         raise _blame(error, from_tools=grammar is not None) from None
     builder = ResponseBuilder(_fields(body, model, keep),
-                              call_format if mode is not None else None, inside)
+                              call_format if mode is not None else None, inside, tools)
     on_done = _storer(store, conversation) if keep else None
     if body.stream:
         return EventStreamResponse(_stream(group, builder, on_done), group)

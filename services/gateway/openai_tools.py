@@ -20,8 +20,9 @@ from kvrelay.gateway.errors import invalid
 from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content,
                                               ToolCallEvents)
 from kvrelay.gateway.json_call_events import JsonCallEvents, LLAMA3_JSON_SYNTAX, MISTRAL_SYNTAX
+from kvrelay.gateway.xml_call_events import XmlCallEvents
 from kvrelay.tokenizer.tool_render import (CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY, LLAMA3_JSON,
-                                           MISTRAL)
+                                           MISTRAL, QWEN3_CODER)
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}  # as for response_format (llguidance_backend.py)
@@ -93,6 +94,8 @@ def tool_grammar(tools, mode: str, parallel: bool, fmt: str = KVRELAY) -> Struct
     several = parallel and mode in ("auto", "required")
     if fmt in (LLAMA3_JSON, MISTRAL):
         return _json_call_grammar(chosen, mode, several, fmt)
+    if fmt == QWEN3_CODER:
+        return _xml_call_grammar(chosen, mode, several)
     call_schema = {"anyOf": [_call_schema(tool) for tool in chosen], "x-guidance": _COMPACT}
     line = "\\n" if fmt == HERMES else ""  # a newline, as Lark reads a string literal
     calls = (f'calls: call ("{line}" call)*' if line else "calls: call+") if several \
@@ -126,6 +129,66 @@ def _json_call_grammar(chosen, mode: str, several: bool, fmt: str) -> Structured
     return StructuredOutputs("grammar", "\n".join(start + rules))
 
 
+def _xml_call_grammar(chosen, mode: str, several: bool) -> StructuredOutputs:
+    """Qwen3-Coder: <tool_call>, <function=NAME>, each parameter in <parameter=P> tags (in the
+    schema's order, the optional ones optional), a string's value as raw text (an enum's: one
+    of its values), any other's as JSON held to its schema. With "auto", text that cannot open
+    a call, or calls."""
+    rules, calls = [], []
+    for index, tool in enumerate(chosen):
+        parameters = tool.function.parameters or {}
+        required = set(parameters.get("required", []))
+        parts = []
+        for number, (name, schema) in enumerate(parameters.get("properties", {}).items()):
+            rule = f"p{index}_{number}"
+            rules.append(f"{rule}: {json.dumps(f'<parameter={name}>' + chr(10))} "
+                         f"{_xml_value(rule, schema, rules)}")
+            parts.append(rule if name in required else f"{rule}?")
+        head = json.dumps(f"{CALL_OPEN}\n<function={tool.function.name}>\n")
+        tail = json.dumps(f"</function>\n{CALL_CLOSE}")
+        rules.append(f"call{index}: {head} {' '.join(parts)} {tail}")
+        calls.append(f"call{index}")
+    rules.append("call: " + " | ".join(calls))
+    rules.append('calls: call ("\\n" call)*' if several else "calls: call")
+    start = ["start: TEXT | calls", "TEXT: /(?s:.+)/ & ~/<(?s:.*)/"] if mode == "auto" \
+        else ["start: calls"]
+    return StructuredOutputs("grammar", "\n".join(start + rules))
+
+
+# A string parameter's raw text with the tag that closes it, as one lexeme (the lexer cannot
+# split free text from the closing tag that follows it), bounded as the schema bounds it.
+_XML_CLOSE = json.dumps("\n</parameter>\n")
+_NO_SECOND_CLOSE = r"~/(?s:.*)<\/parameter>(?s:.*)<\/parameter>(?s:.*)/"
+
+
+def _xml_value(rule: str, schema: dict, rules: list[str]) -> str:
+    if _is_text(schema):
+        if "enum" in schema:
+            return "(" + " | ".join(json.dumps(value) for value in schema["enum"]) + ") " + \
+                _XML_CLOSE
+        terminal = rule.upper() + "_TEXT"
+        rules.append(f"{terminal}: /{_text_regex(schema)}\\n<\\/parameter>\\n/ & "
+                     f"{_NO_SECOND_CLOSE}")
+        return terminal
+    rules.append(f"{rule}_json: %json {json.dumps({**schema, 'x-guidance': _COMPACT})}")
+    return f"{rule}_json {_XML_CLOSE}"
+
+
+def _text_regex(schema: dict) -> str:
+    """A string's raw text: its pattern (unanchored), else any text within its length bounds."""
+    pattern = schema.get("pattern")
+    if pattern:
+        return "(?:" + pattern.removeprefix("^").removesuffix("$").replace("/", "\\/") + ")"
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    return f"(?s:.{{{low},{'' if high is None else high}}})"
+
+
+def _is_text(schema: dict) -> bool:
+    if "enum" in schema:
+        return all(isinstance(value, str) for value in schema["enum"])
+    return schema.get("type") == "string"
+
+
 def _call_schema(tool, key: str = "arguments") -> dict:
     parameters = tool.function.parameters or {"type": "object", "properties": {}}
     return {"type": "object", "properties": {"name": {"const": tool.function.name},
@@ -133,8 +196,12 @@ def _call_schema(tool, key: str = "arguments") -> dict:
             "required": ["name", key], "additionalProperties": False}
 
 
-def call_events(fmt: str):
-    """The streaming reader of the format's calls (tool_call_events.py's events)."""
+def call_events(fmt: str, tools=None):
+    """The streaming reader of the format's calls (tool_call_events.py's events); tools: the
+    definitions in play (the XML format reads each parameter by its schema)."""
+    if fmt == QWEN3_CODER:
+        return XmlCallEvents({tool.function.name: (tool.function.parameters or {}).get(
+            "properties", {}) for tool in tools or ()})
     if fmt == LLAMA3_JSON:
         return JsonCallEvents(LLAMA3_JSON_SYNTAX)
     if fmt == MISTRAL:
@@ -152,11 +219,11 @@ class ParsedReply:
     tool_calls: list[dict]  # OpenAI's message.tool_calls entries
 
 
-def parse_reply(text: str, fmt: str = KVRELAY) -> ParsedReply:
+def parse_reply(text: str, fmt: str = KVRELAY, tools=None) -> ParsedReply:
     """The whole reply: text before the first call is content; each call block becomes a
     tool call (a block that does not parse, e.g. cut by max_tokens, stays in the content)."""
-    if fmt in (LLAMA3_JSON, MISTRAL):
-        return _parse_json_calls(text, fmt)
+    if fmt in (LLAMA3_JSON, MISTRAL, QWEN3_CODER):
+        return _parse_event_calls(text, fmt, tools)
     calls = []
     for match in _CALL.finditer(text):
         call = _call_entry(match.group(1))
@@ -170,10 +237,10 @@ def parse_reply(text: str, fmt: str = KVRELAY) -> ParsedReply:
     return ParsedReply(content, calls)
 
 
-def _parse_json_calls(text: str, fmt: str) -> ParsedReply:
-    """The JSON formats' calls, read by their streaming reader; a reply with a call that is not
+def _parse_event_calls(text: str, fmt: str, tools) -> ParsedReply:
+    """The calls of the formats read by a streaming reader; a reply with a call that is not
     whole (cut by max_tokens) keeps all its text as content, with the whole calls before it."""
-    parser = call_events(fmt)
+    parser = call_events(fmt, tools)
     events = parser.feed(text) + parser.finish()
     content = "".join(event.text for event in events if isinstance(event, Content))
     names = {event.index: event.name for event in events if isinstance(event, CallStart)}
@@ -208,8 +275,8 @@ class ToolCallStream:
     id and name once its name is written, then its arguments in pieces as they are generated
     (tool_call_events.py)."""
 
-    def __init__(self, fmt: str = KVRELAY) -> None:
-        self.events = call_events(fmt)
+    def __init__(self, fmt: str = KVRELAY, tools=None) -> None:
+        self.events = call_events(fmt, tools)
         self.call_ids: list[str] = []
 
     @property

@@ -33,14 +33,15 @@ def new_id(prefix: str) -> str:
 
 class ResponseBuilder:
     def __init__(self, fields: dict, tools_format: str | None,
-                 inside: bool | None = None) -> None:
+                 inside: bool | None = None, tools=None) -> None:
         """fields: the response object's fields other than status, output, usage, error and
         incomplete_details (id, created_at, model, and the request's settings echoed);
-        tools_format: how the reply writes tool calls (None: no tools in play);
+        tools_format: how the reply writes tool calls (None: no tools in play), tools: the
+        definitions in play;
         inside: None without a reasoning parser, else whether the reply starts in reasoning."""
         self.fields = fields
         self.output: list[dict] = []
-        self.calls = call_events(tools_format) if tools_format is not None else None
+        self.calls = call_events(tools_format, tools) if tools_format is not None else None
         self.split = ReasoningSplit(inside) if inside is not None else None
         self.reasoning: dict | None = None  # the reasoning item being written, if any
         self.num_reasoning_tokens = 0  # the reply's tokens before its answer began

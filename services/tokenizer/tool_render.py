@@ -22,8 +22,8 @@ import json
 import re
 
 KVRELAY, HERMES = "kvrelay", "hermes"
-LLAMA3_JSON, MISTRAL = "llama3_json", "mistral"  # vLLM's --tool-call-parser names
-FORMATS = (KVRELAY, HERMES, LLAMA3_JSON, MISTRAL)
+LLAMA3_JSON, MISTRAL, QWEN3_CODER = "llama3_json", "mistral", "qwen3_coder"  # vLLM's names
+FORMATS = (KVRELAY, HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 _INSTRUCTIONS = """# Tools
@@ -41,7 +41,8 @@ _USES_TOOLS = re.compile(r"\btools\b")
 def tool_call_format(chat_template: str | None, chosen: str = "auto") -> str:
     """The format the template teaches, where it renders the tools itself: MISTRAL
     ([TOOL_CALLS] and a JSON list), LLAMA3_JSON (a bare {"name", "parameters"} object, as Llama
-    3.1-3.3's templates teach beside <|python_tag|>), HERMES (<tool_call> blocks); else KVRELAY.
+    3.1-3.3's templates teach beside <|python_tag|>), QWEN3_CODER (<function=...> and
+    <parameter=...> tags), HERMES (<tool_call> blocks of JSON); else KVRELAY.
     chosen: the tokenizer's --tool-call-parser, "auto" to read the template."""
     if chosen != "auto":
         return chosen
@@ -49,6 +50,8 @@ def tool_call_format(chat_template: str | None, chosen: str = "auto") -> str:
         return KVRELAY
     if "[TOOL_CALLS]" in chat_template:
         return MISTRAL
+    if "<function=" in chat_template:
+        return QWEN3_CODER
     if '"parameters"' in chat_template and ("<|python_tag|>" in chat_template
                                             or "ipython" in chat_template):
         return LLAMA3_JSON
