@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import urllib.parse
 
 import structlog
 
@@ -51,5 +52,11 @@ def bind_request_id(request_id: str | None) -> None:
 
 
 def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
-    """Metadata for an outgoing call on behalf of one request."""
-    return ((REQUEST_ID_KEY, request_id),) if request_id else ()
+    """Metadata for an outgoing call on behalf of one request. gRPC metadata values are
+    printable ASCII: any other character (a REST client's X-Request-Id may hold Latin-1) goes
+    percent-encoded, never failing the call."""
+    if not request_id:
+        return ()
+    if not request_id.isascii() or not request_id.isprintable():
+        request_id = urllib.parse.quote(request_id, safe="")
+    return ((REQUEST_ID_KEY, request_id),)

@@ -82,4 +82,5 @@ def _param_in(message: str) -> str | None:
     return first if first in _PARAM_NAMES else None
 
 
-_PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt", "messages", "model"}
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)} | {"prompt", "messages", "model",
+                                                         "reasoning_effort"}

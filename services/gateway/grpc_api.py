@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 import uuid
 
 import grpc
@@ -78,9 +79,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         await self._admit(request, context)
-        client_request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        bind_request_id(client_request_id)
         try:
+            client_request_id = _client_request_id(request.request_id, "gen")
             _check_generate_limits(self.core.limits, request)
             group, prompt = await self._start(request, client_request_id)
         except GatewayError as exc:
@@ -124,9 +124,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Embed(self, request, context):
         await self._admit(request, context)
-        client_request_id = request.request_id or f"embd-{uuid.uuid4().hex}"
-        bind_request_id(client_request_id)
         try:
+            client_request_id = _client_request_id(request.request_id, "embd")
             await generation_model(self.core, request.model or None)
             prompts = await self._embed_inputs(request, client_request_id)
             vectors = await embed(self.core, None, prompts, client_request_id,
@@ -207,6 +206,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not hmac.compare_digest(given.encode(), self.expected_authorization):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "invalid or missing API key (metadata authorization: Bearer <key>)")
+
+
+_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,256}")  # what gRPC metadata carries as it is
+
+
+def _client_request_id(given: str, prefix: str) -> str:
+    """The client's request_id (else a new one), bound to the logs; it travels upstream as
+    metadata, so it must be printable ASCII, at most 256 characters."""
+    if given and not _REQUEST_ID.fullmatch(given):
+        raise invalid("request_id must be at most 256 printable ASCII characters",
+                      "request_id")
+    client_request_id = given or f"{prefix}-{uuid.uuid4().hex}"
+    bind_request_id(client_request_id)
+    return client_request_id
 
 
 def _check_generate_limits(limits: RequestLimits, request) -> None:

@@ -28,7 +28,7 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     tools_mode = tool_choice_mode(body.tools, body.tool_choice)
     prompt, call_format = await core.upstream.render_chat_with_tools(
         chat_messages(body.messages), body.add_generation_prompt, client_request_id,
-        tools_in_play(body.tools, tools_mode))
+        tools_in_play(body.tools, tools_mode), body.reasoning_effort)
     core.limits.check_prompt_tokens([prompt], "messages")
     grammar = tool_grammar(body.tools, tools_mode, body.parallel_tool_calls, call_format) \
         if tools_mode is not None else None

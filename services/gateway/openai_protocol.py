@@ -165,6 +165,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     max_completion_tokens: Count | None = None
+    # for a chat template that reads it (a thinking model's); other templates: a 400
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(le=UINT32)] | None = None
     add_generation_prompt: bool = True

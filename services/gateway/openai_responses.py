@@ -38,9 +38,15 @@ async def create_response(core, store: ResponseStore, http_request: Request,
     if tool_choice is not None and not isinstance(tool_choice, str):
         tool_choice = NamedToolChoice(type="function", function={"name": tool_choice.name})
     mode = tool_choice_mode(tools, tool_choice)
-    prompt, call_format = await core.upstream.render_chat_with_tools(
-        with_instructions(body, conversation), True, client_request_id,
-        tools_in_play(tools, mode))
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    try:
+        prompt, call_format = await core.upstream.render_chat_with_tools(
+            with_instructions(body, conversation), True, client_request_id,
+            tools_in_play(tools, mode), effort)
+    except GatewayError as error:
+        if error.param == "reasoning_effort":
+            error.param = "reasoning"
+        raise
     core.limits.check_prompt_tokens([prompt], "input")
     grammar = tool_grammar(tools, mode, body.parallel_tool_calls, call_format) \
         if mode is not None else None
@@ -147,7 +153,8 @@ def _fields(body: ResponsesRequest, model: str, keep: bool) -> dict:
         "id": new_id("resp"), "created_at": int(time.time()), "model": model,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
-        "previous_response_id": body.previous_response_id, "reasoning": None, "store": keep,
+        "previous_response_id": body.previous_response_id, "store": keep,
+        "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True)

@@ -20,9 +20,10 @@ from kvrelay.gateway.errors import invalid
 from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content,
                                               ToolCallEvents)
 from kvrelay.gateway.json_call_events import JsonCallEvents, LLAMA3_JSON_SYNTAX, MISTRAL_SYNTAX
+from kvrelay.gateway.pythonic_call_events import PythonicCallEvents
 from kvrelay.gateway.xml_call_events import XmlCallEvents
 from kvrelay.tokenizer.tool_render import (CALL_CLOSE, CALL_OPEN, HERMES, KVRELAY, LLAMA3_JSON,
-                                           MISTRAL, QWEN3_CODER)
+                                           MISTRAL, PYTHONIC, QWEN3_CODER)
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _COMPACT = {"whitespace_flexible": False}  # as for response_format (llguidance_backend.py)
@@ -96,6 +97,8 @@ def tool_grammar(tools, mode: str, parallel: bool, fmt: str = KVRELAY) -> Struct
         return _json_call_grammar(chosen, mode, several, fmt)
     if fmt == QWEN3_CODER:
         return _xml_call_grammar(chosen, mode, several)
+    if fmt == PYTHONIC:
+        return _pythonic_call_grammar(chosen, mode, several)
     call_schema = {"anyOf": [_call_schema(tool) for tool in chosen], "x-guidance": _COMPACT}
     line = "\\n" if fmt == HERMES else ""  # a newline, as Lark reads a string literal
     calls = (f'calls: call ("{line}" call)*' if line else "calls: call+") if several \
@@ -189,6 +192,58 @@ def _is_text(schema: dict) -> bool:
     return schema.get("type") == "string"
 
 
+def _pythonic_call_grammar(chosen, mode: str, several: bool) -> StructuredOutputs:
+    """Llama 3.2's pythonic calls: `[name(key=value, ...), ...]`, the keyword arguments in the
+    schema's order (the optional ones optional), each value a Python literal held to its schema
+    (booleans True/False, None, strings of an enum; anything else JSON, which Python reads
+    alike). With "auto", text that cannot open the list, or calls."""
+    rules, calls = [], []
+    for index, tool in enumerate(chosen):
+        parameters = tool.function.parameters or {}
+        required = set(parameters.get("required", []))
+        keywords = []
+        for number, (name, schema) in enumerate(parameters.get("properties", {}).items()):
+            rule = f"k{index}_{number}"
+            rules.append(f"{rule}: {json.dumps(name + '=')} {_python_value(rule, schema, rules)}")
+            keywords.append((rule, name in required))
+        arguments = _keyword_sequence(keywords)
+        if arguments:
+            rules.append(f"args{index}: {arguments}")
+        optional = "?" if not any(needed for _, needed in keywords) else ""
+        body = f" args{index}{optional}" if arguments else ""
+        rules.append(f'call{index}: {json.dumps(tool.function.name + "(")}{body} ")"')
+        calls.append(f"call{index}")
+    rules.append("call: " + " | ".join(calls))
+    rules.append('calls: "[" call (", " call)* "]"' if several else 'calls: "[" call "]"')
+    start = (["start: TEXT | calls", r"TEXT: /(?s:.+)/ & ~/[ \t\n]*\[(?s:.*)/"]
+             if mode == "auto" else ["start: calls"])
+    return StructuredOutputs("grammar", "\n".join(start + rules))
+
+
+def _keyword_sequence(keywords: list[tuple[str, bool]]) -> str:
+    """Keyword arguments in order joined by ", ", each optional one optional: one alternative
+    per argument that may come first (none before it is required)."""
+    options = []
+    for first, (rule, _) in enumerate(keywords):
+        tail = " ".join(f'(", " {other})' + ("" if needed else "?")
+                        for other, needed in keywords[first + 1:])
+        options.append(f"{rule} {tail}".strip())
+        if keywords[first][1]:
+            break  # a required argument cannot be skipped
+    return " | ".join(f"({option})" for option in options)
+
+
+def _python_value(rule: str, schema: dict, rules: list[str]) -> str:
+    if schema.get("type") == "boolean":
+        return '("True" | "False")'
+    if schema.get("type") == "null":
+        return '"None"'
+    if "enum" in schema and all(isinstance(value, str) for value in schema["enum"]):
+        return "(" + " | ".join(json.dumps(json.dumps(value)) for value in schema["enum"]) + ")"
+    rules.append(f"{rule}_json: %json {json.dumps({**schema, 'x-guidance': _COMPACT})}")
+    return f"{rule}_json"
+
+
 def _call_schema(tool, key: str = "arguments") -> dict:
     parameters = tool.function.parameters or {"type": "object", "properties": {}}
     return {"type": "object", "properties": {"name": {"const": tool.function.name},
@@ -202,6 +257,8 @@ def call_events(fmt: str, tools=None):
     if fmt == QWEN3_CODER:
         return XmlCallEvents({tool.function.name: (tool.function.parameters or {}).get(
             "properties", {}) for tool in tools or ()})
+    if fmt == PYTHONIC:
+        return PythonicCallEvents()
     if fmt == LLAMA3_JSON:
         return JsonCallEvents(LLAMA3_JSON_SYNTAX)
     if fmt == MISTRAL:
@@ -222,7 +279,7 @@ class ParsedReply:
 def parse_reply(text: str, fmt: str = KVRELAY, tools=None) -> ParsedReply:
     """The whole reply: text before the first call is content; each call block becomes a
     tool call (a block that does not parse, e.g. cut by max_tokens, stays in the content)."""
-    if fmt in (LLAMA3_JSON, MISTRAL, QWEN3_CODER):
+    if fmt in (LLAMA3_JSON, MISTRAL, QWEN3_CODER, PYTHONIC):
         return _parse_event_calls(text, fmt, tools)
     calls = []
     for match in _CALL.finditer(text):

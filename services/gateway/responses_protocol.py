@@ -99,6 +99,12 @@ class TextFormat(Strict):
     strict: bool | None = None  # honoured either way: the output is always held to the schema
 
 
+class ReasoningConfig(Strict):
+    """The effort, for a chat template that reads it (reasoning_effort); no summaries."""
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: None = None
+
+
 class TextConfig(Strict):
     format: TextFormat | None = None
 
@@ -129,4 +135,4 @@ class ResponsesRequest(Strict):
     service_tier: Literal["auto", "default"] | None = None
     background: Literal[False] | None = None
     include: Annotated[list, Field(max_length=0)] | None = None
-    reasoning: None = None
+    reasoning: ReasoningConfig | None = None

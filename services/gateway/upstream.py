@@ -60,6 +60,7 @@ class Upstream:
 
     async def render_chat_with_tools(self, messages: list[dict], add_generation_prompt: bool,
                                      client_request_id: str, tools: list[dict] | None = None,
+                                     reasoning_effort: str | None = None,
                                      ) -> tuple[list[int], str]:
         """messages: role and content, and where present tool_calls ([{"name", "arguments"
         (an object)}]), tool_call_id and name; tools: the definitions in play. Returns the
@@ -67,7 +68,7 @@ class Upstream:
         chat = tokenizer_pb2.ChatRender(
             messages=[_chat_message(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
-            tools_json=json.dumps(tools) if tools else "")
+            tools_json=json.dumps(tools) if tools else "", reasoning_effort=reasoning_effort or "")
         reply = await self._encode_reply(tokenizer_pb2.EncodeRequest(chat=chat),
                                          client_request_id)
         return list(reply.token_ids), reply.tool_call_format or KVRELAY

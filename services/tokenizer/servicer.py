@@ -73,7 +73,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             chat = request.chat
             messages, tools = template_inputs([_message(m) for m in chat.messages],
                                               parse_tools(chat.tools_json), self.tool_call_format)
-            return render_chat(self.tokenizer, messages, chat.add_generation_prompt, tools)
+            return render_chat(self.tokenizer, messages, chat.add_generation_prompt, tools,
+                               chat.reasoning_effort)
         raise ValueError("EncodeRequest needs a prompt or a chat")
 
     async def Decode(self, request, context):

@@ -7,18 +7,26 @@ from kvrelay.engine.conversation import check_conversation
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None, reasoning_effort: str = "") -> list[int]:
     """Token ids of a conversation rendered with the model's chat template (with `tools`: the
-    tool definitions, for a template that renders them itself, tool_render.py).
+    tool definitions, for a template that renders them itself, tool_render.py; with
+    reasoning_effort: the template's variable of that name, where it reads one).
 
-    Raises ValueError for a malformed conversation or one the template rejects."""
+    Raises ValueError for a malformed conversation, one the template rejects, or a
+    reasoning_effort for a template that does not read it."""
     check_conversation(messages)
     for message in messages:
         if not message["role"]:
             raise ValueError(f"a message needs a non-empty 'role', got {message!r}")
+    extra = {}
+    if reasoning_effort:
+        if "reasoning_effort" not in (getattr(tokenizer, "chat_template", None) or ""):
+            raise ValueError("reasoning_effort: this model's chat template takes none")
+        extra["reasoning_effort"] = reasoning_effort
     try:
         rendered = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True)
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **extra)
     except Exception as exc:  # jinja's TemplateError and raise_exception() in templates
         raise ValueError(f"the chat template rejected the messages: {exc}") from exc
     # transformers returns a BatchEncoding or a plain list depending on its version.

@@ -22,8 +22,9 @@ import json
 import re
 
 KVRELAY, HERMES = "kvrelay", "hermes"
-LLAMA3_JSON, MISTRAL, QWEN3_CODER = "llama3_json", "mistral", "qwen3_coder"  # vLLM's names
-FORMATS = (KVRELAY, HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER)
+# vLLM's --tool-call-parser names
+LLAMA3_JSON, MISTRAL, QWEN3_CODER, PYTHONIC = "llama3_json", "mistral", "qwen3_coder", "pythonic"
+FORMATS = (KVRELAY, HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER, PYTHONIC)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 _INSTRUCTIONS = """# Tools
@@ -42,7 +43,8 @@ def tool_call_format(chat_template: str | None, chosen: str = "auto") -> str:
     """The format the template teaches, where it renders the tools itself: MISTRAL
     ([TOOL_CALLS] and a JSON list), LLAMA3_JSON (a bare {"name", "parameters"} object, as Llama
     3.1-3.3's templates teach beside <|python_tag|>), QWEN3_CODER (<function=...> and
-    <parameter=...> tags), HERMES (<tool_call> blocks of JSON); else KVRELAY.
+    <parameter=...> tags), PYTHONIC ([func_name1(params_name1=...), ...], as Llama 3.2's
+    pythonic template writes it), HERMES (<tool_call> blocks of JSON); else KVRELAY.
     chosen: the tokenizer's --tool-call-parser, "auto" to read the template."""
     if chosen != "auto":
         return chosen
@@ -52,6 +54,8 @@ def tool_call_format(chat_template: str | None, chosen: str = "auto") -> str:
         return MISTRAL
     if "<function=" in chat_template:
         return QWEN3_CODER
+    if "func_name1(" in chat_template:
+        return PYTHONIC
     if '"parameters"' in chat_template and ("<|python_tag|>" in chat_template
                                             or "ipython" in chat_template):
         return LLAMA3_JSON

@@ -88,3 +88,19 @@ def test_responses_give_a_reasoning_item_then_the_message(client, model):
                         if event.type == "response.reasoning_text.delta")
     assert reasoning == response.output[0].content[0].text
     assert events[-1].response.output_text == response.output_text
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(client, model, pd_client, model_id):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    low = client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                         reasoning_effort="low")
+    assert low.usage.prompt_tokens > plain.usage.prompt_tokens  # the template's own turn
+    effort = client.responses.create(model=model, input="Hi", max_output_tokens=1,
+                                     reasoning={"effort": "high"})
+    assert effort.reasoning.effort == "high"
+    import openai
+    with pytest.raises(openai.BadRequestError) as refused:  # the default template reads none
+        pd_client.chat.completions.create(model=model_id, messages=messages, max_tokens=1,
+                                          reasoning_effort="low")
+    assert refused.value.body["param"] == "reasoning_effort"

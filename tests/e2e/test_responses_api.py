@@ -152,7 +152,8 @@ def test_store_retrieve_delete(pd_client, model_id):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "Hi", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": "Hi", "reasoning": {"effort": "low"}}, "reasoning"),  # the template reads none
+    ({"input": "Hi", "reasoning": {"summary": "auto"}}, "reasoning"),
     ({"input": "Hi", "background": True}, "background"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "Hi", "unknown_field": 1}, "unknown_field"),

@@ -1,7 +1,7 @@
 """Tool calling in the JSON formats other models are trained on, through real stacks started with
 a test template that teaches each (`--chat-template`; the tokenizer reads the format from it)
-and the openai SDK: Llama 3's bare {"name", "parameters"} objects, Mistral's [TOOL_CALLS] list
-and Qwen3-Coder's XML. Required and named calls validate against the schemas, streamed deltas (the name, then
+and the openai SDK: Llama 3's bare {"name", "parameters"} objects, Mistral's [TOOL_CALLS] list,
+Qwen3-Coder's XML and Llama 3.2's pythonic list. Required and named calls validate against the schemas, streamed deltas (the name, then
 the arguments in pieces) reassemble to the same calls, the Responses API streams argument
 deltas too, and a tool result round trip renders with the template."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ from tests.e2e.test_tool_calls import SCHEMAS, TOOLS, ask, check_calls, streamed
 DATA = Path(__file__).resolve().parents[1] / "data"
 TEMPLATES = {"llama3_json": DATA / "llama3_tools_template.jinja",
              "mistral": DATA / "mistral_tools_template.jinja",
-             "qwen3_coder": DATA / "qwen3_coder_tools_template.jinja"}
+             "qwen3_coder": DATA / "qwen3_coder_tools_template.jinja",
+             "pythonic": DATA / "pythonic_tools_template.jinja"}
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))

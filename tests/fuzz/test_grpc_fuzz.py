@@ -1,7 +1,7 @@
 """hypothesis-generated calls to the public gRPC API (kvrelay.v1.Generation) on a real stack:
 GenerateRequests with any mix of inputs and sampling parameters (out-of-range numbers, NaN,
 control characters, bad grammars, token ids past the vocabulary), some left mid-stream, plus
-Tokenize, Abort and raw bytes that are not a valid message. No call ends INTERNAL, UNKNOWN or
+Tokenize, Abort, Embed and raw bytes that are not a valid message. No call ends INTERNAL, UNKNOWN or
 UNAVAILABLE, none hangs (each has a deadline, so a hang is DEADLINE_EXCEEDED), no stream carries
 a choice that finished with an error; the stack is fine afterwards."""
 from __future__ import annotations
@@ -70,7 +70,9 @@ params = st.builds(
                                       ids=st.lists(token_ids, max_size=4))),
     bad_words_token_ids=st.lists(st.builds(common_pb2.TokenIdList,
                                            ids=st.lists(token_ids, max_size=3)), max_size=2),
-    disable_speculation=st.booleans())
+    disable_speculation=st.booleans(),
+    prompt_logprobs=maybe(st.one_of(small, UINT32)),
+    pooling=st.one_of(st.just(""), st.sampled_from(["last", "mean"]), texts))
 messages = st.builds(generation_pb2.ChatMessages, messages=st.lists(st.builds(
     common_pb2.ChatMessage, role=st.one_of(st.sampled_from(["user", "assistant", "system"]),
                                            texts),
@@ -85,6 +87,11 @@ generate_requests = st.builds(
     lambda source, **fields: generation_pb2.GenerateRequest(**source, **fields),
     inputs, params=params, request_id=st.one_of(st.just(""), texts),
     model=st.one_of(st.just(""), st.just(None), texts), priority=st.integers(-2**31, 2**31 - 1))
+embed_requests = st.builds(
+    generation_pb2.EmbedRequest, request_id=st.one_of(st.just(""), texts),
+    model=st.one_of(st.just(""), texts), texts=st.lists(texts, max_size=3),
+    token_ids=st.lists(st.builds(generation_pb2.TokenIds, ids=st.lists(token_ids, max_size=40)),
+                       max_size=3), priority=st.integers(-2**31, 2**31 - 1))
 tokenize_requests = st.builds(
     lambda source, **fields: generation_pb2.TokenizeRequest(**source, **fields),
     st.one_of(st.fixed_dictionaries({"prompt": texts}),
@@ -171,9 +178,28 @@ def test_tokenize_abort_and_list_models(channel):
 
 
 @timed
+def test_embed(channel):
+    stub = generation_pb2_grpc.GenerationStub(channel)
+
+    @seed(SEED)
+    @fuzz_settings(EXAMPLES // 4)
+    @given(request=embed_requests)
+    def each(request):
+        try:
+            reply = stub.Embed(request, timeout=REQUEST_TIMEOUT_S)
+            assert len(reply.embeddings) == len(request.texts) + len(request.token_ids)
+            record(grpc.StatusCode.OK, "", request)
+        except grpc.RpcError as exc:
+            record(exc.code(), exc.details(), request)
+
+    each()
+
+
+@timed
 def test_bytes_that_are_not_a_valid_message(channel):
     methods = {"Generate": channel.unary_stream, "Tokenize": channel.unary_unary,
-               "Abort": channel.unary_unary, "ListModels": channel.unary_unary}
+               "Abort": channel.unary_unary, "ListModels": channel.unary_unary,
+               "Embed": channel.unary_unary}
     calls = {name: make(f"/kvrelay.v1.Generation/{name}") for name, make in methods.items()}
 
     @seed(SEED)

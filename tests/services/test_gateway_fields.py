@@ -25,7 +25,7 @@ OPENAI_CHAT_HONOURED = {
 OPENAI_CHAT_REFUSED = {
     "audio": {"voice": "alloy", "format": "mp3"}, "function_call": "auto",
     "functions": [{"name": "f"}], "metadata": {"a": "b"}, "prediction": {
-        "type": "content", "content": "x"}, "reasoning_effort": "low",
+        "type": "content", "content": "x"},
     "verbosity": "low", "web_search_options": {}, "store": True, "service_tier": "flex",
     "modalities": ["text", "audio"],
 }

@@ -47,3 +47,20 @@ def test_client_ids_never_reach_the_scheduler_as_its_ids():
             await upstream.close()
 
     asyncio.run(scenario())
+
+
+def test_grpc_request_ids_that_metadata_cannot_carry_are_refused_by_name():
+    from kvrelay.gateway.grpc_api import _client_request_id
+    assert _client_request_id("r-1 a", "gen") == "r-1 a"
+    assert _client_request_id("", "gen").startswith("gen-")
+    for bad in ("ü🚀", "a\nb", "x" * 257):
+        with pytest.raises(GatewayError) as refused:
+            _client_request_id(bad, "gen")
+        assert refused.value.param == "request_id"
+
+
+def test_metadata_carries_any_rest_request_id():
+    from kvrelay.common.log import request_metadata
+    assert request_metadata("r-1") == (("x-request-id", "r-1"),)
+    assert request_metadata("ü") == (("x-request-id", "%C3%BC"),)
+    assert request_metadata("") == ()

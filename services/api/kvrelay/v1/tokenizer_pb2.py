@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvrelay.api.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/v1/tokenizer.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"n\n\rEncodeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.ChatRenderH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"j\n\nChatRender\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\"=\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10tool_call_format\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xbc\x01\n\x0e\x44\x65tokenizeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\x1d\n\x15prompt_tail_token_ids\x18\x05 \x03(\r\x12\x17\n\x0fpiece_token_ids\x18\x06 \x03(\r\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\"<\n\x0f\x44\x65tokenizeBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.kvrelay.v1.DetokenizeItem\"D\n\x10\x44\x65tokenizeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06pieces\x18\x03 \x03(\t\"F\n\x15\x44\x65tokenizeBatchResult\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvrelay.v1.DetokenizeResult2\xdf\x01\n\tTokenizer\x12?\n\x06\x45ncode\x12\x19.kvrelay.v1.EncodeRequest\x1a\x1a.kvrelay.v1.EncodeResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.kvrelay.v1.DecodeRequest\x1a\x1a.kvrelay.v1.DecodeResponse\x12P\n\nDetokenize\x12\x1b.kvrelay.v1.DetokenizeBatch\x1a!.kvrelay.v1.DetokenizeBatchResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/v1/tokenizer.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"n\n\rEncodeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.kvrelay.v1.ChatRenderH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"\x84\x01\n\nChatRender\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x18\n\x10reasoning_effort\x18\x04 \x01(\t\"=\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10tool_call_format\x18\x02 \x01(\t\"?\n\rDecodeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xbc\x01\n\x0e\x44\x65tokenizeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\x12\x1d\n\x15prompt_tail_token_ids\x18\x05 \x03(\r\x12\x17\n\x0fpiece_token_ids\x18\x06 \x03(\r\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\"<\n\x0f\x44\x65tokenizeBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.kvrelay.v1.DetokenizeItem\"D\n\x10\x44\x65tokenizeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06pieces\x18\x03 \x03(\t\"F\n\x15\x44\x65tokenizeBatchResult\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvrelay.v1.DetokenizeResult2\xdf\x01\n\tTokenizer\x12?\n\x06\x45ncode\x12\x19.kvrelay.v1.EncodeRequest\x1a\x1a.kvrelay.v1.EncodeResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.kvrelay.v1.DecodeRequest\x1a\x1a.kvrelay.v1.DecodeResponse\x12P\n\nDetokenize\x12\x1b.kvrelay.v1.DetokenizeBatch\x1a!.kvrelay.v1.DetokenizeBatchResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEREQUEST']._serialized_start=67
   _globals['_ENCODEREQUEST']._serialized_end=177
-  _globals['_CHATRENDER']._serialized_start=179
-  _globals['_CHATRENDER']._serialized_end=285
-  _globals['_ENCODERESPONSE']._serialized_start=287
-  _globals['_ENCODERESPONSE']._serialized_end=348
-  _globals['_DECODEREQUEST']._serialized_start=350
-  _globals['_DECODEREQUEST']._serialized_end=413
-  _globals['_DECODERESPONSE']._serialized_start=415
-  _globals['_DECODERESPONSE']._serialized_end=445
-  _globals['_DETOKENIZEITEM']._serialized_start=448
-  _globals['_DETOKENIZEITEM']._serialized_end=636
-  _globals['_DETOKENIZEBATCH']._serialized_start=638
-  _globals['_DETOKENIZEBATCH']._serialized_end=698
-  _globals['_DETOKENIZERESULT']._serialized_start=700
-  _globals['_DETOKENIZERESULT']._serialized_end=768
-  _globals['_DETOKENIZEBATCHRESULT']._serialized_start=770
-  _globals['_DETOKENIZEBATCHRESULT']._serialized_end=840
-  _globals['_TOKENIZER']._serialized_start=843
-  _globals['_TOKENIZER']._serialized_end=1066
+  _globals['_CHATRENDER']._serialized_start=180
+  _globals['_CHATRENDER']._serialized_end=312
+  _globals['_ENCODERESPONSE']._serialized_start=314
+  _globals['_ENCODERESPONSE']._serialized_end=375
+  _globals['_DECODEREQUEST']._serialized_start=377
+  _globals['_DECODEREQUEST']._serialized_end=440
+  _globals['_DECODERESPONSE']._serialized_start=442
+  _globals['_DECODERESPONSE']._serialized_end=472
+  _globals['_DETOKENIZEITEM']._serialized_start=475
+  _globals['_DETOKENIZEITEM']._serialized_end=663
+  _globals['_DETOKENIZEBATCH']._serialized_start=665
+  _globals['_DETOKENIZEBATCH']._serialized_end=725
+  _globals['_DETOKENIZERESULT']._serialized_start=727
+  _globals['_DETOKENIZERESULT']._serialized_end=795
+  _globals['_DETOKENIZEBATCHRESULT']._serialized_start=797
+  _globals['_DETOKENIZEBATCHRESULT']._serialized_end=867
+  _globals['_TOKENIZER']._serialized_start=870
+  _globals['_TOKENIZER']._serialized_end=1093
 # @@protoc_insertion_point(module_scope)
