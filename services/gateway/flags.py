@@ -8,7 +8,7 @@ from kvrelay.common.flags import add_flag
 from kvrelay.common.tls import add_tls_flags
 from kvrelay.gateway.limits import add_limit_flags
 from kvrelay.gateway.public_tls import add_public_tls_flags
-from kvrelay.gateway.openai_embeddings import add_pooling_flags
+from kvrelay.engine.step_results import POOLINGS
 from kvrelay.gateway.reasoning import add_reasoning_flags
 from kvrelay.gateway.responses_store import add_store_flags
 
@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_limit_flags(parser)  # what one request may ask for (limits.py)
     add_store_flags(parser)  # what /v1/responses keeps (responses_store.py)
     add_reasoning_flags(parser)
-    add_pooling_flags(parser)
+    add_flag(parser, "--pooling", default="last", choices=POOLINGS,
+             help="how /v1/embeddings pools the model's final hidden states: the last token's "
+                  "(decoder embedding models are trained so) or the mean of every token's")
     add_flag(parser, "--log-request-text", action="store_true",
              help="log prompts, outputs and their token ids (debugging; off: they are the "
                   "users' data)")

@@ -10,7 +10,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart, Content, Event
+from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content, Event,
+                                              held_back, run_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +79,7 @@ class JsonCallEvents:
     depth: JsonDepth | None = None
 
     def feed(self, text: str) -> list[Event]:
-        self.pending += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
+        return run_steps(self, text)
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
@@ -96,7 +93,7 @@ class JsonCallEvents:
         self.pending, self.state = "", "done"
         return events
 
-    def _step(self, events: list[Event]) -> bool:
+    def step(self, events: list[Event]) -> bool:
         handler = {"start": self._start, "content": self._content, "head": self._head,
                    "arguments": self._arguments, "tail": self._tail,
                    "between": self._between, "whole": self._whole}.get(self.state)
@@ -132,7 +129,7 @@ class JsonCallEvents:
                 events.append(Content(self.pending[:start]))
             self.pending, self.state = self.pending[start + len(opener):], "head"
             return True
-        keep = _prefix_len(self.pending, opener)
+        keep = held_back(self.pending, opener)
         if len(self.pending) > keep:
             events.append(Content(self.pending[:len(self.pending) - keep]))
             self.pending = self.pending[len(self.pending) - keep:]
@@ -210,10 +207,3 @@ class JsonCallEvents:
         self.num_calls += 1
         self.state = "between"
         return True
-
-
-def _prefix_len(text: str, tag: str) -> int:
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

@@ -17,8 +17,7 @@ from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamR
 from kvrelay.gateway.openai_structured import blame_constraint
 from kvrelay.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
                                            tool_choice_mode, tool_grammar, tools_in_play)
-from kvrelay.gateway.reasoning import (ReasoningSplit, after_reasoning, reasoning_enabled,
-                                       split_whole, starts_inside)
+from kvrelay.gateway.reasoning import ReasoningSplit, split_whole, with_reasoning
 from kvrelay.gateway.request_group import RequestGroup
 
 
@@ -34,11 +33,8 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
         if tools_mode is not None else None
     params = chat_params(body, grammar)
     params = await with_bad_words(core, params, body.bad_words, client_request_id)
-    inside = None  # without a reasoning parser; else whether the reply starts in reasoning
-    if reasoning_enabled(core.reasoning_parser):
-        inside = await starts_inside(core, prompt, client_request_id)
-        params = dataclasses.replace(
-            params, structured_outputs=after_reasoning(params.structured_outputs, inside))
+    # inside: None without a reasoning parser, else whether the reply starts in reasoning
+    params, inside = await with_reasoning(core, prompt, params, client_request_id)
     try:
         group = await core.generate(client_request_id, [prompt], params, body.priority)
     except GatewayError as error:

@@ -3,27 +3,18 @@ gateway's --pooling says (the last token's, or the mean of all) and L2-normalize
 the workers like a prompt (engine/pooling.py)."""
 from __future__ import annotations
 
-import argparse
 import base64
 
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kvrelay.common.flags import add_flag
-from kvrelay.engine.step_results import POOLINGS
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway.errors import invalid
 from kvrelay.gateway.openai_completions import prompt_token_ids
 from kvrelay.gateway.openai_limits import num_prompts
 from kvrelay.gateway.openai_protocol import EmbeddingRequest
 from kvrelay.gateway.openai_serving import collect_choices, generation_model, unless_disconnected
-
-
-def add_pooling_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--pooling", default="last", choices=POOLINGS,
-             help="how /v1/embeddings pools the model's final hidden states: the last token's "
-                  "(decoder embedding models are trained so) or the mean of every token's")
 
 
 async def create_embedding(core, http_request: Request, body: EmbeddingRequest,

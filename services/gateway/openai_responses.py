@@ -2,7 +2,6 @@
 the same path as chat (the model's chat template, the tool grammar, structured output)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -16,7 +15,7 @@ from kvrelay.gateway.openai_protocol import NamedToolChoice, Tool
 from kvrelay.gateway.openai_serving import (EventStreamResponse, collect_choices,
                                              generation_model, unless_disconnected)
 from kvrelay.gateway.openai_tools import tool_choice_mode, tool_grammar, tools_in_play
-from kvrelay.gateway.reasoning import after_reasoning, reasoning_enabled, starts_inside
+from kvrelay.gateway.reasoning import with_reasoning
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.responses_input import (input_messages, output_messages,
                                               prior_conversation, with_instructions)
@@ -51,11 +50,8 @@ async def create_response(core, store: ResponseStore, http_request: Request,
     grammar = tool_grammar(tools, mode, body.parallel_tool_calls, call_format) \
         if mode is not None else None
     params = _params(body, grammar)
-    inside = None  # without a reasoning parser; else whether the reply starts in reasoning
-    if reasoning_enabled(core.reasoning_parser):
-        inside = await starts_inside(core, prompt, client_request_id)
-        params = dataclasses.replace(
-            params, structured_outputs=after_reasoning(params.structured_outputs, inside))
+    # inside: None without a reasoning parser, else whether the reply starts in reasoning
+    params, inside = await with_reasoning(core, prompt, params, client_request_id)
     try:
         group = await core.generate(client_request_id, [prompt], params)
     except GatewayError as error:

@@ -13,7 +13,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart, Content, Event
+from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content, Event,
+                                              run_steps)
 
 _CALL = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]{0,63})\(")
 _KEYWORD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*")
@@ -85,11 +86,7 @@ class PythonicCallEvents:
     literal: _LiteralEnd | None = None
 
     def feed(self, text: str) -> list[Event]:
-        self.pending += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
+        return run_steps(self, text)
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
@@ -101,7 +98,7 @@ class PythonicCallEvents:
         self.pending, self.state = "", "done"
         return events
 
-    def _step(self, events: list[Event]) -> bool:
+    def step(self, events: list[Event]) -> bool:
         handler = {"start": self._start, "content": self._content, "call": self._call,
                    "keyword": self._keyword, "value": self._value,
                    "after": self._after}.get(self.state)

@@ -14,6 +14,7 @@ import dataclasses
 
 from kvrelay.common.flags import add_flag
 from kvrelay.engine.structured.spec import THINK_CLOSE, THINK_OPEN, StructuredOutputs
+from kvrelay.gateway.tool_call_events import held_back
 
 # vLLM's names for the parsers of this format; each reads it the same way here.
 PARSERS = ("none", "think", "qwen3", "deepseek_r1")
@@ -37,6 +38,16 @@ async def starts_inside(core, prompt: list[int], client_request_id: str) -> bool
     tail = await core.upstream.decode(prompt[-_PROMPT_TAIL_TOKENS:], client_request_id,
                                       skip_special_tokens=False)
     return tail.rstrip().endswith(THINK_OPEN)
+
+
+async def with_reasoning(core, prompt: list[int], params, client_request_id: str):
+    """(params, inside): without a reasoning parser, the params as they are and None; with
+    one, whether the reply starts inside the block and the params' constraint moved after it."""
+    if not reasoning_enabled(core.reasoning_parser):
+        return params, None
+    inside = await starts_inside(core, prompt, client_request_id)
+    return dataclasses.replace(params, structured_outputs=after_reasoning(
+        params.structured_outputs, inside)), inside
 
 
 def after_reasoning(spec: StructuredOutputs | None, inside: bool) -> StructuredOutputs | None:
@@ -95,7 +106,7 @@ class ReasoningSplit:
             self.pending = self.pending[end + len(THINK_CLOSE):]
             self.state = "after"
             return reasoning
-        keep = _prefix_len(self.pending, THINK_CLOSE)
+        keep = held_back(self.pending, THINK_CLOSE)
         reasoning = self.pending[:len(self.pending) - keep]
         self.pending = self.pending[len(reasoning):]
         return reasoning
@@ -108,11 +119,3 @@ def split_whole(text: str, inside: bool) -> tuple[str | None, str]:
     rest_reasoning, rest_content = split.finish()
     reasoning += rest_reasoning
     return (reasoning if split.has_reasoning else None), content + rest_content
-
-
-def _prefix_len(text: str, tag: str) -> int:
-    """How much of text's end may be the start of tag."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

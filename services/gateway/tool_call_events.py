@@ -48,6 +48,24 @@ class CallEnd:
 Event = Content | CallStart | CallArguments | CallEnd
 
 
+def run_steps(reader, text: str) -> list[Event]:
+    """The loop every format's reader shares: the text joins what it holds, then its step runs
+    until one waits for more text (returns False)."""
+    reader.pending += text
+    events: list[Event] = []
+    while reader.step(events):
+        pass
+    return events
+
+
+def held_back(text: str, tag: str) -> int:
+    """How much of text's end may be the start of tag: held back until the next text tells."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
 @dataclass(slots=True)
 class ToolCallEvents:
     """One choice's text in, events out; `finish` flushes what is left at the end."""
@@ -59,11 +77,7 @@ class ToolCallEvents:
     num_calls: int = 0
 
     def feed(self, text: str) -> list[Event]:
-        self.pending += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
+        return run_steps(self, text)
 
     def finish(self) -> list[Event]:
         """The end of the text: an unclosed or unreadable block goes out as content."""
@@ -78,7 +92,7 @@ class ToolCallEvents:
         self.pending, self.streaming_args, self.in_block = "", False, False
         return events
 
-    def _step(self, events: list[Event]) -> bool:
+    def step(self, events: list[Event]) -> bool:
         """Handle what pending holds; True while there may be more to do."""
         if self.streaming_args:
             return self._arguments(events)
@@ -90,7 +104,7 @@ class ToolCallEvents:
         start = self.pending.find(CALL_OPEN)
         if start < 0:
             if not self.in_calls:
-                keep = _open_prefix_len(self.pending)
+                keep = held_back(self.pending, CALL_OPEN)
                 text = self.pending[:len(self.pending) - keep]
                 if text:
                     events.append(Content(text))
@@ -148,14 +162,6 @@ class ToolCallEvents:
         if text:
             self.arguments.append(text)
             events.append(CallArguments(self.num_calls, text))
-
-
-def _open_prefix_len(text: str) -> int:
-    """How much of text's end may be the start of a call's opening tag (held back)."""
-    for size in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-size:]):
-            return size
-    return 0
 
 
 _TAIL_PREFIX = re.compile(r"\}\s*(<[/a-z_]*)?$")

@@ -18,7 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart, Content, Event
+from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content, Event,
+                                              held_back, run_steps)
 from kvrelay.tokenizer.tool_render import CALL_CLOSE, CALL_OPEN
 
 _FUNCTION = re.compile(r"\s*<function=([A-Za-z0-9_-]{1,64})>\n?")
@@ -63,11 +64,7 @@ class XmlCallEvents:
     arguments: list[str] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Event]:
-        self.pending += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
+        return run_steps(self, text)
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
@@ -80,7 +77,7 @@ class XmlCallEvents:
         self.pending, self.state = "", "done"
         return events
 
-    def _step(self, events: list[Event]) -> bool:
+    def step(self, events: list[Event]) -> bool:
         handler = {"outside": self._outside, "function": self._function,
                    "parameters": self._parameters, "value": self._value}.get(self.state)
         return handler(events) if handler is not None else False
@@ -88,7 +85,7 @@ class XmlCallEvents:
     def _outside(self, events: list[Event]) -> bool:
         start = self.pending.find(CALL_OPEN)
         if start < 0:
-            keep = _prefix_len(self.pending, CALL_OPEN)
+            keep = held_back(self.pending, CALL_OPEN)
             text = self.pending[:len(self.pending) - keep]
             if text and (self.num_calls == 0 or text.strip()):
                 events.append(Content(text))
@@ -145,10 +142,3 @@ class XmlCallEvents:
         self.pending = self.pending[end + len(_PARAMETER_CLOSE):]
         self.state = "parameters"
         return True
-
-
-def _prefix_len(text: str, tag: str) -> int:
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

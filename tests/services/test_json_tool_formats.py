@@ -9,13 +9,12 @@ import random
 
 import pytest
 
-from kvrelay.engine.model_loader import resolve_model_dir
-from kvrelay.engine.structured.llguidance_backend import LlguidanceBackend
 from kvrelay.gateway.openai_protocol import ChatCompletionRequest
 from kvrelay.gateway.openai_tools import (ToolCallStream, call_events, parse_reply,
                                            tool_grammar)
-from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart, Content
+from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart
 from kvrelay.tokenizer.tool_render import LLAMA3_JSON, MISTRAL, tool_call_format
+from tests.services.tool_events import llguidance_backend, summary, takes
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -34,19 +33,6 @@ REPLIES = {  # format -> (two calls as the grammar writes them, what they are)
 }
 CALLS = [("add", '{"a":1,"b":{"c":"}"}}'), ("get_weather", '{"city":"Rome"}')]
 
-
-def summary(events) -> tuple[str, list[tuple[str, str]]]:
-    content, calls = "", {}
-    for event in events:
-        if isinstance(event, Content):
-            content += event.text
-        elif isinstance(event, CallStart):
-            calls[event.index] = [event.name, ""]
-        elif isinstance(event, CallArguments):
-            calls[event.index][1] += event.text
-        elif isinstance(event, CallEnd):
-            assert calls[event.index][1] == event.arguments
-    return content, [tuple(call) for call in calls.values()]
 
 
 def streamed(fmt: str, text: str, seed: int | None) -> list:
@@ -102,13 +88,7 @@ def test_chat_deltas_put_the_name_first():
 
 @pytest.fixture(scope="module")
 def backend():
-    return LlguidanceBackend((resolve_model_dir(None) / "tokenizer.json").read_text(), 49152, [2])
-
-
-def takes(backend, grammar, text: str) -> bool:
-    matcher = backend.compile(grammar).matcher()
-    return all(matcher.accept(token) for token in backend._tokenizer.tokenize_str(text)) \
-        and matcher.accept(2)
+    return llguidance_backend()
 
 
 @pytest.mark.parametrize("fmt", [LLAMA3_JSON, MISTRAL])

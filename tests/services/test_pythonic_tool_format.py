@@ -9,13 +9,11 @@ import random
 
 import pytest
 
-from kvrelay.engine.model_loader import resolve_model_dir
-from kvrelay.engine.structured.llguidance_backend import LlguidanceBackend
 from kvrelay.gateway.openai_protocol import ChatCompletionRequest
 from kvrelay.gateway.openai_tools import call_events, parse_reply, tool_grammar
 from kvrelay.gateway.pythonic_call_events import python_value
-from kvrelay.gateway.tool_call_events import CallArguments, CallEnd, CallStart, Content
 from kvrelay.tokenizer.tool_render import PYTHONIC, tool_call_format
+from tests.services.tool_events import llguidance_backend, summary, takes
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -32,19 +30,6 @@ EXPECTED = [("get_weather", {"city": "Rome, (IT)", "unit": "celsius", "hot": Tru
             ("add", {"a": 1, "b": -2})]
 
 
-def summary(events):
-    content, calls = "", {}
-    for event in events:
-        if isinstance(event, Content):
-            content += event.text
-        elif isinstance(event, CallStart):
-            calls[event.index] = [event.name, ""]
-        elif isinstance(event, CallArguments):
-            calls[event.index][1] += event.text
-        elif isinstance(event, CallEnd):
-            assert calls[event.index][1] == event.arguments
-    return content, [(name, json.loads(arguments)) for name, arguments in calls.values()]
-
 
 @pytest.mark.parametrize("seed", [None, *range(10)])
 def test_calls_stream_the_same_however_chunked(seed):
@@ -53,7 +38,7 @@ def test_calls_stream_the_same_however_chunked(seed):
         size = len(REPLY) if seed is None else rng.randint(1, 6)
         events += parser.feed(REPLY[start:start + size])
         start += size
-    assert summary(events + parser.finish()) == ("", EXPECTED)
+    assert summary(events + parser.finish(), parse=True) == ("", EXPECTED)
 
 
 def test_literals_text_and_cut_replies():
@@ -71,13 +56,7 @@ def test_literals_text_and_cut_replies():
 
 @pytest.fixture(scope="module")
 def backend():
-    return LlguidanceBackend((resolve_model_dir(None) / "tokenizer.json").read_text(), 49152, [2])
-
-
-def takes(backend, grammar, text: str) -> bool:
-    matcher = backend.compile(grammar).matcher()
-    return all(matcher.accept(token) for token in backend._tokenizer.tokenize_str(text)) \
-        and matcher.accept(2)
+    return llguidance_backend()
 
 
 def test_the_grammar_holds_arguments_to_their_schemas(backend):

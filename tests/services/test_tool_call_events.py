@@ -10,6 +10,7 @@ import pytest
 
 from kvrelay.gateway.tool_call_events import (CallArguments, CallEnd, CallStart, Content,
                                               ToolCallEvents)
+from tests.services.tool_events import summary
 
 COMPACT = ('<tool_call>{"name":"add","arguments":{"a":1,"b":{"c":"}"}}}</tool_call>'
            '<tool_call>{"name":"get_weather","arguments":{"city":"Rome"}}</tool_call>')
@@ -25,22 +26,6 @@ def run(text: str, chunks: list[int]) -> list:
     events += parser.feed(text[start:])
     return events + parser.finish()
 
-
-def summary(events) -> tuple[str, list[tuple[str, str]]]:
-    """(all content, [(name, arguments joined from the pieces)]), checking each call's pieces
-    join to what its end says."""
-    content, calls = "", {}
-    for event in events:
-        if isinstance(event, Content):
-            content += event.text
-        elif isinstance(event, CallStart):
-            assert event.index not in calls
-            calls[event.index] = [event.name, ""]
-        elif isinstance(event, CallArguments):
-            calls[event.index][1] += event.text
-        elif isinstance(event, CallEnd):
-            assert calls[event.index][1] == event.arguments
-    return content, [tuple(call) for call in calls.values()]
 
 
 def random_chunks(text: str, seed: int) -> list[int]:
