@@ -94,6 +94,26 @@ def test_the_stack_equals_the_layers_bit_for_bit(runner, shape):
     assert not torch.equal(native_kv, torch.zeros_like(native_kv))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8_bit_caches_take_the_stack_with_the_layers_outputs(kv_cache_dtype):
+    """The stack stores and reads 8-bit rows with the same native ops as the layer path."""
+    coded = LLM(dtype="bfloat16", num_kv_blocks=BLOCKS_PER_SEQUENCE * 4,
+                kv_cache_dtype=kv_cache_dtype).engine.runner
+    if not coded.decode_stack:
+        pytest.skip("no native decode stack here (needs AVX512-BF16 and a compiler)")
+    coded.test_blocks = {index: list(range(BLOCKS_PER_SEQUENCE * index,
+                                           BLOCKS_PER_SEQUENCE * (index + 1)))
+                         for index in range(4)}
+    for index in range(4):
+        _run(coded, [_item(PROMPTS[index], 0, len(PROMPTS[index]), coded.test_blocks[index], [])])
+    for shape in ([1], [1, 1, 1], [2, 1, 1, 3]):
+        (native, native_kv), (layered, layered_kv), calls = _both_ways(
+            coded, _decode_items(coded, shape))
+        assert calls == 1
+        assert torch.equal(native, layered)
+        assert torch.equal(native_kv.view(torch.uint8), layered_kv.view(torch.uint8))
+
+
 def test_the_vnni_kernel_takes_two_to_eleven_rows_where_it_is(runner):
     stack = runner.model.decode_stack
     vnni = runner.q4a8 == "split"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.kernels import native_cpu
+from kvrelay.kernels import kv_quant, native_cpu
 from kvrelay.kernels.metadata import AttentionMetadata
 from kvrelay.engine.models.gguf_int4 import FUSED
 
@@ -67,12 +67,13 @@ class DecodeStack:
     def takes(self, num_tokens: int, attn_meta: AttentionMetadata,
               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this step is the stack's: decode rows only, few enough, on the caches the
-        native store and attention read (the Python path falls back to torch's otherwise)."""
+        native store and attention read: bf16 rows, or 8-bit codes (which they rotate and code
+        themselves, kv_codes.h). The Python path falls back to torch's otherwise."""
         plan = attn_meta.cpu_plan
         k_cache = kv_caches[0][0]
         return (num_tokens <= self.max_rows and plan is not None and plan.prefill_rows is None
-                and plan.decode.num_rows == num_tokens and k_cache.dtype == torch.bfloat16
-                and k_cache.is_contiguous())
+                and plan.decode.num_rows == num_tokens and k_cache.is_contiguous()
+                and (k_cache.dtype == torch.bfloat16 or kv_quant.format_of(k_cache) is not None))
 
     def run(self, residual: torch.Tensor, ropes: dict, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             slot_mappings: list[torch.Tensor], attn_metas: list[AttentionMetadata]) -> torch.Tensor:
