@@ -14,6 +14,7 @@ from kvrelay.gateway.errors import GatewayError, invalid, param_from_value_error
 from kvrelay.gateway.openai_protocol import NamedToolChoice, Tool
 from kvrelay.gateway.openai_serving import (EventStreamResponse, collect_choices,
                                              generation_model, unless_disconnected)
+from kvrelay.gateway.openai_structured import blame_compile_error
 from kvrelay.gateway.openai_tools import tool_choice_mode, tool_grammar, tools_in_play
 from kvrelay.gateway.reasoning import with_reasoning
 from kvrelay.gateway.request_group import RequestGroup
@@ -23,8 +24,8 @@ from kvrelay.gateway.responses_output import ResponseBuilder, new_id
 from kvrelay.gateway.responses_protocol import ResponsesRequest
 from kvrelay.gateway.responses_store import ResponseStore
 
-# SamplingParams' names for the fields it checks -> the Responses API's
-_PARAMS = {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}
+# SamplingParams' names for the fields it checks -> the Responses API's, where they differ
+_PARAMS = {"max_tokens": "max_output_tokens"}
 
 
 async def create_response(core, store: ResponseStore, http_request: Request,
@@ -55,7 +56,7 @@ async def create_response(core, store: ResponseStore, http_request: Request,
     try:
         group = await core.generate(client_request_id, [prompt], params)
     except GatewayError as error:
-        raise _blame(error, from_tools=grammar is not None) from None
+        raise blame_compile_error(error, "tools" if grammar is not None else "text") from None
     builder = ResponseBuilder(_fields(body, model, keep),
                               call_format if mode is not None else None, inside, tools)
     on_done = _storer(store, conversation) if keep else None
@@ -132,14 +133,6 @@ def _text_format(body: ResponsesRequest) -> StructuredOutputs | None:
         return StructuredOutputs.json_schema(text_format.schema_)
     except ValueError as exc:
         raise invalid(f"text: {exc}", "text") from None
-
-
-def _blame(error: GatewayError, from_tools: bool) -> GatewayError:
-    """The scheduler's grammar compile errors name the field the grammar came from."""
-    if error.kind == "invalid_request" and error.param is None \
-            and error.message.startswith("invalid "):
-        error.param = "tools" if from_tools else "text"
-    return error
 
 
 def _fields(body: ResponsesRequest, model: str, keep: bool) -> dict:

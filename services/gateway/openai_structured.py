@@ -32,9 +32,15 @@ def blame_constraint(error: GatewayError, request: SamplingFields,
                      from_tools: bool = False) -> GatewayError:
     """The scheduler's compile errors ("invalid json: ...") name the request field at fault:
     `tools` where the grammar was built from them (a parameters schema did not compile)."""
+    return blame_compile_error(error, "tools" if from_tools else constraint_field(request))
+
+
+def blame_compile_error(error: GatewayError, param: str | None) -> GatewayError:
+    """A grammar compile error from the scheduler (kind invalid_request, no param, "invalid
+    <kind>: ...") given the request field its grammar came from; other errors as they are."""
     if error.kind == "invalid_request" and error.param is None \
             and error.message.startswith("invalid "):
-        error.param = "tools" if from_tools else constraint_field(request)
+        error.param = param
     return error
 
 
