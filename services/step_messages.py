@@ -51,6 +51,7 @@ class NewSequence:
     eos_token_ids: tuple[int, ...]
     child_index: int
     num_prompt_tokens: int
+    adapter_id: int = 0  # the LoRA adapter computing it (0: the base model)
 
 
 @dataclass(slots=True)

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True,
                         help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--models", default=None,
+                        help="comma list of models (LoRA adapters and/or the base) the "
+                             "requests name in turn, request i the (i mod n)th")
     parser.add_argument("--backend", choices=BACKENDS, default="openai",
                         help="how to ask for ignore_eos: openai (kvrelay, vLLM, llama-server: "
                              "the ignore_eos field) or transformers (`transformers serve`)")
@@ -93,6 +96,13 @@ def sweep_seed(args, index: int) -> int:
     return args.seed + 1 + index
 
 
+def spread_over_models(requests: list, models: str | None) -> None:
+    """Request i names the (i mod n)th of `models` (its own `model`, over --model)."""
+    names = [name for name in (models or "").split(",") if name]
+    for index, request in enumerate(requests if names else ()):
+        request.extra["model"] = names[index % len(names)]
+
+
 def plan_runs(args) -> list[PlannedRun]:
     prefix = f"{args.label}: " if args.label else ""
     plans = []
@@ -103,6 +113,7 @@ def plan_runs(args) -> list[PlannedRun]:
         for include_long in phases:
             requests = workloads.build(args.workload, sweep_seed(args, index), rate, args.jsonl,
                                        args.max_tokens, include_long, args.num_requests)
+            spread_over_models(requests, args.models)
             phase = None
             if args.workload == "long+short":
                 phase = "with long" if include_long else "without long"
@@ -136,6 +147,7 @@ async def _benchmark(args, plans: list[PlannedRun]) -> tuple[dict, list]:
         warmup_workload = "chat-64" if args.workload == "poisson" else args.workload
         warmup = workloads.build(warmup_workload, args.seed + 1, None, args.jsonl,
                                  args.max_tokens)[:args.warmup]
+        spread_over_models(warmup, args.models)
         await run_workload(warmup, options, limits,
                            Progress("warm-up", len(warmup), not args.quiet))
     runs, all_records = [], []

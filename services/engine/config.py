@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fcfs", "priority")
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar")  # structured/compiler.py builds each
+MAX_LORA_RANK = 512  # vLLM's largest too
 
 
 @dataclass(slots=True)
@@ -62,6 +63,13 @@ class EngineConfig:
     # Speculative decoding (spec/config.py): a SpeculativeConfig, or its dict or JSON text as
     # vLLM's --speculative-config takes it. None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (engine/lora/): up to max_loras of them in one step (resident in the
+    # model's slots), each of rank <= max_lora_rank; lora_modules names adapters to load at
+    # start, {name: PEFT directory}. Off: no adapter can be loaded, and no cost.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,7 +79,7 @@ class EngineConfig:
         if not 1 <= self.block_size <= 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
         for name in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                     "max_long_partial_prefills"):
+                     "max_long_partial_prefills", "max_loras", "max_lora_rank"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -88,6 +96,11 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, "
                              f"got {self.structured_outputs_backend!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got "
+                             f"{self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

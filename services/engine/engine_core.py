@@ -18,6 +18,8 @@ from kvrelay.engine.prompt_checks import check_prompt_tokens
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.lora.adapter_files import read_adapter
+from kvrelay.engine.lora.catalog import AdapterCatalog, AdapterRef
 from kvrelay.engine.spec.drafter import Drafter
 from kvrelay.engine.spec.verify import EmittedRun, sample_items
 from kvrelay.engine.step_outputs import SequenceUpdate, apply_step_outputs
@@ -56,6 +58,12 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
                                    attention_crossover(self.hf_config), drafter,
                                    self.runner.kv_layout.windows)
+        self.adapters = AdapterCatalog()
+        if config.enable_lora:
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank,
+                                    functools.partial(running_adapters, self.scheduler))
+            for name, path in (config.lora_modules or {}).items():
+                self.load_lora(name, path)
         self.sampler = Sampler()
         # A factory of plain values, not a bound method: a cycle through self would outlive
         # the gc.freeze() below, and with it every tensor of a discarded engine.
@@ -67,6 +75,22 @@ class EngineCore:
         # (~180 ms each); the step loop allocates enough to trigger one every few dozen steps.
         gc.collect()
         gc.freeze()
+
+    def load_lora(self, name: str, path: str) -> AdapterRef:
+        """Read, check and register the PEFT adapter at `path` as `name` (AdapterError or
+        ValueError, and nothing changes, where it cannot be)."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora=True")
+        self.adapters.check_new(name)
+        adapter = read_adapter(path, self.runner.model.spec, self.config.max_lora_rank)
+        ref = self.adapters.add(name, str(path))
+        self.runner.lora.add(ref.adapter_id, adapter)
+        return ref
+
+    def unload_lora(self, name: str) -> None:
+        """New requests can no longer name it; the running ones finish with it."""
+        ref = self.adapters.remove(name)  # KeyError: unknown
+        self.runner.lora.retire(ref.adapter_id)
 
     def add_request(self, request: Request) -> None:
         check_prompt_tokens(request.prompt_token_ids, request.params, self.hf_config.vocab_size)
@@ -121,6 +145,11 @@ class EngineCore:
     def spec_decode_stats(self):
         drafter = self.scheduler.drafter
         return None if drafter is None else drafter.stats
+
+
+def running_adapters(scheduler: Scheduler) -> frozenset[int]:
+    """The adapter ids of the requests the scheduler runs (their slots are kept)."""
+    return frozenset(request.adapter_id for request in scheduler.running)
 
 
 def _eos_ids(hf_config) -> list[int]:

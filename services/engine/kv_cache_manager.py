@@ -1,6 +1,6 @@
 """Per-request block tables on top of the BlockPool, with prefix-cache lookups.
 
-A request's full blocks are hashed on (parent hash, token ids, cache salt). Blocks are registered
+A request's full blocks are hashed on (parent hash, token ids, cache salt and LoRA adapter). Blocks are registered
 in the cache as soon as the scheduled tokens fill them: every token of a step's batch has its KV
 stored before any attention of that layer reads it, so a request admitted in the same step may
 already share them.
@@ -92,13 +92,13 @@ class KVCacheManager:
             self.stats.queries += num_tokens
             self.stats.hits += num_hit_tokens
 
-    def num_cached_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def num_cached_blocks(self, token_ids: list[int], cache_key=None) -> int:
         """Leading full blocks of `token_ids` in the cache, without touching them (placement)."""
         if not self.enable_prefix_caching:
             return 0
         hashes, parent = [], None
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            parent = hash_block(parent, token_ids[start:start + self.block_size], cache_salt)
+            parent = hash_block(parent, token_ids[start:start + self.block_size], cache_key)
             hashes.append(parent)
         return longest_prefix(hashes, self.windows, self.block_size,
                               self.pool.lookup).num_blocks
@@ -278,7 +278,7 @@ class KVCacheManager:
             start = len(hashes) * self.block_size
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tokens[start:start + self.block_size],
-                                     request.cache_salt))
+                                     request.cache_key))
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

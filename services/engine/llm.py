@@ -38,22 +38,36 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | dict | Sequence | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 ) -> list[RequestOutput]:
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """lora: a loaded adapter's name for every prompt, or one per prompt (None: the base
+        model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         token_lists = [self._prompt_token_ids(prompt) for prompt in prompts]
         texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
-        return self._run(token_lists, texts, sampling_params, use_tqdm, priority)
+        return self._run(token_lists, texts, sampling_params, use_tqdm, priority, lora)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | dict | Sequence | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.apply_chat_template(conversation, add_generation_prompt,
                                                 **(chat_template_kwargs or {}))
                        for conversation in conversations]
-        return self._run(token_lists, [None] * len(token_lists), sampling_params, use_tqdm, None)
+        return self._run(token_lists, [None] * len(token_lists), sampling_params, use_tqdm, None,
+                         lora)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in directory `path` as `name` (enable_lora=True)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def list_lora_adapters(self) -> list[str]:
+        return [ref.name for ref in self.engine.adapters.refs()]
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last",
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -107,27 +121,44 @@ class LLM:
         return [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
                 for p in params]
 
+    def _adapter_ids(self, lora, count: int) -> list[int]:
+        names = [lora] * count if lora is None or isinstance(lora, str) else list(lora)
+        if len(names) != count:
+            raise ValueError(f"got {len(names)} adapter names for {count} prompts")
+        ids = []
+        for name in names:
+            ref = None if name is None else self.engine.adapters.get(name)
+            if name is not None and ref is None:
+                raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+            ids.append(0 if ref is None else ref.adapter_id)
+        return ids
+
     def _make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       priority: int) -> list[Request]:
+                       priority: int, adapter_id: int = 0) -> list[Request]:
         # Without prefix caching, the salt still lets the n samples share their prompt's blocks.
         salt = None if self.config.enable_prefix_caching else request_id
         return [Request(make_sequence_id(request_id, index), token_ids,
                         params, self.eos_token_ids, priority=priority, cache_salt=salt,
                         generator=(make_generator(params.seed, index)
-                                   if params.seed is not None else None))
+                                   if params.seed is not None else None),
+                        adapter_id=adapter_id)
                 for index in range(params.n)]
 
     # ---- the loop ------------------------------------------------------------------------------
-    def _run(self, token_lists, texts, params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(self, token_lists, texts, params, use_tqdm, priority,
+             lora=None) -> list[RequestOutput]:
         params_list = self._params_list(params, len(token_lists))
+        adapter_ids = self._adapter_ids(lora, len(token_lists))
         priorities = list(priority) if priority is not None else [0] * len(token_lists)
         if len(priorities) != len(token_lists):
             raise ValueError(f"got {len(priorities)} priorities for {len(token_lists)} prompts")
         trackers = []
-        for token_ids, text, sp, prio in zip(token_lists, texts, params_list, priorities):
+        for token_ids, text, sp, prio, adapter_id in zip(token_lists, texts, params_list,
+                                                         priorities, adapter_ids):
             request_id = str(next(self._ids))
             trackers.append(_Tracker(request_id, text, token_ids,
-                                     self._make_requests(request_id, token_ids, sp, prio)))
+                                     self._make_requests(request_id, token_ids, sp, prio,
+                                                         adapter_id)))
         self._add_all(trackers)
         try:
             self._drive(trackers, use_tqdm)

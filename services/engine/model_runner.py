@@ -21,6 +21,7 @@ from kvrelay.engine.pooling import PoolRows
 from kvrelay.engine.prompt_logprobs import PromptRows
 from kvrelay.engine.step_results import Pooled, PromptLogprobs
 from kvrelay.engine.kv_groups import KVGroupLayout
+from kvrelay.engine.lora.slots import AdapterSlots
 from kvrelay.engine.models import gguf_int4, gguf_q8_head, quant_schemes, small_steps
 from kvrelay.engine.models.fp8_checkpoint import Fp8Checkpoint
 from kvrelay.engine.models.int4_checkpoint import Int4Checkpoint
@@ -56,6 +57,8 @@ class StepInput:
     # rows an embedding pools: [Q] int64 flat rows, and per item how many (pooling.py)
     pool_indices: torch.Tensor | None = None
     pool_rows: list[PoolRows] = field(default_factory=list)
+    # [T] int32: each row's LoRA adapter id (0: the base), or None when no row has one
+    token_adapters: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +94,7 @@ class ModelRunner:
         self.bf16_gemv = False  # a bf16 checkpoint's smallest steps on the gemv kernel's tiles
         self.quantization: str | None = None  # a GPTQ/AWQ/FP8 checkpoint's scheme, described
         self.model = self._load_model(hf_config, model_dir)
+        self.lora: AdapterSlots | None = None  # enable_lora
         # Steps of this many rows or more reach oneDNN and are padded to a bucket; None: none.
         self.pad_from_rows = (onednn_min_rows(self.model.layers)
                               if PAD_STEPS.enabled() else None)
@@ -120,6 +124,14 @@ class ModelRunner:
                           for slot in self.kv_layout.layer_slot]  # per layer
         if device.type == "cpu":
             paged_decode_op()  # build or load the native decode kernel now, not on step one
+
+    def enable_lora(self, max_loras: int, max_rank: int,
+                    held_adapters: Callable[[], frozenset[int]] = frozenset) -> AdapterSlots:
+        """Make the model's linears adaptable: `max_loras` slots of rank `max_rank`.
+        held_adapters: the adapter ids of the owner's live sequences (kept resident)."""
+        self.lora = AdapterSlots(self.model, max_loras, max_rank, self.dtype, self.device,
+                                 held_adapters)
+        return self.lora
 
     @property
     def bytes_per_block(self) -> int:
@@ -232,6 +244,7 @@ class ModelRunner:
         slot_chunks = [[] for _ in range(num_groups)]  # per group, per item
         cu_seqlens, seq_lens, logits_indices, sample_rows = [0], [], [], []
         prompt_indices, prompt_rows, pool_indices, pool_rows = [], [], [], []
+        adapter_ids = [item.request.adapter_id for item in scheduled]
         block_tables = [np.zeros((len(scheduled), max(len(item.block_ids[group])
                                                       for item in scheduled)), dtype=np.int32)
                         for group in range(num_groups)]
@@ -273,6 +286,9 @@ class ModelRunner:
         if pool_rows:
             step.pool_indices = torch.tensor(pool_indices, dtype=torch.int64, device=self.device)
             step.pool_rows = pool_rows
+        if any(adapter_ids):
+            step.token_adapters = _token_adapters(adapter_ids, np.diff(cu_seqlens),
+                                                  step.input_ids.shape[0])
         return step
 
     def _to_step_input(self, token_chunks, position_chunks, slot_chunks, cu_seqlens, seq_lens,
@@ -319,10 +335,18 @@ class ModelRunner:
         parts = [step.logits_indices, step.prompt_indices, step.pool_indices]
         rows = torch.cat([part for part in parts if part is not None]) \
             if step.prompt_rows or step.pool_rows else step.logits_indices
-        hidden = self.model.final_hidden(step.input_ids, step.positions, self.kv_caches,
-                                         [step.slot_mappings[group] for group in layer_groups],
-                                         [group_metas[group] for group in layer_groups],
-                                         rows, on_layer_done)
+        if self.lora is not None:
+            self.lora.begin_step(step.token_adapters)
+        elif step.token_adapters is not None:
+            raise ValueError("a step with LoRA adapters on a runner without LoRA")
+        try:
+            hidden = self.model.final_hidden(
+                step.input_ids, step.positions, self.kv_caches,
+                [step.slot_mappings[group] for group in layer_groups],
+                [group_metas[group] for group in layer_groups], rows, on_layer_done)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         num_sampled = step.logits_indices.shape[0]
         num_prompt = 0 if step.prompt_indices is None else step.prompt_indices.shape[0]
         logits = self.model.logits_of(hidden[:num_sampled])
@@ -332,6 +356,13 @@ class ModelRunner:
         pooled = pooling.pool(hidden[num_sampled + num_prompt:], step.pool_rows) \
             if step.pool_rows else []
         return StepResult(logits, scored, pooled)
+
+
+def _token_adapters(adapter_ids: list[int], rows_per_item: np.ndarray,
+                    num_rows: int) -> np.ndarray:
+    """[num_rows] int32: each item's adapter id over its rows, 0 on the pad rows after."""
+    per_row = np.repeat(np.asarray(adapter_ids, dtype=np.int32), rows_per_item)
+    return np.pad(per_row, (0, num_rows - per_row.shape[0]))
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

@@ -37,6 +37,11 @@ def make_sequence_id(request_id: str, index: int) -> str:
     return f"{request_id}/{index}"
 
 
+def prefix_cache_key(cache_salt: str | None, adapter_id: int):
+    """The base model's key is the salt alone, as before adapters existed."""
+    return cache_salt if adapter_id == 0 else (cache_salt, adapter_id)
+
+
 class Request:
     """One sequence (`sequence_id`: make_sequence_id). A request with n > 1 becomes n of these
     sharing a `cache_salt`."""
@@ -44,7 +49,7 @@ class Request:
     def __init__(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, adapter_id: int = 0) -> None:
         self.sequence_id = sequence_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -52,6 +57,9 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt  # blocks are shared only between requests of one salt
+        # the LoRA adapter computing it (0: the base model); a load's id, never reused, so a
+        # name unloaded and loaded again with other weights gets other blocks
+        self.adapter_id = adapter_id
         self.generator = generator
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -125,7 +133,8 @@ class Request:
             raise ValueError(f"sequence {self.sequence_id}: {num_tokens} tokens of "
                              f"{self.num_prompt_tokens} + {self.num_output_tokens}")
         copy = Request(self.sequence_id, self.prompt_token_ids, self.params, self.eos_token_ids,
-                       self.priority, self.arrival_time, self.cache_salt)
+                       self.priority, self.arrival_time, self.cache_salt,
+                       adapter_id=self.adapter_id)
         for token_id in self.all_token_ids[self.num_prompt_tokens:num_tokens]:
             copy.append_token(token_id)
         copy.output_logprobs = self.output_logprobs[:copy.num_output_tokens]
@@ -133,6 +142,12 @@ class Request:
             copy.prompt_logprobs = list(self.prompt_logprobs)
         copy.grammar = self.grammar
         return copy
+
+    @property
+    def cache_key(self):
+        """What a full block's hash mixes in besides its tokens: the salt and the adapter (KV
+        computed with one adapter is never another's)."""
+        return prefix_cache_key(self.cache_salt, self.adapter_id)
 
     def sort_key(self, policy: str) -> tuple:
         """Smaller runs first: by arrival (fcfs) or by priority then arrival."""

@@ -310,6 +310,11 @@ class Scheduler:
                 computed = self.kv.get_computed_blocks(request)
                 num_cached = computed.num_blocks * self.config.block_size
             num_new = min(self._chunk_long(request.num_tokens - num_cached, num_cached), budget)
+            if not self.adapter_fits(request):
+                # every LoRA slot is held by running requests' adapters: the requests behind
+                # it with those adapters or none go now; it waits for a slot to come free
+                skipped.append(self.waiting.pop())
+                continue
             if num_new <= 0:
                 # A long prompt, and this step's long-prompt slots are taken: the shorter ones
                 # behind it go now (it keeps its place in the queue for the next free slot).
@@ -373,6 +378,17 @@ class Scheduler:
     def num_reserved(self) -> int:
         return len(self.reserved)
 
+    def adapter_fits(self, request: Request) -> bool:
+        """Whether the request may join the running set without it needing more LoRA slots
+        than the worker has (max_loras distinct adapters, so every step's adapters fit)."""
+        if request.adapter_id == 0:
+            return True
+        live = {other.adapter_id for other in self.running}
+        live.update(self.requests[sequence_id].adapter_id for sequence_id in self.reserved
+                    if sequence_id in self.requests)
+        live.discard(0)
+        return request.adapter_id in live or len(live) < self.config.max_loras
+
     def detach_for_transfer(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.TRANSFERRING
@@ -388,6 +404,8 @@ class Scheduler:
         Returns how many leading blocks it holds already (their pages need no push), or None
         when they do not fit."""
         if len(self.running) + self.num_reserved >= self.config.max_num_seqs:
+            return None
+        if not self.adapter_fits(request):
             return None
         num_held = self.kv.allocate_for_transfer(request)
         if num_held is None:

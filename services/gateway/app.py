@@ -5,7 +5,6 @@ rather than by FastAPI so that no path returns FastAPI's 422."""
 from __future__ import annotations
 
 import hmac
-import time
 import uuid
 from importlib import metadata
 
@@ -15,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvrelay.common.log import bind_request_id, get_logger
 from kvrelay.gateway.errors import KINDS, GatewayError, invalid
@@ -23,9 +22,12 @@ from kvrelay.gateway.openai_chat import create_chat_completion
 from kvrelay.gateway.openai_completions import create_completion
 from kvrelay.gateway.openai_embeddings import create_embedding
 from kvrelay.gateway.openai_limits import check_body_limits, check_unparsed_text, read_body
+from kvrelay.gateway.lora_admin import (load_adapter, model_cards, require_admin_key,
+                                        unload_adapter)
 from kvrelay.gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                               DetokenizeRequest, EmbeddingRequest,
-                                              TokenizeRequest)
+                                              LoadLoraAdapterRequest, TokenizeRequest,
+                                              UnloadLoraAdapterRequest)
 from kvrelay.gateway.openai_responses import create_response, delete_response, get_response
 from kvrelay.gateway.openai_serving import ClientDisconnected, served_model
 from kvrelay.gateway.openai_tools import chat_messages
@@ -49,6 +51,7 @@ def build_app(core, responses: ResponseStore, api_key: str | None = None) -> Fas
     _add_generation_routes(app, auth)
     _add_response_routes(app, responses, auth)
     _add_model_routes(app, core, auth)
+    _add_adapter_routes(app, core, api_key, auth)
     _add_probe_routes(app, core, auth)
     _document_bodies(app)
     return app
@@ -59,6 +62,8 @@ def build_app(core, responses: ResponseStore, api_key: str | None = None) -> Fas
 _BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
            "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest,
            "/tokenize": TokenizeRequest,
+           "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+           "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
            "/detokenize": DetokenizeRequest}
 
 
@@ -113,10 +118,7 @@ def _add_response_routes(app: FastAPI, store: ResponseStore, auth: list) -> None
 def _add_model_routes(app: FastAPI, core, auth: list) -> None:
     @app.get("/v1/models", dependencies=auth)
     async def models():
-        model = served_model(core, None)
-        return {"object": "list", "data": [{
-            "id": model, "object": "model", "created": int(time.time()), "owned_by": "kvrelay",
-            "root": model, "parent": None, "max_model_len": core.max_model_len}]}
+        return {"object": "list", "data": model_cards(core, served_model(core, None))}
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request):
@@ -132,6 +134,20 @@ def _add_model_routes(app: FastAPI, core, auth: list) -> None:
         text = await core.upstream.decode(body.tokens, _client_request_id(request, "detok"),
                                           skip_special_tokens=False)
         return {"prompt": text}
+
+
+def _add_adapter_routes(app: FastAPI, core, api_key: str | None, auth: list) -> None:
+    @app.post("/v1/load_lora_adapter", dependencies=auth, response_class=PlainTextResponse)
+    async def load_lora_adapter(request: Request):
+        require_admin_key(api_key)
+        body = await _parse(request, LoadLoraAdapterRequest)
+        return await load_adapter(core, body.lora_name, body.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", dependencies=auth, response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: Request):
+        require_admin_key(api_key)
+        body = await _parse(request, UnloadLoraAdapterRequest)
+        return await unload_adapter(core, body.lora_name)
 
 
 def _add_probe_routes(app: FastAPI, core, auth: list) -> None:

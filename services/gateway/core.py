@@ -20,7 +20,7 @@ from kvrelay.common.log import get_logger
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.gateway import metrics
 from kvrelay.gateway.detokenize_pipeline import DetokenizePipeline, queue_sender
-from kvrelay.gateway.errors import GatewayError
+from kvrelay.gateway.errors import GatewayError, model_not_found
 from kvrelay.gateway.limits import RequestLimits
 from kvrelay.gateway.messages import Generation, SubmittedPrompt
 from kvrelay.gateway.redaction import withhold_library_exception_messages
@@ -115,6 +115,32 @@ class GatewayCore:
         return names[0] if names else None
 
     @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters every ready group serves (a request may go to any of them)."""
+        groups = [set(group.stats.adapters) for group in self.ready_groups]
+        return sorted(set.intersection(*groups)) if groups else []
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """On every scheduler group, or on none: one that refuses undoes the others."""
+        loaded = []
+        try:
+            for group in self.upstream.groups:
+                await group.load_adapter(name, path)
+                loaded.append(group)
+        except GatewayError:
+            for group in loaded:
+                await group.unload_adapter(name)
+            raise
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in {n for group in self.upstream.groups if group.stats
+                        for n in group.stats.adapters}:
+            raise model_not_found(name, self.model_name or "", self.adapter_names)
+        for group in self.upstream.groups:
+            if group.stats is not None and name in group.stats.adapters:
+                await group.unload_adapter(name)
+
+    @property
     def max_model_len(self) -> int:
         """The smallest of the ready groups': a request must fit wherever it is placed."""
         return min((group.stats.max_model_len for group in self.ready_groups), default=0)
@@ -144,7 +170,8 @@ class GatewayCore:
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(self, client_request_id: str, prompts: list[list[int]],
-                       params: SamplingParams, priority: int = 0) -> RequestGroup:
+                       params: SamplingParams, priority: int = 0,
+                       lora_name: str = "") -> RequestGroup:
         """Submit one scheduler request per prompt; their deltas come out of the group."""
         if self.draining:
             raise GatewayError("unavailable", "the gateway is shutting down")
@@ -169,7 +196,7 @@ class GatewayCore:
             await scheduler.submit(Generation(
                 client_request_id, self.gateway_id,
                 tuple(SubmittedPrompt(state.request_id, state.prompt_token_ids)
-                      for state in states), params, priority))
+                      for state in states), params, priority, lora_name))
         except BaseException:
             group.close()
             raise

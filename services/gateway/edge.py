@@ -30,7 +30,9 @@ def stats_from_proto(message: scheduler_pb2.StatsResponse) -> SchedulerStats:
     return SchedulerStats(
         ready=message.ready, model=message.model, max_model_len=message.max_model_len,
         num_waiting=message.num_waiting, num_running=message.num_running,
-        workers=tuple(WorkerLoad(w.num_blocks, w.num_free_blocks) for w in message.workers))
+        workers=tuple(WorkerLoad(w.num_blocks, w.num_free_blocks) for w in message.workers),
+        adapters=tuple(adapter.name for adapter in message.adapters),
+        max_loras=message.max_loras)
 
 
 def submit_requests(generation: Generation) -> list[scheduler_pb2.SubmitRequest]:
@@ -38,7 +40,8 @@ def submit_requests(generation: Generation) -> list[scheduler_pb2.SubmitRequest]
     params = params_to_proto(generation.params)
     return [scheduler_pb2.SubmitRequest(
         request_id=prompt.request_id, gateway_id=generation.gateway_id,
-        prompt_token_ids=prompt.prompt_token_ids, params=params, priority=generation.priority)
+        prompt_token_ids=prompt.prompt_token_ids, params=params, priority=generation.priority,
+        lora_name=generation.lora_name)
         for prompt in generation.prompts]
 
 

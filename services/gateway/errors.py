@@ -12,6 +12,7 @@ from kvrelay.engine.sampling_params import SamplingParams
 KINDS = {
     "invalid_request": (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
     "authentication": (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    "permission": (403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
     "not_found": (404, "not_found_error", grpc.StatusCode.NOT_FOUND),
     # over --max-request-body-bytes (limits.py); gRPC's own answer to a message over its limit
     "too_large": (413, "invalid_request_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -32,11 +33,13 @@ RETRY_AFTER_S = 1  # what an overloaded answer tells the client to wait
 
 
 class GatewayError(Exception):
-    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+    def __init__(self, kind: str, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
+        self.code = code  # OpenAI's error code where it has one ("model_not_found")
 
     @property
     def http_status(self) -> int:
@@ -53,11 +56,18 @@ class GatewayError(Exception):
     def body(self) -> dict:
         status, error_type, _ = KINDS[self.kind]
         return {"error": {"message": self.message, "type": error_type, "param": self.param,
-                          "code": status}}
+                          "code": self.code or status}}
 
 
 def invalid(message: str, param: str | None = None) -> GatewayError:
     return GatewayError("invalid_request", message, param)
+
+
+def model_not_found(model: str, served: str, adapters: list[str]) -> GatewayError:
+    """OpenAI's answer to a model (or LoRA adapter) the server does not have."""
+    known = ", ".join(f"`{name}`" for name in [served, *adapters])
+    return GatewayError("not_found", f"The model `{model}` does not exist; this server serves "
+                        f"{known}", "model", "model_not_found")
 
 
 def from_rpc_error(exc: grpc.RpcError, service: str) -> GatewayError:
@@ -65,6 +75,8 @@ def from_rpc_error(exc: grpc.RpcError, service: str) -> GatewayError:
     code, details = exc.code(), exc.details() or ""
     if code in _INVALID_CODES:
         return GatewayError("invalid_request", details, _param_in(details))
+    if code == grpc.StatusCode.NOT_FOUND:  # the scheduler knows no adapter of that name
+        return GatewayError("not_found", details, "model", "model_not_found")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return GatewayError("overloaded", f"the {service} is overloaded: {details}")
     if code in _UNAVAILABLE_CODES:

@@ -16,7 +16,9 @@ from kvrelay.gateway import edge
 from kvrelay.gateway.errors import GatewayError, invalid, param_from_value_error
 from kvrelay.gateway.limits import RequestLimits
 from kvrelay.gateway.openai_embeddings import embed
-from kvrelay.gateway.openai_serving import generation_model, served_model
+from kvrelay.gateway.lora_admin import (load_adapter, model_cards, require_admin_key,
+                                        unload_adapter)
+from kvrelay.gateway.openai_serving import generation_model, lora_name, served_model
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.request_state import SampleDelta
 from kvrelay.gateway.proto_text_fields import proto_texts, undecodable_string_field
@@ -97,14 +99,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 first = False
 
     async def _start(self, request, client_request_id: str) -> tuple[RequestGroup, list[int]]:
-        await generation_model(self.core, request.model or None)
+        model = await generation_model(self.core, request.model or None)
         try:
             params = params_from_proto(request.params)
         except ValueError as exc:
             raise param_from_value_error(exc) from None
         prompt = await self._prompt_token_ids(request, client_request_id)
         self.core.limits.check_prompt_tokens([prompt], request.WhichOneof("input"))
-        group = await self.core.generate(client_request_id, [prompt], params, request.priority)
+        group = await self.core.generate(client_request_id, [prompt], params, request.priority,
+                                        lora_name(self.core, model))
         return group, prompt
 
     async def _prompt_token_ids(self, request, client_request_id: str) -> list[int]:
@@ -126,10 +129,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         await self._admit(request, context)
         try:
             client_request_id = _client_request_id(request.request_id, "embd")
-            await generation_model(self.core, request.model or None)
+            model = await generation_model(self.core, request.model or None)
             prompts = await self._embed_inputs(request, client_request_id)
             vectors = await embed(self.core, None, prompts, client_request_id,
-                                  request.priority)
+                                  request.priority, lora_name(self.core, model))
         except GatewayError as exc:
             await context.abort(exc.grpc_code, exc.message)
         return generation_pb2.EmbedResponse(
@@ -161,7 +164,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except GatewayError as exc:
             await context.abort(exc.grpc_code, exc.message)
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
-            id=model, max_model_len=self.core.max_model_len)])
+            id=card["id"], max_model_len=card["max_model_len"], parent=card["parent"] or "")
+            for card in model_cards(self.core, model)])
+
+    async def LoadLoraAdapter(self, request, context):
+        await self._admit(request, context)
+        try:
+            require_admin_key(self.expected_authorization)
+            if not request.lora_name or not request.lora_path:
+                raise invalid("give lora_name and lora_path", "lora_name")
+            await load_adapter(self.core, request.lora_name, request.lora_path)
+        except GatewayError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        return generation_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request, context):
+        await self._admit(request, context)
+        try:
+            require_admin_key(self.expected_authorization)
+            await unload_adapter(self.core, request.lora_name)
+        except GatewayError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        return generation_pb2.UnloadLoraAdapterResponse()
 
     async def Tokenize(self, request, context):
         await self._admit(request, context)

@@ -30,6 +30,8 @@ class SchedulerStats:
     num_waiting: int = 0
     num_running: int = 0
     workers: tuple[WorkerLoad, ...] = ()
+    adapters: tuple[str, ...] = ()  # the LoRA adapters loaded, by name
+    max_loras: int = 0  # 0: LoRA off
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,7 @@ class Generation:
     prompts: tuple[SubmittedPrompt, ...]
     params: SamplingParams
     priority: int = 0
+    lora_name: str = ""  # a LoRA adapter's name; empty: the base model
 
 
 # ---- the Outputs stream --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from kvrelay.gateway.openai_logprobs import chat_logprobs, prompt_logprobs_json
 from kvrelay.gateway.openai_params import chat_params, with_bad_words
 from kvrelay.gateway.openai_protocol import ChatCompletionRequest
 from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
-                                             collect_choices, generation_model, sse, sse_error,
+                                             collect_choices, generation_model, lora_name, sse, sse_error,
                                              unless_disconnected, usage)
 from kvrelay.gateway.openai_structured import blame_constraint
 from kvrelay.gateway.openai_tools import (ToolCallStream, chat_messages, parse_reply,
@@ -36,7 +36,8 @@ async def create_chat_completion(core, http_request: Request, body: ChatCompleti
     # inside: None without a reasoning parser, else whether the reply starts in reasoning
     params, inside = await with_reasoning(core, prompt, params, client_request_id)
     try:
-        group = await core.generate(client_request_id, [prompt], params, body.priority)
+        group = await core.generate(client_request_id, [prompt], params, body.priority,
+                                   lora_name(core, model))
     except GatewayError as error:
         raise blame_constraint(error, body, from_tools=grammar is not None) from None
     header = {"id": client_request_id, "created": int(time.time()), "model": model}

@@ -12,7 +12,7 @@ from kvrelay.gateway.openai_logprobs import CompletionLogprobs, joined, prompt_l
 from kvrelay.gateway.openai_params import completion_params, with_bad_words
 from kvrelay.gateway.openai_protocol import CompletionRequest
 from kvrelay.gateway.openai_serving import (SSE_DONE, ChunkEncoder, EventStreamResponse,
-                                             collect_choices, generation_model, sse, sse_error,
+                                             collect_choices, generation_model, lora_name, sse, sse_error,
                                              unless_disconnected, usage)
 from kvrelay.gateway.openai_structured import blame_constraint
 from kvrelay.gateway.request_group import RequestGroup
@@ -28,7 +28,8 @@ async def create_completion(core, http_request: Request, body: CompletionRequest
     echoes = (await _echo_texts(core, body.prompt, prompts, client_request_id)
               if body.echo else None)
     try:
-        group = await core.generate(client_request_id, prompts, params, body.priority)
+        group = await core.generate(client_request_id, prompts, params, body.priority,
+                                   lora_name(core, model))
     except GatewayError as error:
         raise blame_constraint(error, body) from None
     header = {"id": client_request_id, "object": "text_completion", "created": int(time.time()),

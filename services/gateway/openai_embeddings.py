@@ -14,7 +14,8 @@ from kvrelay.gateway.errors import invalid
 from kvrelay.gateway.openai_completions import prompt_token_ids
 from kvrelay.gateway.openai_limits import num_prompts
 from kvrelay.gateway.openai_protocol import EmbeddingRequest
-from kvrelay.gateway.openai_serving import collect_choices, generation_model, unless_disconnected
+from kvrelay.gateway.openai_serving import (collect_choices, generation_model, lora_name,
+                                             unless_disconnected)
 
 
 async def create_embedding(core, http_request: Request, body: EmbeddingRequest,
@@ -23,7 +24,8 @@ async def create_embedding(core, http_request: Request, body: EmbeddingRequest,
     core.limits.check_prompts(num_prompts(body.input), "input")
     prompts = await prompt_token_ids(core, body.input, client_request_id, "input")
     core.limits.check_prompt_tokens(prompts, "input")
-    vectors = await embed(core, http_request, prompts, client_request_id, body.priority)
+    vectors = await embed(core, http_request, prompts, client_request_id, body.priority,
+                          lora_name(core, model))
     if body.dimensions is not None and body.dimensions != len(vectors[0]):
         raise invalid(f"dimensions: this model's embeddings have {len(vectors[0])} dimensions "
                       "and cannot be shortened", "dimensions")
@@ -36,10 +38,11 @@ async def create_embedding(core, http_request: Request, body: EmbeddingRequest,
 
 
 async def embed(core, http_request: Request | None, prompts: list[list[int]],
-                client_request_id: str, priority: int = 0) -> list[tuple[float, ...]]:
+                client_request_id: str, priority: int = 0,
+                lora: str = "") -> list[tuple[float, ...]]:
     """Each prompt's vector (both front ends); http_request: watched for the client leaving."""
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=core.pooling)
-    group = await core.generate(client_request_id, prompts, params, priority)
+    group = await core.generate(client_request_id, prompts, params, priority, lora)
     with group:
         work = collect_choices(group, 1)
         choices = await (unless_disconnected(http_request, work) if http_request else work)

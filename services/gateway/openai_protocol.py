@@ -200,3 +200,12 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class LoadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1, max_length=128)

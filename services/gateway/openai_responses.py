@@ -13,7 +13,7 @@ from kvrelay.engine.structured.spec import StructuredOutputs
 from kvrelay.gateway.errors import GatewayError, invalid, param_from_value_error
 from kvrelay.gateway.openai_protocol import NamedToolChoice, Tool
 from kvrelay.gateway.openai_serving import (EventStreamResponse, collect_choices,
-                                             generation_model, unless_disconnected)
+                                             generation_model, lora_name, unless_disconnected)
 from kvrelay.gateway.openai_structured import blame_compile_error
 from kvrelay.gateway.openai_tools import tool_choice_mode, tool_grammar, tools_in_play
 from kvrelay.gateway.reasoning import with_reasoning
@@ -54,7 +54,8 @@ async def create_response(core, store: ResponseStore, http_request: Request,
     # inside: None without a reasoning parser, else whether the reply starts in reasoning
     params, inside = await with_reasoning(core, prompt, params, client_request_id)
     try:
-        group = await core.generate(client_request_id, [prompt], params)
+        group = await core.generate(client_request_id, [prompt], params,
+                                   lora_name=lora_name(core, model))
     except GatewayError as error:
         raise blame_compile_error(error, "tools" if grammar is not None else "text") from None
     builder = ResponseBuilder(_fields(body, model, keep),

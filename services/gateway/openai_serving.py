@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from kvrelay.gateway.errors import GatewayError, invalid
+from kvrelay.gateway.errors import GatewayError, model_not_found
 from kvrelay.gateway.request_group import RequestGroup
 from kvrelay.gateway.request_state import SampleDelta
 
@@ -17,14 +17,22 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def served_model(core, requested: str | None) -> str:
-    """The model name for the response; an unknown one is the caller's error."""
+    """The model name for the response: the base model's or a loaded LoRA adapter's; an
+    unknown one is a 404 model_not_found."""
     served = core.model_name
     if served is None:
         raise GatewayError("unavailable", "no model is being served yet")
-    if requested is not None and requested != served:
-        raise invalid(f"The model `{requested}` does not exist; this server serves "
-                      f"`{served}`", "model")
-    return served
+    if requested is None or requested == served:
+        return served
+    adapters = core.adapter_names
+    if requested not in adapters:
+        raise model_not_found(requested, served, adapters)
+    return requested
+
+
+def lora_name(core, model: str) -> str:
+    """The LoRA adapter a request runs with (served_model's answer); empty: the base model."""
+    return "" if model == core.model_name else model
 
 
 async def generation_model(core, requested: str | None) -> str:

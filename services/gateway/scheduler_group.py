@@ -21,6 +21,7 @@ log = get_logger(__name__)
 
 PROBE_TIMEOUT_S = 2.0
 CALL_TIMEOUT_S = 60.0  # a unary call that has not answered in this long will not
+LOAD_TIMEOUT_S = 300.0  # a LoRA load reads and checks the adapter on every worker
 
 
 class SchedulerGroup:
@@ -103,6 +104,23 @@ class SchedulerGroup:
         except grpc.RpcError:
             self.stats = None
         self.submitted_since_stats -= submitted_before
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """GatewayError with the scheduler's reason where the group cannot serve it."""
+        try:
+            await self.stub.LoadAdapter(scheduler_pb2.SchedulerLoadAdapterRequest(
+                name=name, path=path), timeout=LOAD_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
+        await self.refresh_stats()  # requests naming it may come at once
+
+    async def unload_adapter(self, name: str) -> None:
+        try:
+            await self.stub.UnloadAdapter(scheduler_pb2.SchedulerUnloadAdapterRequest(
+                name=name), timeout=LOAD_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, "scheduler") from None
+        await self.refresh_stats()
 
     def outputs(self, gateway_id: str) -> OutputsStream:
         return OutputsStream(self.stub.Outputs(scheduler_pb2.OutputsRequest(gateway_id=gateway_id),

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from kvrelay.common.log import get_logger
 from kvrelay.engine.prompt_checks import check_prompt_tokens
-from kvrelay.engine.request import Request, RequestStatus, make_sequence_id
+from kvrelay.engine.request import Request, RequestStatus, make_sequence_id, prefix_cache_key
 from kvrelay.engine.sampling_params import SamplingParams
 from kvrelay.engine.structured.backend import CompiledGrammar
 from kvrelay.scheduler.config import SchedulerConfig
@@ -90,7 +90,7 @@ class ClusterScheduler:
             if (sample.worker is not worker or request.status is not RequestStatus.WAITING
                     or request.num_computed_tokens or sample.stranded):
                 continue
-            target = _best_placed(others, request.all_token_ids)
+            target = _best_placed(others, request.all_token_ids, request.cache_key)
             moved_request = request.continued()  # before the abort lets go of its grammar
             worker.core.abort([sample.sequence_id])
             self.forget_on(worker, sample.sequence_id)
@@ -113,7 +113,7 @@ class ClusterScheduler:
     # ---- admission -----------------------------------------------------------------------------
     def submit(self, request_id: str, gateway_id: str, prompt: list[int],
                params: SamplingParams, priority: int,
-               grammar: CompiledGrammar | None = None) -> None:
+               grammar: CompiledGrammar | None = None, adapter_id: int = 0) -> None:
         """params: max_tokens filled in; grammar: params.structured_outputs compiled (each
         sample gets its own matcher from it). Raises ValueError (bad input) or Unavailable."""
         if request_id in self.requests:
@@ -122,17 +122,18 @@ class ClusterScheduler:
             raise Unavailable("the scheduler is shutting down")
         if not self.registry.ready:
             raise Unavailable("no workers are registered yet")
-        worker = self._place(prompt)
+        # With prefix caching off, the samples of one request still share the prompt's blocks.
+        salt = None if self.config.engine.enable_prefix_caching else request_id
+        worker = self._place(prompt, prefix_cache_key(salt, adapter_id))
         self._check_prompt(prompt, params, worker)
         self._check_load(len(prompt), params.n)
         record = RequestRecord(request_id, gateway_id, len(prompt), params)
-        # With prefix caching off, the samples of one request still share the prompt's blocks.
-        salt = None if self.config.engine.enable_prefix_caching else request_id
         eos = frozenset(worker.info.eos_token_ids)
         phase = Phase.PREFILL if worker.role is PREFILL else Phase.COLOCATED
         for index in range(params.n):
             sequence_id = make_sequence_id(request_id, index)
-            request = Request(sequence_id, prompt, params, eos, priority, record.arrival, salt)
+            request = Request(sequence_id, prompt, params, eos, priority, record.arrival, salt,
+                              adapter_id=adapter_id)
             if grammar is not None:
                 request.grammar = grammar.matcher()
             worker.core.add_request(request)
@@ -166,10 +167,10 @@ class ClusterScheduler:
             raise Overloaded(f"overloaded: {num_tokens} prompt tokens are waiting (limit "
                              f"{max_tokens}); retry later")
 
-    def _place(self, prompt: list[int]) -> WorkerRecord:
+    def _place(self, prompt: list[int], cache_key) -> WorkerRecord:
         registry = self.registry
         roles = (PREFILL,) if registry.pd_ready else (BOTH,)
-        return _best_placed(registry.live(*roles), prompt)
+        return _best_placed(registry.live(*roles), prompt, cache_key)
 
     def _check_prompt(self, prompt: list[int], params: SamplingParams,
                       worker: WorkerRecord) -> None:
@@ -518,14 +519,16 @@ def _decode_preference(worker: WorkerRecord) -> tuple:
     return (-worker.core.kv.num_free_blocks, len(worker.core.running))
 
 
-def _best_placed(candidates: list[WorkerRecord], token_ids: list[int]) -> WorkerRecord:
+def _best_placed(candidates: list[WorkerRecord], token_ids: list[int],
+                 cache_key=None) -> WorkerRecord:
     """The worker that would finish the prefill of these tokens (a prompt, or a recovered
     sample's prompt and outputs) soonest: the fewest tokens to compute there, counting its
     queue and these tokens less what its prefix cache already holds. Cache affinity wins while
     queues are even; a backlog outweighs it, so a burst of prompts that share a system prompt
     still spreads over the workers."""
     def cost(worker: WorkerRecord) -> tuple:
-        cached_tokens = worker.core.kv.num_cached_blocks(token_ids) * worker.info.block_size
+        cached_tokens = worker.core.kv.num_cached_blocks(token_ids, cache_key) \
+            * worker.info.block_size
         return (_tokens_to_compute(worker) + len(token_ids) - cached_tokens, worker.load())
     return min(candidates, key=cost)
 

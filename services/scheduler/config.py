@@ -44,6 +44,10 @@ class SchedulerConfig:
     # Such a sample waits at most this long for a live worker of the role it needs (one being
     # restarted) before it ends with the error.
     worker_wait_s: float = 60.0
+    # LoRA (engine.enable_lora): adapters to load at start, {name: PEFT directory}, each loaded
+    # on every worker as it registers; at most max_cpu_loras adapters loaded at once.
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_cpu_loras: int = 64
 
     def __post_init__(self) -> None:
         if self.shared_compute_steps not in SHARED_COMPUTE_MODES:
@@ -56,5 +60,9 @@ class SchedulerConfig:
             raise ValueError("max_queued_requests and max_queued_prompt_tokens must be >= 0")
         if self.max_request_retries < 0 or self.worker_wait_s < 0:
             raise ValueError("max_request_retries and worker_wait_s must be >= 0")
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.max_cpu_loras < 1:
+            raise ValueError("max_cpu_loras must be >= 1")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")

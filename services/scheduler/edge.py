@@ -39,7 +39,8 @@ def worker_info_from_proto(message: scheduler_pb2.RegisterWorkerRequest) -> Work
         shm_path=message.shm_path, compute_domain=message.compute_domain,
         attention_crossover=message.attention_crossover, num_threads=message.num_threads,
         kv_group_windows=tuple(message.kv_group_windows) or (0,),
-        kv_cache_dtype=message.kv_cache_dtype or message.dtype)
+        kv_cache_dtype=message.kv_cache_dtype or message.dtype,
+        max_loras=message.max_loras, max_lora_rank=message.max_lora_rank)
 
 
 # ---- steps --------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def _new_sequence_to_proto(seq: NewSequence) -> worker_pb2.NewSequence:
         block_ids=block_ids, group_block_counts=counts,
         num_computed_tokens=seq.num_computed_tokens,
         eos_token_ids=seq.eos_token_ids, child_index=seq.child_index,
-        num_prompt_tokens=seq.num_prompt_tokens)
+        num_prompt_tokens=seq.num_prompt_tokens, adapter_id=seq.adapter_id)
 
 
 def send_order_to_proto(order: SendOrder) -> worker_pb2.KvSendOrder:
@@ -116,3 +117,12 @@ def delta_to_proto(delta: Delta) -> scheduler_pb2.SequenceDelta:
     if delta.stop_token_id is not None:
         message.stop_token_id = delta.stop_token_id
     return message
+
+
+# ---- LoRA adapters ------------------------------------------------------------------------------
+def adapter_stats_to_proto(names: dict[int, str],
+                           use: dict[int, tuple[int, int]]) -> list[scheduler_pb2.AdapterInfo]:
+    return [scheduler_pb2.AdapterInfo(name=name, adapter_id=adapter_id,
+                                      num_running=use.get(adapter_id, (0, 0))[0],
+                                      num_waiting=use.get(adapter_id, (0, 0))[1])
+            for adapter_id, name in names.items()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvrelay.common.flags import add_flag
+from kvrelay.common.lora_flags import add_enable_lora, add_lora_modules
 from kvrelay.common.tls import add_tls_flags
 from kvrelay.engine.config import GRAMMAR_BACKENDS
 from kvrelay.engine.spec.config import SpeculativeConfig
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-long-partial-prefills", type=int, default=1,
              help="how many such long prompts may advance in one step")
     add_flag(parser, "--no-prefix-caching", action="store_true")
+    add_enable_lora(parser)
+    add_lora_modules(parser)
+    add_flag(parser, "--max-cpu-loras", type=int, default=64,
+             help="LoRA adapters loaded at once (each worker holds them all in host memory)")
     add_flag(parser, "--no-async-scheduling", action="store_true",
              help="plan each step only after the previous one's tokens are back (by default a "
                   "step of plain decodes is planned and sent while the one before it runs)")

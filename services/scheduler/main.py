@@ -8,6 +8,7 @@ from kvrelay.api.kvrelay.v1 import scheduler_pb2, scheduler_pb2_grpc
 from kvrelay.common import metrics
 from kvrelay.common.tls import install, tls_files_from_args
 from kvrelay.common.grpc_server import ServiceServer
+from kvrelay.common.lora_flags import parse_lora_modules
 from kvrelay.common.log import get_logger
 from kvrelay.common.runtime import run_service
 from kvrelay.engine.config import EngineConfig
@@ -32,7 +33,8 @@ async def serve(args: argparse.Namespace) -> None:
                           max_long_partial_prefills=args.max_long_partial_prefills,
                           enable_prefix_caching=not args.no_prefix_caching,
                           scheduling_policy=args.scheduling_policy,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config,
+                          enable_lora=args.enable_lora)
     config = SchedulerConfig(
         engine=engine, lease_s=args.lease_ms / 1000,
         prefill_max_num_batched_tokens=args.prefill_max_num_batched_tokens or None,
@@ -43,7 +45,8 @@ async def serve(args: argparse.Namespace) -> None:
         model=args.model, structured_outputs_backend=args.structured_outputs_backend,
         max_queued_requests=args.max_queued_requests,
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
-        max_request_retries=args.max_request_retries, worker_wait_s=args.worker_wait_timeout)
+        max_request_retries=args.max_request_retries, worker_wait_s=args.worker_wait_timeout,
+        lora_modules=parse_lora_modules(args.lora_modules), max_cpu_loras=args.max_cpu_loras)
     service = SchedulerService(config)
     server = ServiceServer(args.host, args.port,
                            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name])

@@ -56,6 +56,8 @@ class WorkerInfo:
     # per KV group of the model's layers, its window (0: full attention; engine/kv_groups.py)
     kv_group_windows: tuple[int, ...] = (0,)
     kv_cache_dtype: str = ""  # its KV cache's element (empty: dtype); pages move only between equals
+    max_loras: int = 0  # LoRA slots (0: LoRA off)
+    max_lora_rank: int = 0
 
     @property
     def push_address(self) -> str:

@@ -55,6 +55,9 @@ class WorkerRegistry:
             if other.alive and _identity(other.info) != _identity(info):
                 raise ValueError(f"worker {info.worker_id} ({_describe(info)}) does not match "
                                  f"{other.worker_id} ({_describe(other.info)})")
+        if self.config.engine.enable_lora and not info.max_loras:
+            raise ValueError(f"worker {info.worker_id} runs without --enable-lora, and this "
+                             "scheduler serves LoRA adapters")
         replaced = self.workers.get(info.worker_id)
         core = Scheduler(self._engine_config(info), info.num_blocks, info.max_model_len,
                          info.attention_crossover,
@@ -65,7 +68,9 @@ class WorkerRegistry:
         return replaced if replaced is not None and replaced.alive else None
 
     def _engine_config(self, info: WorkerInfo):
-        config = replace(self.config.engine, block_size=info.block_size)
+        # each step of the worker mixes at most as many adapters as it has slots
+        config = replace(self.config.engine, block_size=info.block_size,
+                         max_loras=info.max_loras or self.config.engine.max_loras)
         if info.role is PREFILL and self.config.prefill_max_num_batched_tokens:
             config = replace(config,
                              max_num_batched_tokens=self.config.prefill_max_num_batched_tokens)

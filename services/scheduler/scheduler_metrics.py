@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from kvrelay.common import metrics
+from kvrelay.scheduler.adapters import adapter_use
 from kvrelay.scheduler.cluster import ClusterScheduler
 from kvrelay.scheduler.registry import WorkerRecord
 from kvrelay.scheduler.step_plan import StepPlan
@@ -55,6 +56,10 @@ SPEC_ACCEPTED_PER_POS = metrics.counter("spec_decode_num_accepted_tokens_per_pos
 RECOVERIES = metrics.counter(
     "request_recoveries", "Samples prefilled again on a live worker after their worker died or "
     "their KV transfer failed (README: a dead worker costs no request)")
+# vLLM's lora_requests_info: the labels name the adapters (comma-separated) that requests run
+# and wait on; the value is when they were read. One series: the latest.
+LORA_INFO = metrics.gauge("lora_requests_info", "LoRA adapters of running and waiting requests",
+                          ("max_lora", "running_lora_adapters", "waiting_lora_adapters"))
 # The engine cores keep running totals; the counters advance by the change since last time.
 _last_totals: dict[tuple[str, str], int] = {}
 
@@ -146,3 +151,13 @@ def _advance_spec(drafter) -> None:
     _advance_total(SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens", stats.num_accepted_tokens)
     for position, total in enumerate(stats.accepted_per_pos):
         _advance(SPEC_ACCEPTED_PER_POS, str(position), "spec_accepted_per_pos", total)
+
+
+def lora_requests(cluster: ClusterScheduler, names: dict[int, str]) -> None:
+    workers = [worker for worker in cluster.registry.workers.values() if worker.alive]
+    use = adapter_use(workers)
+    running = ",".join(sorted(names.get(i, str(i)) for i, (num, _) in use.items() if num))
+    waiting = ",".join(sorted(names.get(i, str(i)) for i, (_, num) in use.items() if num))
+    max_lora = min((worker.info.max_loras for worker in workers), default=0)
+    LORA_INFO.clear()
+    LORA_INFO.labels(str(max_lora), running, waiting).set(time.time())

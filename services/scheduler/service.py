@@ -14,7 +14,8 @@ from kvrelay.scheduler.config import SchedulerConfig
 from kvrelay.engine.structured.backend import GrammarError
 from kvrelay.scheduler.core_share import DomainGates
 from kvrelay.scheduler.grammars import scheduler_grammars
-from kvrelay.scheduler.edge import ROLE_TO_PROTO, worker_info_from_proto
+from kvrelay.scheduler.adapters import AdapterDirectory, adapter_use
+from kvrelay.scheduler.edge import ROLE_TO_PROTO, adapter_stats_to_proto, worker_info_from_proto
 from kvrelay.scheduler.outputs import DeltaSink
 from kvrelay.scheduler.registry import WorkerRecord
 from kvrelay.scheduler.worker_link import WorkerLink
@@ -35,6 +36,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                  config.engine.long_prefill_token_threshold,
                                  self.cluster.has_work)
         self.grammars = scheduler_grammars(config, self.cluster.registry)
+        self.adapters = AdapterDirectory(config.engine.enable_lora, config.lora_modules,
+                                         config.max_cpu_loras)
 
     def _wake(self, worker: WorkerRecord) -> None:
         link = self.links.get(worker.worker_id)
@@ -51,8 +54,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             grammar = None
             if params.structured_outputs is not None:  # compiled before the request queues
                 grammar = await self.grammars.compile_async(params.structured_outputs)
+            adapter_id = self.adapters.resolve(request.lora_name) if request.lora_name else 0
             self.cluster.submit(request.request_id, request.gateway_id, prompt, params,
-                                request.priority, grammar)
+                                request.priority, grammar, adapter_id)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no LoRA adapter named {request.lora_name!r} is loaded")
         except (ValueError, GrammarError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Overloaded as exc:
@@ -62,7 +69,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except RuntimeError as exc:  # the grammar backend cannot be built here
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"structured output is unavailable: {exc}")
-        log.debug("submitted", num_prompt_tokens=len(prompt), n=params.n)
+        log.debug("submitted", num_prompt_tokens=len(prompt), n=params.n,
+                  lora=request.lora_name or None)
         return scheduler_pb2.SubmitResponse()
 
     async def Abort(self, request, context):
@@ -94,7 +102,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def RegisterWorker(self, request, context):
         try:
-            worker = self.cluster.register(worker_info_from_proto(request))
+            info = worker_info_from_proto(request)
+            await self.adapters.sync_worker(info)  # AdapterRefused is a ValueError
+            worker = self.cluster.register(info)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         old = self.links.pop(worker.worker_id, None)
@@ -126,7 +136,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             prefix_cache_hits=sum(w.core.kv.stats.hits for w in workers),
             num_preemptions=sum(w.core.stats.num_preemptions for w in workers),
             model=cluster.registry.model, max_model_len=cluster.registry.max_model_len,
-            ready=cluster.registry.ready, num_transferring=cluster.transfers.num_open)
+            ready=cluster.registry.ready, num_transferring=cluster.transfers.num_open,
+            adapters=adapter_stats_to_proto(self.adapters.names(), adapter_use(workers)),
+            max_loras=min((w.info.max_loras for w in workers), default=0)
+            if self.adapters.enabled else 0)
+
+    async def LoadAdapter(self, request, context):
+        workers = [w.info for w in self.cluster.registry.workers.values() if w.alive]
+        try:
+            ref = await self.adapters.load(request.name, request.path, workers)
+        except ValueError as exc:  # AdapterRefused too
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return scheduler_pb2.SchedulerLoadAdapterResponse(adapter_id=ref.adapter_id)
+
+    async def UnloadAdapter(self, request, context):
+        workers = [w.info for w in self.cluster.registry.workers.values() if w.alive]
+        try:
+            await self.adapters.unload(request.name, workers)
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no LoRA adapter named {request.name!r} is loaded")
+        return scheduler_pb2.SchedulerUnloadAdapterResponse()
 
     async def reap_leases(self) -> None:
         await lease_reaper.reap_leases(self.cluster, self.config.lease_s / 4,
@@ -140,6 +170,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _after_sweep(self) -> None:
         scheduler_metrics.blocks_set_aside(self.cluster)
         scheduler_metrics.refresh_gauges(self.cluster)
+        if self.adapters.enabled:
+            scheduler_metrics.lora_requests(self.cluster, self.adapters.names())
         self.cluster.sink.flush()
 
     async def drain(self) -> None:

@@ -89,7 +89,7 @@ class StepPlanner:
                 block_ids=tuple(tuple(table) for table in item.block_ids),
                 num_computed_tokens=request.num_computed_tokens,
                 eos_token_ids=tuple(request.eos_token_ids), child_index=sample.index,
-                num_prompt_tokens=request.num_prompt_tokens))
+                num_prompt_tokens=request.num_prompt_tokens, adapter_id=request.adapter_id))
             known = [len(table) for table in item.block_ids]
         bitmask = b""
         if item.samples and request.grammar is not None:

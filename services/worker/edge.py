@@ -35,7 +35,8 @@ def _new_sequence_from_proto(message: worker_pb2.NewSequence) -> NewSequence:
         num_computed_tokens=message.num_computed_tokens,
         eos_token_ids=tuple(message.eos_token_ids), child_index=message.child_index,
         # unset (0) on the wire: every token is the prompt's
-        num_prompt_tokens=message.num_prompt_tokens or len(message.token_ids))
+        num_prompt_tokens=message.num_prompt_tokens or len(message.token_ids),
+        adapter_id=message.adapter_id)
 
 
 def send_order_from_proto(message: worker_pb2.KvSendOrder) -> SendOrder:

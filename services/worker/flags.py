@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvrelay.common.flags import add_flag
+from kvrelay.common.lora_flags import add_enable_lora, add_max_loras
 from kvrelay.common.tls import add_tls_flags
 from kvrelay.kernels import kv_code_names
 from kvrelay.worker import kv_budget
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="there, every layer step (prefill included) on that kernel with activations "
                   "coded as int8 per 32 values, as llama.cpp does: faster, less accurate")
     add_flag(parser, "--block-size", type=int, default=16)
+    add_enable_lora(parser)
+    add_max_loras(parser)
+    add_flag(parser, "--max-lora-rank", type=int, default=16,
+             help="the largest LoRA rank an adapter may have (its slots are this wide)")
     add_flag(parser, "--no-warmup", action="store_true", default=False,
              help="register as soon as the model is loaded, without first running each step "
                   "shape of the role once (bf16 on CPU; services/worker/warmup.py)")

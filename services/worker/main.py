@@ -70,9 +70,13 @@ async def serve(args: argparse.Namespace) -> None:
         seconds = await asyncio.get_running_loop().run_in_executor(service.compute, warm_up,
                                                                    runner, args.role)
         log.info("warmed up", seconds=round(seconds, 2))
+    executor = StepExecutor(runner, loaded.num_threads)
+    if args.enable_lora:
+        await asyncio.get_running_loop().run_in_executor(
+            service.compute, runner.enable_lora, args.max_loras, args.max_lora_rank,
+            executor.held_adapters)
     freeze_heap()  # the model's modules and tensors, too
-    service.attach(StepExecutor(runner, loaded.num_threads),
-                   KvSender(_transports(transports, runner), args.kv_transfer_timeout))
+    service.attach(executor, KvSender(_transports(transports, runner), args.kv_transfer_timeout))
     instance_id = uuid.uuid4().hex
     receiver.attach(runner.kv_cache, instance_id)
     registration = Registration(args.scheduler_address, scheduler_pb2.RegisterWorkerRequest(
@@ -86,7 +90,9 @@ async def serve(args: argparse.Namespace) -> None:
         compute_domain=compute_domain(runner.device),
         attention_crossover=loaded.attention_crossover, instance_id=instance_id,
         num_threads=loaded.num_threads, kv_group_windows=runner.kv_layout.windows,
-        kv_cache_dtype=runner.kv_cache_dtype_name))
+        kv_cache_dtype=runner.kv_cache_dtype_name,
+        max_loras=args.max_loras if args.enable_lora else 0,
+        max_lora_rank=args.max_lora_rank if args.enable_lora else 0))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     dtype = str(runner.dtype).removeprefix("torch.")

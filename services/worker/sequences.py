@@ -27,7 +27,8 @@ class SequenceTable:
         if params.seed is not None:
             generator = make_generator(params.seed, new.child_index)
         sequence = Request(new.sequence_id, new.token_ids[:num_prompt], params,
-                           frozenset(new.eos_token_ids), generator=generator)
+                           frozenset(new.eos_token_ids), generator=generator,
+                           adapter_id=new.adapter_id)
         for token_id in new.token_ids[num_prompt:]:
             sequence.append_token(token_id)
         _skip_draws(generator, sequence.num_output_tokens)

@@ -22,6 +22,11 @@ class StepExecutor:
         self.sampler = Sampler()
         self.table = SequenceTable()
 
+    def held_adapters(self) -> frozenset[int]:
+        """The LoRA adapters of the sequences this worker holds (their slots are kept); called
+        on the compute thread (list() copies the values in one go, under the GIL)."""
+        return frozenset(sequence.adapter_id for sequence in list(self.table.sequences.values()))
+
     def apply(self, order: StepOrder) -> SchedulerOutput:
         """Update the sequence table from the order; its batch, one item per order.scheduled
         in that order (cheap; runs on the event loop)."""

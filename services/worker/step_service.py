@@ -9,12 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from kvrelay.api.kvrelay.v1 import worker_pb2_grpc
+from kvrelay.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
 from kvrelay.common import metrics
 from kvrelay.common.log import get_logger
 from kvrelay.engine.scheduler import SchedulerOutput
 from kvrelay.step_messages import Sampled, SendOrder, StepOrder, StepOutcome
 from kvrelay.worker import edge
+from kvrelay.worker.adapter_service import AdapterCalls
 from kvrelay.worker.kv_connector import KvSender, LayerFeed
 from kvrelay.worker.sequences import SequenceTable
 from kvrelay.worker.step_executor import StepExecutor
@@ -39,9 +40,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.num_streams = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.adapter_calls = AdapterCalls(self)
 
     def attach(self, executor: StepExecutor, sender: KvSender) -> None:
         self.executor, self.sender = executor, sender
+
+    async def LoadAdapter(self, request, context):
+        await self.adapter_calls.load(request, context)
+        return worker_pb2.LoadAdapterResponse()
+
+    async def UnloadAdapter(self, request, context):
+        await self.adapter_calls.unload(request, context)
+        return worker_pb2.UnloadAdapterResponse()
 
     async def Steps(self, request_iterator, context):
         if self.executor is None:

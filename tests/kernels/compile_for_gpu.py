@@ -5,6 +5,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kvrelay.kernels.triton_lora import _expand_kernel, _shrink_kernel
 from kvrelay.kernels.triton_moe import _down_kernel, _gate_up_kernel
 from kvrelay.kernels.triton_paged_attention import _paged_attention_kernel
 from kvrelay.kernels.triton_rejection import _rejection_kernel
@@ -67,6 +68,23 @@ def compile_moe(dtype: str, block_m: int):
     return triton.compile(ASTSource(_down_kernel, signature, tiles), target=HOPPER)
 
 
+def compile_lora(dtype: str, block_tokens: int, block_ranks: int):
+    """The batched LoRA shrink and expand; block_tokens 1: per-token programs only, else the
+    one-slot tile (tl.dot) and mixed-block paths too."""
+    shrink_constexprs = dict(BLOCK_T=block_tokens, BLOCK_R=block_ranks,
+                             BLOCK_K=128 if block_ranks <= 32 else 64, DOT_IN_FP32=False,
+                             DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    pointers = dict(x_ptr=f"*{dtype}", a_ptr=f"*{dtype}", out_ptr="*fp32", slots_ptr="*i32")
+    signature = _signature(_shrink_kernel, pointers, shrink_constexprs)
+    shrink = triton.compile(ASTSource(_shrink_kernel, signature, shrink_constexprs), target=HOPPER)
+    expand_constexprs = dict(BLOCK_T=block_tokens, BLOCK_R=block_ranks,
+                             BLOCK_N=128 if block_tokens == 1 else 64)
+    pointers = dict(y_ptr=f"*{dtype}", xa_ptr="*fp32", b_ptr=f"*{dtype}", slots_ptr="*i32")
+    signature = _signature(_expand_kernel, pointers, expand_constexprs)
+    triton.compile(ASTSource(_expand_kernel, signature, expand_constexprs), target=HOPPER)
+    return shrink
+
+
 if __name__ == "__main__":
     bf16_prefill = compile_attention("bf16", group_size=3, block_m=64, head_dim_padded=64)
     assert "wgmma" in bf16_prefill.asm["ptx"], "bf16 attention should use Hopper tensor cores"
@@ -80,6 +98,11 @@ if __name__ == "__main__":
     compile_rejection()
     compile_moe("bf16", block_m=16)
     compile_moe("fp32", block_m=64)
+    compile_lora("bf16", block_tokens=1, block_ranks=16)
+    bf16_lora_tiles = compile_lora("bf16", block_tokens=32, block_ranks=16)
+    assert "mma" in bf16_lora_tiles.asm["ptx"], "bf16 LoRA shrink tiles should use tensor cores"
+    compile_lora("fp16", block_tokens=16, block_ranks=64)
+    compile_lora("fp32", block_tokens=16, block_ranks=64)
     try:  # compiled kernels cannot take CPU tensors: expect the explicit error, not a crash
         cache = torch.zeros(1, 16, 1, 64)
         store_kv_triton(torch.ones(1, 1, 64), torch.ones(1, 1, 64), cache, cache, torch.tensor([0]))

@@ -90,7 +90,7 @@ def test_a_generation_waits_for_the_model_while_its_scheduler_group_restarts():
             assert loop.time() - started < 0.55
             with pytest.raises(GatewayError, match="does not exist") as caught:  # ready: no wait
                 await generation_model(core, "other")
-            assert caught.value.http_status == 400
+            assert caught.value.http_status == 404  # model_not_found, as OpenAI answers
         finally:
             await upstream.close()
 

@@ -44,7 +44,6 @@ BAD_CHAT_BODIES = {
     "top_logprobs without logprobs": {**GOOD_CHAT, "top_logprobs": 2},
     "top_logprobs 21": {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21},
     "stream_options without stream": {**GOOD_CHAT, "stream_options": {"include_usage": True}},
-    "unknown model": {**GOOD_CHAT, "model": "no-such-model"},
 }
 BAD_COMPLETION_BODIES = {
     "prompt a number": {"prompt": 42},
@@ -106,6 +105,12 @@ def assert_openai_error(response: httpx.Response, status: int = 400) -> dict:
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     return error
+
+
+def test_unknown_model_is_404_model_not_found(gateway):
+    error = assert_openai_error(post(gateway, "/v1/chat/completions",
+                                     {**GOOD_CHAT, "model": "no-such-model"}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
 
 
 @pytest.mark.parametrize("case", list(BAD_CHAT_BODIES))

@@ -95,6 +95,8 @@ class DecoderLM(nn.Module):
         # every layer of a small decode step in one native call (decode_stack.py), if attached
         self.decode_stack: DecodeStack | None = None
         self.fused_layers = False  # the layers' skip adds fused into the norms (native ops)
+        # with LoRA adapters (engine/lora/slots.py): the running step's token -> slot map
+        self.lora_step = None
 
     @property
     def layer_windows(self) -> list[int]:
@@ -187,6 +189,10 @@ class DecoderLM(nn.Module):
             hidden = self.norm(hidden[logits_indices])
         return hidden
 
+    def _adapters_in_step(self) -> bool:
+        """Whether a LoRA adapter updates this step (the one-call stack computes none)."""
+        return self.lora_step is not None and self.lora_step.token_slots is not None
+
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] f32
         if self.packed_head is not None:
             logits = self.packed_head(hidden).float()
@@ -201,7 +207,8 @@ class DecoderLM(nn.Module):
         (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
         residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
         stack = self.decode_stack
-        if stack is not None and stack.takes(hidden.shape[0], attn_metas[0], kv_caches):
+        if stack is not None and not self._adapters_in_step() and \
+                stack.takes(hidden.shape[0], attn_metas[0], kv_caches):
             delta = stack.run(residual, ropes, kv_caches, slot_mappings, attn_metas)
             # every layer's K/V is stored by now: a push that waits on them starts at once
             # (the stack's steps are a few tokens, so little overlap is lost)

@@ -25,43 +25,51 @@ _sym_db = _symbol_database.Default()
 from kvrelay.api.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvrelay/v1/generation.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"X\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"\xe2\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChoiceDelta\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\"{\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05texts\x18\x03 \x03(\t\x12\'\n\ttoken_ids\x18\x04 \x03(\x0b\x32\x14.kvrelay.v1.TokenIds\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"p\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.kvrelay.v1.Embedding\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"=\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x81\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r2\xe5\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvrelay.v1.AbortRequest\x1a\x19.kvrelay.v1.AbortResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12<\n\x05\x45mbed\x12\x18.kvrelay.v1.EmbedRequest\x1a\x19.kvrelay.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvrelay/v1/generation.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"\x19\n\x17LoadLoraAdapterResponse\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"X\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvrelay.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\xe9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x14.kvrelay.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"\xe2\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.ChoiceDelta\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvrelay.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\"{\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05texts\x18\x03 \x03(\t\x12\'\n\ttoken_ids\x18\x04 \x03(\x0b\x32\x14.kvrelay.v1.TokenIds\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"p\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.kvrelay.v1.Embedding\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.kvrelay.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"M\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06parent\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvrelay.v1.ModelInfo\"\x81\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvrelay.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r2\xa3\x04\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1c.kvrelay.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvrelay.v1.AbortRequest\x1a\x19.kvrelay.v1.AbortResponse\x12K\n\nListModels\x12\x1d.kvrelay.v1.ListModelsRequest\x1a\x1e.kvrelay.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12<\n\x05\x45mbed\x12\x18.kvrelay.v1.EmbedRequest\x1a\x19.kvrelay.v1.EmbedResponse\x12Z\n\x0fLoadLoraAdapter\x12\".kvrelay.v1.LoadLoraAdapterRequest\x1a#.kvrelay.v1.LoadLoraAdapterResponse\x12`\n\x11UnloadLoraAdapter\x12$.kvrelay.v1.UnloadLoraAdapterRequest\x1a%.kvrelay.v1.UnloadLoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENIDS']._serialized_start=68
-  _globals['_TOKENIDS']._serialized_end=91
-  _globals['_CHATMESSAGES']._serialized_start=93
-  _globals['_CHATMESSAGES']._serialized_end=181
-  _globals['_GENERATEREQUEST']._serialized_start=184
-  _globals['_GENERATEREQUEST']._serialized_end=417
-  _globals['_CHOICEDELTA']._serialized_start=420
-  _globals['_CHOICEDELTA']._serialized_end=646
-  _globals['_GENERATERESPONSE']._serialized_start=649
-  _globals['_GENERATERESPONSE']._serialized_end=789
-  _globals['_EMBEDREQUEST']._serialized_start=791
-  _globals['_EMBEDREQUEST']._serialized_end=914
-  _globals['_EMBEDDING']._serialized_start=916
-  _globals['_EMBEDDING']._serialized_end=943
-  _globals['_EMBEDRESPONSE']._serialized_start=945
-  _globals['_EMBEDRESPONSE']._serialized_end=1057
-  _globals['_ABORTREQUEST']._serialized_start=1059
-  _globals['_ABORTREQUEST']._serialized_end=1093
-  _globals['_ABORTRESPONSE']._serialized_start=1095
-  _globals['_ABORTRESPONSE']._serialized_end=1125
-  _globals['_LISTMODELSREQUEST']._serialized_start=1127
-  _globals['_LISTMODELSREQUEST']._serialized_end=1146
-  _globals['_MODELINFO']._serialized_start=1148
-  _globals['_MODELINFO']._serialized_end=1209
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1211
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1270
-  _globals['_TOKENIZEREQUEST']._serialized_start=1273
-  _globals['_TOKENIZEREQUEST']._serialized_end=1402
-  _globals['_TOKENIZERESPONSE']._serialized_start=1404
-  _globals['_TOKENIZERESPONSE']._serialized_end=1464
-  _globals['_GENERATION']._serialized_start=1467
-  _globals['_GENERATION']._serialized_end=1824
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=68
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=130
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=132
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=157
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=159
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=204
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=206
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=233
+  _globals['_TOKENIDS']._serialized_start=235
+  _globals['_TOKENIDS']._serialized_end=258
+  _globals['_CHATMESSAGES']._serialized_start=260
+  _globals['_CHATMESSAGES']._serialized_end=348
+  _globals['_GENERATEREQUEST']._serialized_start=351
+  _globals['_GENERATEREQUEST']._serialized_end=584
+  _globals['_CHOICEDELTA']._serialized_start=587
+  _globals['_CHOICEDELTA']._serialized_end=813
+  _globals['_GENERATERESPONSE']._serialized_start=816
+  _globals['_GENERATERESPONSE']._serialized_end=956
+  _globals['_EMBEDREQUEST']._serialized_start=958
+  _globals['_EMBEDREQUEST']._serialized_end=1081
+  _globals['_EMBEDDING']._serialized_start=1083
+  _globals['_EMBEDDING']._serialized_end=1110
+  _globals['_EMBEDRESPONSE']._serialized_start=1112
+  _globals['_EMBEDRESPONSE']._serialized_end=1224
+  _globals['_ABORTREQUEST']._serialized_start=1226
+  _globals['_ABORTREQUEST']._serialized_end=1260
+  _globals['_ABORTRESPONSE']._serialized_start=1262
+  _globals['_ABORTRESPONSE']._serialized_end=1292
+  _globals['_LISTMODELSREQUEST']._serialized_start=1294
+  _globals['_LISTMODELSREQUEST']._serialized_end=1313
+  _globals['_MODELINFO']._serialized_start=1315
+  _globals['_MODELINFO']._serialized_end=1392
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1394
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1453
+  _globals['_TOKENIZEREQUEST']._serialized_start=1456
+  _globals['_TOKENIZEREQUEST']._serialized_end=1585
+  _globals['_TOKENIZERESPONSE']._serialized_start=1587
+  _globals['_TOKENIZERESPONSE']._serialized_end=1647
+  _globals['_GENERATION']._serialized_start=1650
+  _globals['_GENERATION']._serialized_end=2197
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=kvrelay_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/kvrelay.v1.Generation/LoadLoraAdapter',
+                request_serializer=kvrelay_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/kvrelay.v1.Generation/UnloadLoraAdapter',
+                request_serializer=kvrelay_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -97,6 +107,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time (the server runs with --enable-lora), behind the API key as
+        POST /v1/load_lora_adapter and /v1/unload_lora_adapter are. A request names an adapter
+        as its model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +149,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=kvrelay_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=kvrelay_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=kvrelay_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +296,60 @@ class Generation:
             '/kvrelay.v1.Generation/Embed',
             kvrelay_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
             kvrelay_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Generation/LoadLoraAdapter',
+            kvrelay_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Generation/UnloadLoraAdapter',
+            kvrelay_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

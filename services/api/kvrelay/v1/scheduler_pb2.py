@@ -25,43 +25,53 @@ _sym_db = _symbol_database.Default()
 from kvrelay.api.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/v1/scheduler.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x8f\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\x10\n\x0eSubmitResponse\",\n\x15SchedulerAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"$\n\x0eOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"\xcb\x02\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12 \n\x18num_cached_prompt_tokens\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x11\n\tembedding\x18\n \x03(\x02\x42\x10\n\x0e_stop_token_id\"8\n\x0bOutputBatch\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.kvrelay.v1.SequenceDelta\"\xc8\x03\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.kvrelay.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\rkv_transports\x18\x08 \x03(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x10\n\x08shm_path\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x16\n\x0e\x63ompute_domain\x18\x0e \x01(\t\x12\x1b\n\x13\x61ttention_crossover\x18\x0f \x01(\r\x12\x13\n\x0binstance_id\x18\x10 \x01(\t\x12\x13\n\x0bnum_threads\x18\x11 \x01(\r\x12\x12\n\nkv_address\x18\x12 \x01(\t\x12\x18\n\x10kv_group_windows\x18\x13 \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\x14 \x01(\t\"*\n\x16RegisterWorkerResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"7\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x88\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.kvrelay.v1.WorkerRole\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\"\x84\x02\n\rStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12(\n\x07workers\x18\x03 \x03(\x0b\x32\x17.kvrelay.v1.WorkerStats\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\r\n\x05ready\x18\t \x01(\x08\x12\x18\n\x10num_transferring\x18\n \x01(\r*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\xbf\x03\n\tScheduler\x12?\n\x06Submit\x12\x19.kvrelay.v1.SubmitRequest\x1a\x1a.kvrelay.v1.SubmitResponse\x12N\n\x05\x41\x62ort\x12!.kvrelay.v1.SchedulerAbortRequest\x1a\".kvrelay.v1.SchedulerAbortResponse\x12@\n\x07Outputs\x12\x1a.kvrelay.v1.OutputsRequest\x1a\x17.kvrelay.v1.OutputBatch0\x01\x12W\n\x0eRegisterWorker\x12!.kvrelay.v1.RegisterWorkerRequest\x1a\".kvrelay.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.kvrelay.v1.HeartbeatRequest\x1a\x1d.kvrelay.v1.HeartbeatResponse\x12<\n\x05Stats\x12\x18.kvrelay.v1.StatsRequest\x1a\x19.kvrelay.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvrelay/v1/scheduler.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"9\n\x1bSchedulerLoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"2\n\x1cSchedulerLoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\r\"-\n\x1dSchedulerUnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x1eSchedulerUnloadAdapterResponse\"Y\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nadapter_id\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\"\xa2\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x06params\x18\x04 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x11\n\tlora_name\x18\x06 \x01(\t\"\x10\n\x0eSubmitResponse\",\n\x15SchedulerAbortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\")\n\x16SchedulerAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"$\n\x0eOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"\xcb\x02\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvrelay.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12 \n\x18num_cached_prompt_tokens\x18\x08 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\x12\x11\n\tembedding\x18\n \x03(\x02\x42\x10\n\x0e_stop_token_id\"8\n\x0bOutputBatch\x12)\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x19.kvrelay.v1.SequenceDelta\"\xf2\x03\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.kvrelay.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x15\n\rkv_transports\x18\x08 \x03(\t\x12\x0f\n\x07host_id\x18\t \x01(\t\x12\x10\n\x08shm_path\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x16\n\x0e\x63ompute_domain\x18\x0e \x01(\t\x12\x1b\n\x13\x61ttention_crossover\x18\x0f \x01(\r\x12\x13\n\x0binstance_id\x18\x10 \x01(\t\x12\x13\n\x0bnum_threads\x18\x11 \x01(\r\x12\x12\n\nkv_address\x18\x12 \x01(\t\x12\x18\n\x10kv_group_windows\x18\x13 \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\x14 \x01(\t\x12\x11\n\tmax_loras\x18\x15 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x16 \x01(\r\"*\n\x16RegisterWorkerResponse\x12\x10\n\x08lease_ms\x18\x01 \x01(\r\"7\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x88\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.kvrelay.v1.WorkerRole\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\"\xc2\x02\n\rStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12(\n\x07workers\x18\x03 \x03(\x0b\x32\x17.kvrelay.v1.WorkerStats\x12\x1c\n\x14prefix_cache_queries\x18\x04 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\r\n\x05ready\x18\t \x01(\x08\x12\x18\n\x10num_transferring\x18\n \x01(\r\x12)\n\x08\x61\x64\x61pters\x18\x0b \x03(\x0b\x32\x17.kvrelay.v1.AdapterInfo\x12\x11\n\tmax_loras\x18\x0c \x01(\r*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x32\x89\x05\n\tScheduler\x12?\n\x06Submit\x12\x19.kvrelay.v1.SubmitRequest\x1a\x1a.kvrelay.v1.SubmitResponse\x12N\n\x05\x41\x62ort\x12!.kvrelay.v1.SchedulerAbortRequest\x1a\".kvrelay.v1.SchedulerAbortResponse\x12@\n\x07Outputs\x12\x1a.kvrelay.v1.OutputsRequest\x1a\x17.kvrelay.v1.OutputBatch0\x01\x12W\n\x0eRegisterWorker\x12!.kvrelay.v1.RegisterWorkerRequest\x1a\".kvrelay.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.kvrelay.v1.HeartbeatRequest\x1a\x1d.kvrelay.v1.HeartbeatResponse\x12<\n\x05Stats\x12\x18.kvrelay.v1.StatsRequest\x1a\x19.kvrelay.v1.StatsResponse\x12`\n\x0bLoadAdapter\x12\'.kvrelay.v1.SchedulerLoadAdapterRequest\x1a(.kvrelay.v1.SchedulerLoadAdapterResponse\x12\x66\n\rUnloadAdapter\x12).kvrelay.v1.SchedulerUnloadAdapterRequest\x1a*.kvrelay.v1.SchedulerUnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1764
-  _globals['_WORKERROLE']._serialized_end=1876
-  _globals['_SUBMITREQUEST']._serialized_start=68
-  _globals['_SUBMITREQUEST']._serialized_end=211
-  _globals['_SUBMITRESPONSE']._serialized_start=213
-  _globals['_SUBMITRESPONSE']._serialized_end=229
-  _globals['_SCHEDULERABORTREQUEST']._serialized_start=231
-  _globals['_SCHEDULERABORTREQUEST']._serialized_end=275
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=277
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=318
-  _globals['_OUTPUTSREQUEST']._serialized_start=320
-  _globals['_OUTPUTSREQUEST']._serialized_end=356
-  _globals['_SEQUENCEDELTA']._serialized_start=359
-  _globals['_SEQUENCEDELTA']._serialized_end=690
-  _globals['_OUTPUTBATCH']._serialized_start=692
-  _globals['_OUTPUTBATCH']._serialized_end=748
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=751
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1207
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1209
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1251
-  _globals['_HEARTBEATREQUEST']._serialized_start=1253
-  _globals['_HEARTBEATREQUEST']._serialized_end=1308
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1310
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1344
-  _globals['_STATSREQUEST']._serialized_start=1346
-  _globals['_STATSREQUEST']._serialized_end=1360
-  _globals['_WORKERSTATS']._serialized_start=1363
-  _globals['_WORKERSTATS']._serialized_end=1499
-  _globals['_STATSRESPONSE']._serialized_start=1502
-  _globals['_STATSRESPONSE']._serialized_end=1762
-  _globals['_SCHEDULER']._serialized_start=1879
-  _globals['_SCHEDULER']._serialized_end=2326
+  _globals['_WORKERROLE']._serialized_start=2170
+  _globals['_WORKERROLE']._serialized_end=2282
+  _globals['_SCHEDULERLOADADAPTERREQUEST']._serialized_start=67
+  _globals['_SCHEDULERLOADADAPTERREQUEST']._serialized_end=124
+  _globals['_SCHEDULERLOADADAPTERRESPONSE']._serialized_start=126
+  _globals['_SCHEDULERLOADADAPTERRESPONSE']._serialized_end=176
+  _globals['_SCHEDULERUNLOADADAPTERREQUEST']._serialized_start=178
+  _globals['_SCHEDULERUNLOADADAPTERREQUEST']._serialized_end=223
+  _globals['_SCHEDULERUNLOADADAPTERRESPONSE']._serialized_start=225
+  _globals['_SCHEDULERUNLOADADAPTERRESPONSE']._serialized_end=257
+  _globals['_ADAPTERINFO']._serialized_start=259
+  _globals['_ADAPTERINFO']._serialized_end=348
+  _globals['_SUBMITREQUEST']._serialized_start=351
+  _globals['_SUBMITREQUEST']._serialized_end=513
+  _globals['_SUBMITRESPONSE']._serialized_start=515
+  _globals['_SUBMITRESPONSE']._serialized_end=531
+  _globals['_SCHEDULERABORTREQUEST']._serialized_start=533
+  _globals['_SCHEDULERABORTREQUEST']._serialized_end=577
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=579
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=620
+  _globals['_OUTPUTSREQUEST']._serialized_start=622
+  _globals['_OUTPUTSREQUEST']._serialized_end=658
+  _globals['_SEQUENCEDELTA']._serialized_start=661
+  _globals['_SEQUENCEDELTA']._serialized_end=992
+  _globals['_OUTPUTBATCH']._serialized_start=994
+  _globals['_OUTPUTBATCH']._serialized_end=1050
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1053
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1551
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1553
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1595
+  _globals['_HEARTBEATREQUEST']._serialized_start=1597
+  _globals['_HEARTBEATREQUEST']._serialized_end=1652
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1654
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1688
+  _globals['_STATSREQUEST']._serialized_start=1690
+  _globals['_STATSREQUEST']._serialized_end=1704
+  _globals['_WORKERSTATS']._serialized_start=1707
+  _globals['_WORKERSTATS']._serialized_end=1843
+  _globals['_STATSRESPONSE']._serialized_start=1846
+  _globals['_STATSRESPONSE']._serialized_end=2168
+  _globals['_SCHEDULER']._serialized_start=2285
+  _globals['_SCHEDULER']._serialized_end=2934
 # @@protoc_insertion_point(module_scope)

@@ -19,19 +19,57 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_BOTH: WorkerRole
 
+class SchedulerLoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class SchedulerLoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter_id",)
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    def __init__(self, adapter_id: _Optional[int] = ...) -> None: ...
+
+class SchedulerUnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class SchedulerUnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "adapter_id", "num_running", "num_waiting")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapter_id: int
+    num_running: int
+    num_waiting: int
+    def __init__(self, name: _Optional[str] = ..., adapter_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "gateway_id", "prompt_token_ids", "params", "priority")
+    __slots__ = ("request_id", "gateway_id", "prompt_token_ids", "params", "priority", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     gateway_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ()
@@ -86,7 +124,7 @@ class OutputBatch(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id", "num_threads", "kv_address", "kv_group_windows", "kv_cache_dtype")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id", "num_threads", "kv_address", "kv_group_windows", "kv_cache_dtype", "max_loras", "max_lora_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +145,8 @@ class RegisterWorkerRequest(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -127,7 +167,9 @@ class RegisterWorkerRequest(_message.Message):
     kv_address: str
     kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
     kv_cache_dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_threads: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_threads: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ms",)
@@ -168,7 +210,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "workers", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "model", "max_model_len", "ready", "num_transferring")
+    __slots__ = ("num_waiting", "num_running", "workers", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "model", "max_model_len", "ready", "num_transferring", "adapters", "max_loras")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +221,8 @@ class StatsResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
@@ -189,4 +233,6 @@ class StatsResponse(_message.Message):
     max_model_len: int
     ready: bool
     num_transferring: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., num_transferring: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    max_loras: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., ready: _Optional[bool] = ..., num_transferring: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,16 @@ class SchedulerStub:
                 request_serializer=kvrelay_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_scheduler__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kvrelay.v1.Scheduler/LoadAdapter',
+                request_serializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerLoadAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerLoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvrelay.v1.Scheduler/UnloadAdapter',
+                request_serializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerUnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerUnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -107,6 +117,20 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters: loaded on every worker (each checks it against its model) or on none; a
+        worker that registers later gets every loaded adapter before it takes their requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +163,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvrelay_dot_v1_dot_scheduler__pb2.StatsRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_scheduler__pb2.StatsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerLoadAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerLoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerUnloadAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_scheduler__pb2.SchedulerUnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +337,60 @@ class Scheduler:
             '/kvrelay.v1.Scheduler/Stats',
             kvrelay_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
             kvrelay_dot_v1_dot_scheduler__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Scheduler/LoadAdapter',
+            kvrelay_dot_v1_dot_scheduler__pb2.SchedulerLoadAdapterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_scheduler__pb2.SchedulerLoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Scheduler/UnloadAdapter',
+            kvrelay_dot_v1_dot_scheduler__pb2.SchedulerUnloadAdapterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_scheduler__pb2.SchedulerUnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,31 +25,39 @@ _sym_db = _symbol_database.Default()
 from kvrelay.api.kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/worker.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\xef\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x13\n\x0b\x63hild_index\x18\x07 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x1a\n\x12group_block_counts\x18\t \x03(\r\"\xb5\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\x12\x15\n\rtoken_bitmask\x18\x05 \x01(\x0c\x12\x17\n\x0f\x64raft_token_ids\x18\x06 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x07 \x03(\r\"\xe6\x01\n\x0bKvSendOrder\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x14\n\x0c\x64st_shm_path\x18\x07 \x01(\t\x12\x13\n\x0b\x64uring_step\x18\x08 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\t \x01(\x04\x12\x17\n\x0f\x64st_instance_id\x18\n \x01(\t\"\xda\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.NewSequence\x12\x30\n\tscheduled\x18\x03 \x03(\x0b\x32\x1d.kvrelay.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\t\x12)\n\x08kv_sends\x18\x05 \x03(\x0b\x32\x17.kvrelay.v1.KvSendOrder\x12\x13\n\x0bnum_threads\x18\x06 \x01(\r\"i\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprobJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"b\n\x0cKvSendResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"g\n\x12PromptLogprobChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\".\n\x0cPooledOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\xd7\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x07sampled\x18\x02 \x03(\x0b\x32\x18.kvrelay.v1.SampledToken\x12*\n\x08kv_sends\x18\x03 \x03(\x0b\x32\x18.kvrelay.v1.KvSendResult\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.kvrelay.v1.PromptLogprobChunk\x12(\n\x06pooled\x18\x05 \x03(\x0b\x32\x18.kvrelay.v1.PooledOutput2F\n\x06Worker\x12<\n\x05Steps\x12\x17.kvrelay.v1.StepRequest\x1a\x16.kvrelay.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/worker.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"D\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"\x15\n\x13LoadAdapterResponse\"*\n\x14UnloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\r\"\x17\n\x15UnloadAdapterResponse\"\x83\x02\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.kvrelay.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x13\n\x0b\x63hild_index\x18\x07 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x1a\n\x12group_block_counts\x18\t \x03(\r\x12\x12\n\nadapter_id\x18\n \x01(\r\"\xb5\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x15\n\rnew_token_ids\x18\x04 \x03(\r\x12\x15\n\rtoken_bitmask\x18\x05 \x01(\x0c\x12\x17\n\x0f\x64raft_token_ids\x18\x06 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x07 \x03(\r\"\xe6\x01\n\x0bKvSendOrder\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\r\x12\x13\n\x0b\x64st_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x14\n\x0c\x64st_shm_path\x18\x07 \x01(\t\x12\x13\n\x0b\x64uring_step\x18\x08 \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\t \x01(\x04\x12\x17\n\x0f\x64st_instance_id\x18\n \x01(\t\"\xda\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x17.kvrelay.v1.NewSequence\x12\x30\n\tscheduled\x18\x03 \x03(\x0b\x32\x1d.kvrelay.v1.ScheduledSequence\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\t\x12)\n\x08kv_sends\x18\x05 \x03(\x0b\x32\x17.kvrelay.v1.KvSendOrder\x12\x13\n\x0bnum_threads\x18\x06 \x01(\r\"i\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprobJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"b\n\x0cKvSendResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"g\n\x12PromptLogprobChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12)\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x18.kvrelay.v1.TokenLogprob\".\n\x0cPooledOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\"\xd7\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x07sampled\x18\x02 \x03(\x0b\x32\x18.kvrelay.v1.SampledToken\x12*\n\x08kv_sends\x18\x03 \x03(\x0b\x32\x18.kvrelay.v1.KvSendResult\x12\x37\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1e.kvrelay.v1.PromptLogprobChunk\x12(\n\x06pooled\x18\x05 \x03(\x0b\x32\x18.kvrelay.v1.PooledOutput2\xec\x01\n\x06Worker\x12<\n\x05Steps\x12\x17.kvrelay.v1.StepRequest\x1a\x16.kvrelay.v1.StepResult(\x01\x30\x01\x12N\n\x0bLoadAdapter\x12\x1e.kvrelay.v1.LoadAdapterRequest\x1a\x1f.kvrelay.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .kvrelay.v1.UnloadAdapterRequest\x1a!.kvrelay.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NEWSEQUENCE']._serialized_start=65
-  _globals['_NEWSEQUENCE']._serialized_end=304
-  _globals['_SCHEDULEDSEQUENCE']._serialized_start=307
-  _globals['_SCHEDULEDSEQUENCE']._serialized_end=488
-  _globals['_KVSENDORDER']._serialized_start=491
-  _globals['_KVSENDORDER']._serialized_end=721
-  _globals['_STEPREQUEST']._serialized_start=724
-  _globals['_STEPREQUEST']._serialized_end=942
-  _globals['_SAMPLEDTOKEN']._serialized_start=944
-  _globals['_SAMPLEDTOKEN']._serialized_end=1049
-  _globals['_KVSENDRESULT']._serialized_start=1051
-  _globals['_KVSENDRESULT']._serialized_end=1149
-  _globals['_PROMPTLOGPROBCHUNK']._serialized_start=1151
-  _globals['_PROMPTLOGPROBCHUNK']._serialized_end=1254
-  _globals['_POOLEDOUTPUT']._serialized_start=1256
-  _globals['_POOLEDOUTPUT']._serialized_end=1302
-  _globals['_STEPRESULT']._serialized_start=1305
-  _globals['_STEPRESULT']._serialized_end=1520
-  _globals['_WORKER']._serialized_start=1522
-  _globals['_WORKER']._serialized_end=1592
+  _globals['_LOADADAPTERREQUEST']._serialized_start=64
+  _globals['_LOADADAPTERREQUEST']._serialized_end=132
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=134
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=155
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=157
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=199
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=201
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=224
+  _globals['_NEWSEQUENCE']._serialized_start=227
+  _globals['_NEWSEQUENCE']._serialized_end=486
+  _globals['_SCHEDULEDSEQUENCE']._serialized_start=489
+  _globals['_SCHEDULEDSEQUENCE']._serialized_end=670
+  _globals['_KVSENDORDER']._serialized_start=673
+  _globals['_KVSENDORDER']._serialized_end=903
+  _globals['_STEPREQUEST']._serialized_start=906
+  _globals['_STEPREQUEST']._serialized_end=1124
+  _globals['_SAMPLEDTOKEN']._serialized_start=1126
+  _globals['_SAMPLEDTOKEN']._serialized_end=1231
+  _globals['_KVSENDRESULT']._serialized_start=1233
+  _globals['_KVSENDRESULT']._serialized_end=1331
+  _globals['_PROMPTLOGPROBCHUNK']._serialized_start=1333
+  _globals['_PROMPTLOGPROBCHUNK']._serialized_end=1436
+  _globals['_POOLEDOUTPUT']._serialized_start=1438
+  _globals['_POOLEDOUTPUT']._serialized_end=1484
+  _globals['_STEPRESULT']._serialized_start=1487
+  _globals['_STEPRESULT']._serialized_end=1702
+  _globals['_WORKER']._serialized_start=1705
+  _globals['_WORKER']._serialized_end=1941
 # @@protoc_insertion_point(module_scope)

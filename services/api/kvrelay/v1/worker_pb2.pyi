@@ -7,8 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "name", "path")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    name: str
+    path: str
+    def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id",)
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    def __init__(self, adapter_id: _Optional[int] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "params", "block_ids", "num_computed_tokens", "eos_token_ids", "child_index", "num_prompt_tokens", "group_block_counts")
+    __slots__ = ("seq_id", "token_ids", "params", "block_ids", "num_computed_tokens", "eos_token_ids", "child_index", "num_prompt_tokens", "group_block_counts", "adapter_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +42,7 @@ class NewSequence(_message.Message):
     CHILD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -27,7 +52,8 @@ class NewSequence(_message.Message):
     child_index: int
     num_prompt_tokens: int
     group_block_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., child_index: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter_id: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., child_index: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., group_block_counts: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "num_new_tokens", "new_block_ids", "new_token_ids", "token_bitmask", "draft_token_ids", "group_block_counts")

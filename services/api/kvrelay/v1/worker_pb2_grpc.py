@@ -39,6 +39,16 @@ class WorkerStub:
                 request_serializer=kvrelay_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/kvrelay.v1.Worker/LoadAdapter',
+                request_serializer=kvrelay_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/kvrelay.v1.Worker/UnloadAdapter',
+                request_serializer=kvrelay_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -50,6 +60,21 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters (when the worker runs with --enable-lora): read, checked against the model
+        and kept in host memory; a step's adapters are made resident in its slots as needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Dropped once no sequence of this worker holds it any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +82,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Steps,
                     request_deserializer=kvrelay_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=kvrelay_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=kvrelay_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +121,60 @@ class Worker:
             '/kvrelay.v1.Worker/Steps',
             kvrelay_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             kvrelay_dot_v1_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Worker/LoadAdapter',
+            kvrelay_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.Worker/UnloadAdapter',
+            kvrelay_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            kvrelay_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
