@@ -37,7 +37,7 @@ def runner():
 def _item(tokens: list[int], start: int, num_new: int, block_ids: list[int],
           drafts: list[int]) -> SimpleNamespace:
     request = SimpleNamespace(num_computed_tokens=start, all_token_ids=tokens,
-                              params=SamplingParams())
+                              params=SamplingParams(), adapter_id=0)
     return SimpleNamespace(request=request, num_new_tokens=num_new, block_ids=[block_ids],
                            draft_token_ids=drafts, samples=True)
 

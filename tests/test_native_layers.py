@@ -16,7 +16,7 @@ def _logits(runner, token_ids: list[int]) -> torch.Tensor:
     """Prefill `token_ids` in one step and return every position's logits [T, V]."""
     num_blocks = -(-len(token_ids) // runner.block_size)
     item = SimpleNamespace(request=SimpleNamespace(num_computed_tokens=0, all_token_ids=token_ids,
-                                                   params=SamplingParams()),
+                                                   params=SamplingParams(), adapter_id=0),
                            num_new_tokens=len(token_ids), block_ids=[list(range(num_blocks))],
                            draft_token_ids=[], samples=True)
     step = runner.prepare([item])

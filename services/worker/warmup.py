@@ -42,6 +42,7 @@ class _Sequence:
     all_token_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)  # no prompt logprobs
+    adapter_id: int = 0  # the base model (a LoRA step runs the same matmuls, and more)
 
 
 @dataclass(slots=True)
