@@ -175,7 +175,7 @@ async def _generate(request: Request, model: type[BaseModel], handler, prefix: s
     client_request_id = _client_request_id(request, prefix)
     body = await _parse(request, model)
     log.info("request", endpoint=request.url.path, stream=getattr(body, "stream", False),
-             user=body.user)
+             user=body.user, model=body.model)  # the model: the base's, or a LoRA adapter's
     if core.log_request_text:  # off by default: prompts are the users' data
         log.info("request text", body=body.model_dump(mode="json", exclude_unset=True))
     try:

@@ -5,7 +5,8 @@ model) and is registered only if all of them took it; a worker that registers la
 every registered adapter before it takes requests. So any worker can run any adapter's
 request, and placement (prefill, decode, recovery) needs no adapter rule. Changes and worker
 syncs take one lock, so none interleave. Unloading stops new requests at once; the workers
-drop the weights once their running sequences of it finish.
+are told to drop the weights only once no sample of the scheduler holds the adapter (a sample
+recovered onto another worker after its own died still finds it there).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class AdapterDirectory:
         self.enabled = enabled
         self.catalog = AdapterCatalog(max_adapters)
         self.lock = asyncio.Lock()
+        # unloaded, still held by samples: id -> ref (workers keep it, new ones load it too)
+        self.retired: dict[int, AdapterRef] = {}
         for name, path in modules.items():  # checked by each worker as it registers
             self.catalog.check_new(name)
             self.catalog.add(name, path)
@@ -66,18 +69,28 @@ class AdapterDirectory:
                  num_workers=len(workers))
         return ref
 
-    async def unload(self, name: str, workers: list[WorkerInfo]) -> None:
-        async with self.lock:
-            ref = self.catalog.remove(name)  # KeyError: unknown
-            await asyncio.gather(*(_unload_on(info, ref.adapter_id) for info in workers))
+    def unload(self, name: str) -> None:
+        """New requests can no longer name it (KeyError: unknown); `release` drops it from
+        the workers once no sample holds it."""
+        ref = self.catalog.remove(name)
+        self.retired[ref.adapter_id] = ref
         log.info("lora adapter unloaded", lora=name, adapter_id=ref.adapter_id)
 
+    async def release(self, held: set[int], workers: list[WorkerInfo]) -> None:
+        """Tell the workers to drop the retired adapters no sample holds any more."""
+        async with self.lock:
+            for adapter_id in [i for i in self.retired if i not in held]:
+                ref = self.retired.pop(adapter_id)
+                await asyncio.gather(*(_unload_on(info, adapter_id) for info in workers))
+                log.info("lora adapter released", lora=ref.name, adapter_id=adapter_id)
+
     async def sync_worker(self, info: WorkerInfo) -> None:
-        """Before a worker joins: every registered adapter loaded on it (AdapterRefused)."""
-        if not self.catalog.refs():
+        """Before a worker joins: every registered adapter loaded on it, and every retired one
+        samples still hold (AdapterRefused)."""
+        if not self.catalog.refs() and not self.retired:
             return
         async with self.lock:
-            for ref in self.catalog.refs():
+            for ref in [*self.catalog.refs(), *self.retired.values()]:
                 await _load_on(info, ref)
 
 

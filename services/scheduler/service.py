@@ -36,6 +36,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                  config.engine.long_prefill_token_threshold,
                                  self.cluster.has_work)
         self.grammars = scheduler_grammars(config, self.cluster.registry)
+        self._background: set[asyncio.Task] = set()
         self.adapters = AdapterDirectory(config.engine.enable_lora, config.lora_modules,
                                          config.max_cpu_loras)
 
@@ -150,13 +151,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SchedulerLoadAdapterResponse(adapter_id=ref.adapter_id)
 
     async def UnloadAdapter(self, request, context):
-        workers = [w.info for w in self.cluster.registry.workers.values() if w.alive]
         try:
-            await self.adapters.unload(request.name, workers)
+            self.adapters.unload(request.name)
+            await self._release_adapters()
         except KeyError:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no LoRA adapter named {request.name!r} is loaded")
         return scheduler_pb2.SchedulerUnloadAdapterResponse()
+
+    async def _release_adapters(self) -> None:
+        held = {sample.request.adapter_id for sample in self.cluster.samples.values()}
+        workers = [w.info for w in self.cluster.registry.workers.values() if w.alive]
+        await self.adapters.release(held, workers)
 
     async def reap_leases(self) -> None:
         await lease_reaper.reap_leases(self.cluster, self.config.lease_s / 4,
@@ -172,6 +178,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         scheduler_metrics.refresh_gauges(self.cluster)
         if self.adapters.enabled:
             scheduler_metrics.lora_requests(self.cluster, self.adapters.names())
+        if self.adapters.retired and not self.adapters.lock.locked():
+            self._background.add(task := asyncio.create_task(self._release_adapters()))
+            task.add_done_callback(self._background.discard)
         self.cluster.sink.flush()
 
     async def drain(self) -> None:
