@@ -121,9 +121,12 @@ def _has_text(chunk: dict) -> bool:
     return False
 
 
-async def discover_model(client: aiohttp.ClientSession, base_url: str) -> str:
-    """The first model the server lists (most serve exactly one)."""
-    async with client.get(normalize_base_url(base_url) + "/v1/models") as response:
+async def discover_model(client: aiohttp.ClientSession, base_url: str,
+                         api_key: str | None = None) -> str:
+    """The first model the server lists (most serve exactly one; the base model first)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with client.get(normalize_base_url(base_url) + "/v1/models",
+                          headers=headers) as response:
         response.raise_for_status()
         models = (await response.json()).get("data") or []
     if not models:

@@ -140,7 +140,7 @@ async def _benchmark(args, plans: list[PlannedRun]) -> tuple[dict, list]:
                             args.temperature, args.api_key)
     if options.model is None:
         async with make_client(1) as client:
-            options.model = await discover_model(client, options.base_url)
+            options.model = await discover_model(client, options.base_url, options.api_key)
     limits = Limits(args.max_requests, args.time_limit, args.max_concurrency)
     if args.warmup:
         # Another seed's prompts, all at once (a poisson sweep's warm-up needs no rate).

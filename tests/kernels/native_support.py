@@ -10,12 +10,17 @@ from kvrelay.kernels import native_cpu
 
 
 def require_native_decode():
-    op = native_cpu.paged_decode_op()
-    if op is None:
+    return require_built(native_cpu.paged_decode_op(), "native CPU decode kernel")
+
+
+def require_built(ops, what: str):
+    """A native extension, or a skip where no C++ compiler exists at all; with one, a build
+    failure fails the test instead of hiding behind a torch fallback."""
+    if ops is None:
         if shutil.which(os.environ.get("CXX", "c++")) is None:
-            pytest.skip("no C++ compiler: the native CPU decode kernel cannot be built here")
-        pytest.fail("a C++ compiler exists but the native CPU decode kernel did not build or load")
-    return op
+            pytest.skip(f"no C++ compiler: the {what} cannot be built here")
+        pytest.fail(f"a C++ compiler exists but the {what} did not build or load")
+    return ops
 
 
 def on_one_thread_and_more(run):

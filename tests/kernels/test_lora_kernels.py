@@ -14,8 +14,6 @@ may besides round to the neighbouring value, one unit of its dtype (eps * |y|).
 """
 from __future__ import annotations
 
-import os
-import shutil
 import zlib
 from dataclasses import dataclass
 
@@ -23,7 +21,7 @@ import pytest
 import torch
 
 from kvrelay.kernels import lora_ops, lora_reference, native_lora
-from tests.kernels.native_support import on_one_thread_and_more
+from tests.kernels.native_support import on_one_thread_and_more, require_built
 
 FLOAT32_SUMS = 1e-5  # of `bound`: float32 sums taken in another order
 PAD_LEFT, PAD_RIGHT = 8, 24  # columns around y's slice, which must stay untouched
@@ -154,14 +152,8 @@ PREFILL = Case(2048, 576, 960, 16, 4, "runs")
 
 @pytest.fixture(scope="module")
 def native():
-    """The built extension: skipped only where no C++ compiler exists at all; with one, a build
-    failure fails the tests instead of hiding behind the reference (as native_support.py)."""
-    ops = native_lora.lora_ops()
-    if ops is None:
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
-            pytest.skip("no C++ compiler: the native LoRA kernels cannot be built here")
-        pytest.fail("a C++ compiler exists but the native LoRA kernels did not build or load")
-    return ops
+    """The built extension (native_support.require_built's rule)."""
+    return require_built(native_lora.lora_ops(), "native LoRA kernels")
 
 
 def native_backend(ops):
