@@ -66,6 +66,10 @@ class EngineConfig:
     # LoRA adapters (engine/lora/): up to max_loras of them in one step (resident in the
     # model's slots), each of rank <= max_lora_rank; lora_modules names adapters to load at
     # start, {name: PEFT directory}. Off: no adapter can be loaded, and no cost.
+    # Tensor parallelism (engine/parallel/): the model's layers split over this many ranks,
+    # each a process with its share of the cores (torch.distributed: gloo on CPU, NCCL on
+    # CUDA); 1: one process.
+    tensor_parallel_size: int = 1
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -79,7 +83,8 @@ class EngineConfig:
         if not 1 <= self.block_size <= 256 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
         for name in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                     "max_long_partial_prefills", "max_loras", "max_lora_rank"):
+                     "max_long_partial_prefills", "max_loras", "max_lora_rank",
+                     "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,11 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.hardware import resolve_device, resolve_dtype
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.parallel.followers import (free_init_method, start_followers,
+                                               stop_followers, threads_per_rank)
+from kvrelay.engine.parallel.group import TPGroup, init_group
+from kvrelay.engine.parallel.shard import check_shardable
+from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.prefill_chunks import attention_crossover
 from kvrelay.engine.prompt_checks import check_prompt_tokens
 from kvrelay.engine.request import Request
@@ -45,19 +51,27 @@ class EngineCore:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.runner = ModelRunner(self.hf_config, self.model_dir, self.dtype, self.device,
-                                  config.block_size, config.num_kv_blocks, config.kv_cache_memory,
-                                  int4_max_tokens=config.int4_max_tokens,
-                                  amx_max_tokens=config.amx_max_tokens,
-                                  q4a8_max_tokens=config.q4a8_max_tokens,
-                                  int8_activations=config.int8_activations,
-                                  kv_cache_dtype=config.kv_cache_dtype)
+        runner_args = (self.hf_config, self.model_dir, self.dtype, self.device,
+                       config.block_size, config.num_kv_blocks, config.kv_cache_memory)
+        runner_kwargs = dict(int4_max_tokens=config.int4_max_tokens,
+                             amx_max_tokens=config.amx_max_tokens,
+                             q4a8_max_tokens=config.q4a8_max_tokens,
+                             int8_activations=config.int8_activations,
+                             kv_cache_dtype=config.kv_cache_dtype)
+        self.tp, self.followers = start_group(config, runner_args, runner_kwargs)
+        try:
+            self.runner = ModelRunner(*runner_args, **runner_kwargs, tp=self.tp)
+        except BaseException:
+            stop_followers(self.tp, self.followers)
+            raise
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         drafter = None if config.speculative_config is None else \
             Drafter(config.speculative_config)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
                                    attention_crossover(self.hf_config), drafter,
                                    self.runner.kv_layout.windows)
+        if self.followers:  # when the engine goes, its ranks go
+            weakref.finalize(self, stop_followers, self.tp, self.followers)
         self.adapters = AdapterCatalog()
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank,
@@ -145,6 +159,20 @@ class EngineCore:
     def spec_decode_stats(self):
         drafter = self.scheduler.drafter
         return None if drafter is None else drafter.stats
+
+
+def start_group(config: EngineConfig, runner_args: tuple, runner_kwargs: dict):
+    """This process as rank 0 of a tensor-parallel group, the other ranks started (their own
+    processes), or a group of one."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return TPGroup(), []
+    check_shardable(arch_spec(runner_args[0])[1], size)  # before any rank starts
+    threads = threads_per_rank(size, config.num_threads)
+    torch.set_num_threads(threads)
+    init_method = free_init_method()
+    followers = start_followers(size, init_method, runner_args, runner_kwargs, threads)
+    return init_group(0, size, init_method, runner_args[3]), followers
 
 
 def running_adapters(scheduler: Scheduler) -> frozenset[int]:

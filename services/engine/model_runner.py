@@ -27,9 +27,11 @@ from kvrelay.engine.models.fp8_checkpoint import Fp8Checkpoint
 from kvrelay.engine.models.int4_checkpoint import Int4Checkpoint
 from kvrelay.engine.models.decoder import DecoderLM
 from kvrelay.engine.models.no_init import skip_weight_init
-from kvrelay.engine.models.registry import build_model
+from kvrelay.engine.models.registry import arch_spec, build_model
+from kvrelay.engine.parallel.group import TPGroup
+from kvrelay.engine.parallel.shard import Sharder
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
-from kvrelay.engine.models.weights import load_weights
+from kvrelay.engine.models.weights import iter_checkpoint, load_weights
 from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
 
 log = logging.getLogger(__name__)
@@ -76,8 +78,13 @@ class ModelRunner:
                  kv_cache_memory: int | Callable[[], int],
                  kv_cache_path: str | None = None, int4_max_tokens: int = 0,
                  amx_max_tokens: int = 0, q4a8_max_tokens: int = 0,
-                 int8_activations: bool = False, kv_cache_dtype: str = "auto") -> None:
+                 int8_activations: bool = False, kv_cache_dtype: str = "auto",
+                 tp: TPGroup = TPGroup()) -> None:
         self.device = device
+        self.tp = tp  # this rank of a tensor-parallel group (parallel/)
+        if tp.size > 1:  # the small-step kernels take whole weights: the shard's run on oneDNN
+            int4_max_tokens = amx_max_tokens = q4a8_max_tokens = 0
+            int8_activations = False
         self.dtype = dtype
         self.kv_format = kv_quant.parse(kv_cache_dtype)  # None: the model's dtype
         self.block_size = block_size
@@ -98,7 +105,7 @@ class ModelRunner:
         # Steps of this many rows or more reach oneDNN and are padded to a bucket; None: none.
         self.pad_from_rows = (onednn_min_rows(self.model.layers)
                               if PAD_STEPS.enabled() else None)
-        self.num_kv_heads = hf_config.num_key_value_heads
+        self.num_kv_heads = self.model.spec.num_kv_heads  # this rank's
         self.head_dim = (getattr(hf_config, "head_dim", None)
                          or hf_config.hidden_size // hf_config.num_attention_heads)
         self.num_layers = hf_config.num_hidden_layers
@@ -129,6 +136,8 @@ class ModelRunner:
                     held_adapters: Callable[[], frozenset[int]] = frozenset) -> AdapterSlots:
         """Make the model's linears adaptable: `max_loras` slots of rank `max_rank`.
         held_adapters: the adapter ids of the owner's live sequences (kept resident)."""
+        if self.tp.size > 1:
+            raise ValueError("LoRA adapters under tensor parallelism are not served yet")
         self.lora = AdapterSlots(self.model, max_loras, max_rank, self.dtype, self.device,
                                  held_adapters)
         return self.lora
@@ -149,7 +158,7 @@ class ModelRunner:
 
     def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
         with torch.device("meta"), skip_weight_init():
-            model, rename = build_model(hf_config)
+            model, rename = build_model(hf_config, self.tp)
         if model_dir is None:
             # Random weights, made where they run (an 8B model's float32 copy on the host
             # would be 32 GB): for kernel and speed measurements with a real config.
@@ -159,8 +168,12 @@ class ModelRunner:
         else:
             model = model.to_empty(device="cpu")
             quantized = self._quantized_checkpoint(hf_config, model_dir, rename)
-            load_weights(model, model_dir, rename,
-                         None if quantized is None else quantized.tensors())
+            if quantized is not None and self.tp.size > 1:
+                raise ValueError("tensor parallel: quantized checkpoints are not split yet")
+            tensors = None if quantized is None else quantized.tensors()
+            if self.tp.size > 1:
+                tensors = sharded(hf_config, model_dir, rename, self.tp)
+            load_weights(model, model_dir, rename, tensors)
         q4_blocks = self._q4_blocks(hf_config, model_dir, model, quantized)
         del quantized  # an int4 checkpoint's unpacked codes: the blocks hold what steps need
         q8_head = self._q8_head(model_dir, model) if q4_blocks else None
@@ -324,6 +337,8 @@ class ModelRunner:
     def execute_step(self, step: StepInput, on_layer_done=None) -> StepResult:
         """The forward pass: float32 logits [S, vocab] for the sampled rows, the prompt
         logprobs of the items that ask for them, the embeddings the step finishes."""
+        if self.tp.size > 1 and self.tp.is_leader:
+            self.tp.broadcast_object(step)  # every rank computes the step on its shard
         # One metadata per KV group, with the group's window (layers of a window group see
         # only the last W keys; the blocks before those may already be freed).
         group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
@@ -356,6 +371,13 @@ class ModelRunner:
         pooled = pooling.pool(hidden[num_sampled + num_prompt:], step.pool_rows) \
             if step.pool_rows else []
         return StepResult(logits, scored, pooled)
+
+
+def sharded(hf_config, model_dir: Path, rename, tp: TPGroup):
+    """The checkpoint's tensors cut to this rank's shard (parallel/shard.py)."""
+    sharder = Sharder(arch_spec(hf_config)[1], tp.rank, tp.size)
+    for name, tensor in iter_checkpoint(model_dir):
+        yield name, sharder(rename(name.removeprefix("model.")), tensor)
 
 
 def _token_adapters(adapter_ids: list[int], rows_per_item: np.ndarray,

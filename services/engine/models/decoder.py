@@ -22,14 +22,16 @@ from kvrelay.engine.models.layers.mlp import GatedMLP
 from kvrelay.engine.models.layers.moe import SparseMoE
 from kvrelay.engine.models.layers.norm import RMSNorm
 from kvrelay.engine.models.packed_linear import PackedLinear, pack_linears_
+from kvrelay.engine.parallel.group import TPGroup
 from kvrelay.engine.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V [num_blocks, block_size, kv_heads, head_dim]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, index: int) -> None:
+    def __init__(self, spec: ArchSpec, index: int, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
+        self.tp = tp  # o_proj and down_proj hold input columns: their outputs are summed
         self.window = spec.layer_windows[index]
         self.rope_key = spec.layer_ropes[index]
         self.self_attn = Attention(spec)
@@ -50,11 +52,12 @@ class DecoderLayer(nn.Module):
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def _attention(self, rope, normed, kv_cache, slot_mapping, attn_meta) -> torch.Tensor:
-        out = self.self_attn(rope, normed, kv_cache, slot_mapping, attn_meta)
+        out = self.tp.all_reduce_(self.self_attn(rope, normed, kv_cache, slot_mapping,
+                                                 attn_meta))
         return self.post_attention_layernorm(out) if self.sandwich else out
 
     def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
-        out = self.mlp(normed)
+        out = self.tp.all_reduce_(self.mlp(normed))
         return self.post_feedforward_layernorm(out) if self.sandwich else out
 
     def forward(self, rope, hidden, kv_cache, slot_mapping, attn_meta) -> torch.Tensor:
@@ -77,16 +80,20 @@ class DecoderLayer(nn.Module):
 
 class DecoderLM(nn.Module):
     """A family's causal LM; `config` is the Hugging Face config, `spec` what the family read
-    from it (models/<family>.py)."""
+    from it (models/<family>.py). Under tensor parallelism (`tp` of more than one rank) `spec`
+    is this rank's shard's (parallel/shard.py): its heads, intermediate columns and vocabulary
+    rows."""
 
-    def __init__(self, config, spec: ArchSpec) -> None:
+    def __init__(self, config, spec: ArchSpec, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.config = config
         self.spec = spec
+        self.tp = tp
         self.ropes = nn.ModuleDict({key: RotaryEmbedding(config, key, spec.rotary_dim)
                                     for key in dict.fromkeys(spec.layer_ropes)})
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, index) for index in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, index, tp)
+                                    for index in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         self.tie_word_embeddings = spec.tie_word_embeddings
         if not self.tie_word_embeddings:
@@ -153,7 +160,8 @@ class DecoderLM(nn.Module):
             self.packed_head.add_small_step_kernel_(max_rows, head_matmul)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if self.tp.size == 1 else \
+            self._embed_vocab_parallel(input_ids)
         if self.spec.embed_scale != 1.0:  # rounded to the dtype first, as transformers does
             hidden = hidden * torch.tensor(self.spec.embed_scale, dtype=hidden.dtype)
         return hidden
@@ -193,11 +201,22 @@ class DecoderLM(nn.Module):
         """Whether a LoRA adapter updates this step (the one-call stack computes none)."""
         return self.lora_step is not None and self.lora_step.token_slots is not None
 
+    def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the tokens of its vocabulary rows (zeros for the others); the
+        sum over the ranks is every token's embedding."""
+        first = self.tp.rank * self.spec.vocab_size
+        local = input_ids - first
+        outside = (local < 0) | (local >= self.spec.vocab_size)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        hidden.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce_(hidden)
+
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab] f32
         if self.packed_head is not None:
             logits = self.packed_head(hidden).float()
         else:
             logits = F.linear(hidden, self.head_weight).float()
+        logits = self.tp.all_gather_columns(logits)  # the ranks' vocabulary rows, in order
         cap = self.spec.final_soft_cap
         return torch.tanh(logits / cap) * cap if cap else logits
 

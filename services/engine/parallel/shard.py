@@ -1,0 +1,98 @@
+"""Which part of each weight a tensor-parallel rank holds (Megatron's split, as vLLM does it):
+q/k/v and gate/up by output rows (whole heads, whole intermediate columns), o and down by input
+columns (their partial outputs summed across the ranks), embedding and head by vocabulary rows.
+K/V heads split across the ranks, or, where ranks outnumber them, each rank holds the one its
+query heads read (replicated). Norms and everything else are whole on every rank."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from kvrelay.engine.models.arch import ArchSpec
+
+_LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias)$")
+
+
+def check_shardable(spec: ArchSpec, size: int) -> None:
+    """ValueError where the model cannot be split `size` ways."""
+    if size == 1:
+        return
+    if any(spec.moe_layers):
+        raise ValueError("tensor parallel: mixture-of-experts layers are not split yet")
+    checks = {"query heads": spec.num_heads, "intermediate size": spec.intermediate_size,
+              "vocabulary": spec.vocab_size}
+    for what, count in checks.items():
+        if count % size:
+            raise ValueError(f"tensor parallel size {size} does not divide the model's "
+                             f"{what} ({count})")
+    kv = spec.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor parallel size {size} and the model's {kv} KV heads: one must "
+                         "divide the other")
+
+
+def local_spec(spec: ArchSpec, size: int) -> ArchSpec:
+    """The spec of one rank's shard of the model."""
+    if size == 1:
+        return spec
+    return dataclasses.replace(spec, num_heads=spec.num_heads // size,
+                               num_kv_heads=max(1, spec.num_kv_heads // size),
+                               intermediate_size=spec.intermediate_size // size,
+                               vocab_size=spec.vocab_size // size)
+
+
+class Sharder:
+    """Cuts a checkpoint tensor (by its canonical name) to what `rank` of `size` holds."""
+
+    def __init__(self, spec: ArchSpec, rank: int, size: int) -> None:
+        self.spec, self.rank, self.size = spec, rank, size
+        head_dim = spec.head_dim
+        q_heads = spec.num_heads // size
+        self.q_rows = _span(rank * q_heads * head_dim, q_heads * head_dim)
+        kv = spec.num_kv_heads
+        first_kv = rank * (kv // size) if kv >= size else rank * kv // size
+        self.kv_rows = _span(first_kv * head_dim, max(1, kv // size) * head_dim)
+        inter = spec.intermediate_size // size
+        self.inter_rows = _span(rank * inter, inter)
+        vocab = spec.vocab_size // size
+        self.vocab_rows = _span(rank * vocab, vocab)
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return tensor[self.vocab_rows]
+        match = _LAYER.match(name)
+        if match is None:
+            return tensor
+        return self._layer_piece(match.group(1), match.group(2), tensor)
+
+    def _layer_piece(self, piece: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        if piece == "self_attn.q_proj":
+            return tensor[self.q_rows]
+        if piece in ("self_attn.k_proj", "self_attn.v_proj"):
+            return tensor[self.kv_rows]
+        if piece == "self_attn.qkv_proj":  # Phi-3's fused one
+            q, k, v = tensor.split([q_size, kv_size, kv_size])
+            return torch.cat([q[self.q_rows], k[self.kv_rows], v[self.kv_rows]])
+        if piece == "self_attn.o_proj":
+            if kind == "bias":  # added once: the ranks' partial outputs are summed
+                return tensor if self.rank == 0 else torch.zeros_like(tensor)
+            return tensor[:, self.q_rows]
+        if piece in ("mlp.gate_proj", "mlp.up_proj"):
+            return tensor[self.inter_rows]
+        if piece == "mlp.gate_up_proj":
+            gate, up = tensor.chunk(2)
+            return torch.cat([gate[self.inter_rows], up[self.inter_rows]])
+        if piece == "mlp.down_proj":
+            return tensor[:, self.inter_rows]
+        return tensor
+
+
+def _span(start: int, length: int) -> slice:
+    return slice(start, start + length)
