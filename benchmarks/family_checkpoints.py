@@ -20,6 +20,8 @@ family's own transformers config class sets the rest of the architecture:
   (symmetric, group 64, no act-order: what GPTQ releases of small models use, 576 inputs being
   no whole number of 128-groups) or AWQ's GEMM layout (group 64, zero points), by the reference
   quantizer of tests/quantized/int4_writer.py; embeddings and norms stay float32.
+- llama_tp: llama with 8 query heads and 2 KV heads, which 2 and 4 tensor-parallel ranks split
+  (benchmarks/tensor_parallel.py).
 head_dim is set to 64 everywhere: these families' config classes default to another head size
 than hidden / heads. Weights are seeded (torch's default initialisation) and saved in bfloat16.
 """
@@ -30,11 +32,12 @@ import json
 import shutil
 from pathlib import Path
 
-FAMILIES = ("qwen3", "gemma3", "gemma3_full", "qwen3_moe", "llama", "llama_gptq", "llama_awq")
+FAMILIES = ("qwen3", "gemma3", "gemma3_full", "qwen3_moe", "llama", "llama_gptq", "llama_awq",
+            "llama_tp")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "gemma3_full": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "llama": "LlamaForCausalLM", "llama_gptq": "LlamaForCausalLM",
-                 "llama_awq": "LlamaForCausalLM"}
+                 "llama_awq": "LlamaForCausalLM", "llama_tp": "LlamaForCausalLM"}
 INT4_GROUP = 64
 HEAD_DIM = 64
 GEMMA_WINDOW = 512
@@ -71,6 +74,8 @@ def family_config(family: str, base: dict):
         return Qwen3Config(**dims)
     if family in ("llama", "llama_gptq", "llama_awq"):
         return LlamaConfig(**dims)
+    if family == "llama_tp":  # heads that 2 and 4 ranks split (the default model's 9 do not)
+        return LlamaConfig(**dims | {"num_attention_heads": 8, "num_key_value_heads": 2})
     if family in ("gemma3", "gemma3_full"):
         return Gemma3TextConfig(
             **dims, sliding_window=GEMMA_WINDOW, query_pre_attn_scalar=HEAD_DIM,

@@ -1,0 +1,63 @@
+"""Tensor parallel against one rank, offline: chat-64 (64 chats at once, 128 tokens each,
+greedy, EOS ignored) through `LLM(tensor_parallel_size=N)`, each size in turn, in rounds of
+alternating order (the machine drifts).
+
+    .venv/bin/python -m benchmarks.tensor_parallel --sizes 1,2 --rounds 2
+
+The model: a random checkpoint with the default model's dimensions but 8 query and 2 KV heads
+(benchmarks/family_checkpoints.py, llama_tp; the default model's 9 heads split only 3 ways),
+written once under --checkpoints.
+
+Size 1 runs on every core (torch's threads); size N runs N processes with cores/N threads
+each, the layers' partial outputs summed by gloo all-reduces (engine/parallel/).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+from benchmarks.family_checkpoints import ensure_checkpoint
+from benchmarks.workloads import chat64
+from kvrelay import LLM, SamplingParams
+
+MAX_TOKENS = 128
+DEFAULT_CHECKPOINTS = Path.home() / ".cache" / "kvrelay-bench" / "checkpoints"
+
+
+def run(size: int, dtype: str, conversations: list, model: Path) -> dict:
+    llm = LLM(model=str(model), dtype=dtype, tensor_parallel_size=size)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.chat(conversations[:4], params, use_tqdm=False)  # warm-up: kernels for the shapes
+    started = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+    del llm
+    gc.collect()
+    return {"size": size, "tok_s": tokens / seconds, "seconds": seconds}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,2")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--checkpoints", type=Path, default=DEFAULT_CHECKPOINTS)
+    args = parser.parse_args(argv)
+    model = ensure_checkpoint("llama_tp", args.checkpoints / "llama_tp")
+    sizes = [int(size) for size in args.sizes.split(",")]
+    conversations = chat64()
+    for index in range(args.rounds):
+        order = sizes if index % 2 == 0 else sizes[::-1]
+        results = {size: run(size, args.dtype, conversations, model) for size in order}
+        line = ", ".join(f"TP={size}: {results[size]['tok_s']:.1f} tok/s" for size in sizes)
+        ratio = results[sizes[-1]]["tok_s"] / results[sizes[0]]["tok_s"]
+        print(f"round {index + 1} ({'/'.join(map(str, order))}): {line}; "
+              f"TP={sizes[-1]} / TP={sizes[0]} {ratio:.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
