@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,10 @@ DEFAULT_CHECKPOINTS = Path.home() / ".cache" / "kvrelay-bench" / "checkpoints"
 
 
 def run(size: int, dtype: str, conversations: list, model: Path) -> dict:
-    llm = LLM(model=str(model), dtype=dtype, tensor_parallel_size=size)
+    # size 1 on every core, set explicitly: a split engine before it in this process left
+    # torch at its rank's share of the threads
+    llm = LLM(model=str(model), dtype=dtype, tensor_parallel_size=size,
+              num_threads=os.cpu_count() if size == 1 else None)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.chat(conversations[:4], params, use_tqdm=False)  # warm-up: kernels for the shapes
     started = time.perf_counter()
