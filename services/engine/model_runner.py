@@ -170,9 +170,8 @@ class ModelRunner:
             quantized = self._quantized_checkpoint(hf_config, model_dir, rename)
             if quantized is not None and self.tp.size > 1:
                 raise ValueError("tensor parallel: quantized checkpoints are not split yet")
-            tensors = None if quantized is None else quantized.tensors()
-            if self.tp.size > 1:
-                tensors = sharded(hf_config, model_dir, rename, self.tp)
+            tensors = sharded(hf_config, model_dir, rename, self.tp) if self.tp.size > 1 \
+                else None if quantized is None else quantized.tensors()
             load_weights(model, model_dir, rename, tensors)
         q4_blocks = self._q4_blocks(hf_config, model_dir, model, quantized)
         del quantized  # an int4 checkpoint's unpacked codes: the blocks hold what steps need

@@ -209,7 +209,12 @@ _ATTENTION = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"})
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's rule: the first pattern key that matches the module name's end (as a regex)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as error:
+            raise AdapterError(f"alpha_pattern key {key!r} is not a regular expression: "
+                               f"{error}") from None
+        if matched:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise AdapterError(f"alpha_pattern[{key!r}] must be a positive number")
             return value
