@@ -35,8 +35,9 @@ class ShmExchange:
     """Slots for `size` ranks in the file at `path` (the leader creates it, `create`)."""
 
     def __init__(self, path: str, rank: int, size: int, create: bool,
-                 slot_bytes: int = SLOT_BYTES) -> None:
+                 slot_bytes: int = SLOT_BYTES, timeout_s: float = TIMEOUT_S) -> None:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
+        self.timeout_s = timeout_s  # a rank gone or stopped this long takes the group down
         self.header = size * COUNTER_WORDS * 8
         total = self.header + 2 * size * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -62,7 +63,7 @@ class ShmExchange:
         first = (self.round & 1) * self.size
         slots = [self._slot(first + rank, tensor) for rank in range(self.size)]
         slots[self.rank].copy_(tensor)
-        self.ops.arrive_and_wait(self.counters, self.rank, self.size, self.round, TIMEOUT_S)
+        self.ops.arrive_and_wait(self.counters, self.rank, self.size, self.round, self.timeout_s)
         return slots
 
     def _slot(self, index: int, like: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ class SendOrder:
     during_step: bool  # the carrying step computes the last KV: push layer by layer
     deadline_unix_ms: int  # no page is written after this (wall clock; 0: none)
     dst_instance_id: str
+    dst_kv_shards: int = 1  # the destination's cache is cut by KV head for a group this size
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvrelay.engine import shared_pages
-from kvrelay.engine.model_runner import allocate_kv_cache, map_kv_cache_file
+from kvrelay.engine.kv_pages import map_kv_pages
+from kvrelay.engine.model_runner import allocate_kv_cache
 
 SHAPE = (2, 2, 64, 16, 2, 64)  # [layers, K/V, blocks, block size, kv heads, head dim]: 1 MiB in bf16
 
@@ -47,7 +48,7 @@ def test_another_process_mapping_sees_the_owners_pages_and_takes_no_fault(tmp_pa
     path = str(tmp_path / "w.kv")
     owner = allocate_kv_cache(SHAPE, torch.bfloat16, torch.device("cpu"), path)
     owner[1, 0, 5].fill_(3.0)
-    mapped = map_kv_cache_file(path, torch.bfloat16, (SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5]))
+    mapped = map_kv_pages(path, torch.bfloat16, (SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5])).shards[0]
     assert mapped.shape == SHAPE and (mapped[1, 0, 5] == 3.0).all() and mapped[0].sum() == 0
     before = _minor_faults()
     _write_every_page(mapped)

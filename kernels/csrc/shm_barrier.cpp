@@ -61,5 +61,8 @@ void arrive_and_wait(torch::Tensor counters, int64_t rank, int64_t size, int64_t
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("arrive_and_wait", &arrive_and_wait, "publish a round, wait for every rank's");
+  // The wait lets go of the GIL: the leader's watcher thread must run while its compute thread
+  // waits here for a rank that died (services/engine/parallel/followers.py).
+  m.def("arrive_and_wait", &arrive_and_wait, "publish a round, wait for every rank's",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -14,11 +14,7 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.hardware import resolve_device, resolve_dtype
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
-from kvrelay.engine.parallel.followers import (free_init_method, start_followers,
-                                               stop_followers, threads_per_rank)
-from kvrelay.engine.parallel.group import TPGroup, init_group
-from kvrelay.engine.parallel.shard import check_shardable
-from kvrelay.engine.models.registry import arch_spec
+from kvrelay.engine.parallel.followers import start_group, stop_followers
 from kvrelay.engine.prefill_chunks import attention_crossover
 from kvrelay.engine.prompt_checks import check_prompt_tokens
 from kvrelay.engine.request import Request
@@ -58,7 +54,8 @@ class EngineCore:
                              q4a8_max_tokens=config.q4a8_max_tokens,
                              int8_activations=config.int8_activations,
                              kv_cache_dtype=config.kv_cache_dtype)
-        self.tp, self.followers = start_group(config, runner_args, runner_kwargs)
+        self.tp, self.followers = start_group(config.tensor_parallel_size, config.num_threads,
+                                              runner_args, runner_kwargs)
         try:
             self.runner = ModelRunner(*runner_args, **runner_kwargs, tp=self.tp)
         except BaseException:
@@ -159,20 +156,6 @@ class EngineCore:
     def spec_decode_stats(self):
         drafter = self.scheduler.drafter
         return None if drafter is None else drafter.stats
-
-
-def start_group(config: EngineConfig, runner_args: tuple, runner_kwargs: dict):
-    """This process as rank 0 of a tensor-parallel group, the other ranks started (their own
-    processes), or a group of one."""
-    size = config.tensor_parallel_size
-    if size == 1:
-        return TPGroup(), []
-    check_shardable(arch_spec(runner_args[0])[1], size)  # before any rank starts
-    threads = threads_per_rank(size, config.num_threads)
-    torch.set_num_threads(threads)
-    init_method = free_init_method()
-    followers = start_followers(size, init_method, runner_args, runner_kwargs, threads)
-    return init_group(0, size, init_method, runner_args[3]), followers
 
 
 def running_adapters(scheduler: Scheduler) -> frozenset[int]:

@@ -28,8 +28,10 @@ from kvrelay.engine.models.int4_checkpoint import Int4Checkpoint
 from kvrelay.engine.models.decoder import DecoderLM
 from kvrelay.engine.models.no_init import skip_weight_init
 from kvrelay.engine.models.registry import arch_spec, build_model
+from kvrelay.engine.kv_pages import KvPages
 from kvrelay.engine.parallel.group import TPGroup
-from kvrelay.engine.parallel.shard import Sharder
+from kvrelay.engine.parallel.group_kv import allocate_group_kv_cache
+from kvrelay.engine.parallel.shard import Sharder, group_kv_heads
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
 from kvrelay.engine.models.weights import iter_checkpoint, load_weights
 from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
@@ -118,19 +120,41 @@ class ModelRunner:
         self.slots_per_block = self.kv_layout.slots_per_block
         self.slots_done_after = self.kv_layout.slots_done_after()  # (KV pushes: kv_connector)
         log.info("%s", self.kv_layout.describe())
-        if num_blocks is None and callable(kv_cache_memory):
-            kv_cache_memory = kv_cache_memory()  # sized from what is free with the weights in
-        self.num_blocks = num_blocks or max(1, kv_cache_memory // self.bytes_per_block)
+        self.num_blocks = self._agreed_num_blocks(num_blocks, kv_cache_memory)
         # [slots, 2 (K, V), num_blocks, block_size, kv_heads, row_width]: a block holds the
         # pages of `slots` layers (every layer without windows); layer l uses slot(l) through
-        # its group's block table.
+        # its group's block table. A group's ranks hold their heads' shards of every block.
         shape = (self.slots_per_block, 2, self.num_blocks, block_size, self.num_kv_heads,
                  self.kv_row_width)
-        self.kv_cache = allocate_kv_cache(shape, self.kv_cache_dtype, device, kv_cache_path)
+        # The pages of every KV head, as the KV connector moves them (None: a group without
+        # a shared cache file, whose other ranks' pages this process cannot reach).
+        self.kv_pages: KvPages | None = None
+        if tp.size > 1 and kv_cache_path is not None:
+            shards = allocate_group_kv_cache(shape, self.kv_cache_dtype, kv_cache_path,
+                                             tp.rank, tp.size)
+            self.kv_cache = shards[0]  # this rank's (the leader holds every rank's)
+            if tp.is_leader:
+                total_kv_heads = arch_spec(hf_config)[1].num_kv_heads
+                self.kv_pages = KvPages(shards, group_kv_heads(total_kv_heads, tp.size))
+        else:
+            self.kv_cache = allocate_kv_cache(shape, self.kv_cache_dtype, device, kv_cache_path)
+            if tp.size == 1:
+                self.kv_pages = KvPages.whole(self.kv_cache)
         self.kv_caches = [(self.kv_cache[slot][0], self.kv_cache[slot][1])
                           for slot in self.kv_layout.layer_slot]  # per layer
         if device.type == "cpu":
             paged_decode_op()  # build or load the native decode kernel now, not on step one
+
+    def _agreed_num_blocks(self, num_blocks: int | None,
+                           kv_cache_memory: int | Callable[[], int]) -> int:
+        """--num-kv-blocks, or as many blocks as the budget holds. A group's budget covers every
+        rank's shard and the leader's count holds for all (a count of their own would differ
+        with each rank's free memory)."""
+        if num_blocks is None and self.tp.is_leader:
+            if callable(kv_cache_memory):
+                kv_cache_memory = kv_cache_memory()  # sized from what is free, weights in
+            num_blocks = max(1, kv_cache_memory // (self.bytes_per_block * self.tp.size))
+        return self.tp.broadcast_object(num_blocks)
 
     def enable_lora(self, max_loras: int, max_rank: int,
                     held_adapters: Callable[[], frozenset[int]] = frozenset) -> AdapterSlots:
@@ -337,7 +361,7 @@ class ModelRunner:
         """The forward pass: float32 logits [S, vocab] for the sampled rows, the prompt
         logprobs of the items that ask for them, the embeddings the step finishes."""
         if self.tp.size > 1 and self.tp.is_leader:
-            self.tp.broadcast_object(step)  # every rank computes the step on its shard
+            self.tp.post_step(step)  # every rank computes the step on its shard
         # One metadata per KV group, with the group's window (layers of a window group see
         # only the last W keys; the blocks before those may already be freed).
         group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
@@ -400,19 +424,6 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     cache = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
     shared_pages.populate(cache)  # and mapped now, not a fault at a time in the steps
     return cache.view(dtype).view(shape)
-
-
-def map_kv_cache_file(path: str, dtype: torch.dtype,
-                      block_shape: tuple[int, int, int, int]) -> torch.Tensor:
-    """Map another worker's shared KV cache file; block_shape is (layers, block_size, kv_heads,
-    row_width) and the block count follows from the file size."""
-    layers, block_size, kv_heads, row_width = block_shape
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    num_bytes = Path(path).stat().st_size
-    num_blocks = num_bytes // (layers * 2 * block_size * kv_heads * row_width * element_size)
-    tensor = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
-    shared_pages.populate(tensor)  # the pages exist (the owner populated them): map them all now
-    return tensor.view(dtype).view(layers, 2, num_blocks, block_size, kv_heads, row_width)
 
 
 @torch.no_grad()

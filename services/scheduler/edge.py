@@ -40,7 +40,8 @@ def worker_info_from_proto(message: scheduler_pb2.RegisterWorkerRequest) -> Work
         attention_crossover=message.attention_crossover, num_threads=message.num_threads,
         kv_group_windows=tuple(message.kv_group_windows) or (0,),
         kv_cache_dtype=message.kv_cache_dtype or message.dtype,
-        max_loras=message.max_loras, max_lora_rank=message.max_lora_rank)
+        max_loras=message.max_loras, max_lora_rank=message.max_lora_rank,
+        tensor_parallel_size=max(1, message.tensor_parallel_size))
 
 
 # ---- steps --------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def send_order_to_proto(order: SendOrder) -> worker_pb2.KvSendOrder:
         dst_address=order.dst_address, dst_block_ids=order.dst_block_ids,
         transport=order.transport, dst_shm_path=order.dst_shm_path,
         during_step=order.during_step, deadline_unix_ms=order.deadline_unix_ms,
-        dst_instance_id=order.dst_instance_id)
+        dst_instance_id=order.dst_instance_id, dst_kv_shards=order.dst_kv_shards)
 
 
 def outcome_from_proto(message: worker_pb2.StepResult) -> StepOutcome:

@@ -58,6 +58,7 @@ class WorkerInfo:
     kv_cache_dtype: str = ""  # its KV cache's element (empty: dtype); pages move only between equals
     max_loras: int = 0  # LoRA slots (0: LoRA off)
     max_lora_rank: int = 0
+    tensor_parallel_size: int = 1  # the ranks of its group (its KV cache cut by head)
 
     @property
     def push_address(self) -> str:

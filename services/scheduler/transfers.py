@@ -111,7 +111,8 @@ class Transfer:
             dst_block_ids=_flat(self.dst_block_ids), transport=self.transport,
             dst_shm_path=self.destination.info.shm_path if self.transport == "shm" else "",
             during_step=self.during_step, deadline_unix_ms=self.deadline_unix_ms,
-            dst_instance_id=self.destination.info.instance_id)
+            dst_instance_id=self.destination.info.instance_id,
+            dst_kv_shards=self.destination.info.tensor_parallel_size)
 
 
 def _flat(tables: list[list[int]]) -> tuple[int, ...]:

@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="decode workers per group (pd topology)")
     add_flag(parser, "--num-workers", type=int, default=1,
              help="--role both workers per group (colocated topology)")
+    add_flag(parser, "--prefill-tensor-parallel-size", type=int, default=None,
+             help="ranks of each prefill worker's tensor-parallel group (pd topology; "
+                  "default: --tensor-parallel-size)")
+    add_flag(parser, "--decode-tensor-parallel-size", type=int, default=None,
+             help="ranks of each decode worker's tensor-parallel group (pd topology; "
+                  "default: --tensor-parallel-size)")
     add_flag(parser, "--groups", type=int, default=1,
              help="scheduler groups (data parallel), each with its own scheduler and workers")
     add_flag(parser, "--gateways", type=int, default=1,
@@ -109,6 +115,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
               args.gateways, args.tokenizers)
     if min(counts) < 1:
         return "worker, group, gateway and tokenizer counts must be >= 1"
+    sizes = (args.tensor_parallel_size, args.prefill_tensor_parallel_size,
+             args.decode_tensor_parallel_size)
+    if min(size for size in sizes if size is not None) < 1:
+        return "tensor-parallel sizes must be >= 1"
     if args.max_restarts < 0:
         return "--max-restarts must be >= 0"
     internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))

@@ -40,6 +40,7 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--kv-cache-memory-fraction": ("worker",),
     "--num-kv-blocks": ("worker",),
     "--kv-cache-dtype": ("worker",),
+    "--tensor-parallel-timeout": ("worker",),
     "--int4-max-tokens": ("worker",),
     "--amx-max-tokens": ("worker",),
     "--q4a8-max-tokens": ("worker",),
@@ -74,6 +75,9 @@ READ_BY_UP: dict[str, tuple[str, str]] = {
     "--port": ("gateway", "gateway i serves on --port + i"),
     "--grpc-port": ("gateway", "gateway i serves on --grpc-port + i"),
     "--log-level": ("gateway", "every service's"),
+    "--tensor-parallel-size": ("worker", "every worker's, unless --prefill-/"
+                               "--decode-tensor-parallel-size set its role's; its ranks share "
+                               "the worker's threads"),
 }
 
 _PLURAL = {"gateway": "gateways", "tokenizer": "tokenizers", "scheduler": "schedulers",

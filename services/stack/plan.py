@@ -86,6 +86,13 @@ def threads_per_worker(args: Namespace, num_workers: int) -> int:
     return max(1, usable_cpus() // num_workers)
 
 
+def tensor_parallel_size(args: Namespace, role: str) -> int:
+    """The ranks of a worker's group: its role's size where set, else the stack's."""
+    by_role = {"prefill": args.prefill_tensor_parallel_size,
+               "decode": args.decode_tensor_parallel_size}.get(role)
+    return by_role or args.tensor_parallel_size
+
+
 def usable_cpus() -> int:
     # The CPUs this process may run on (taskset, container cpusets), not all the host has.
     if hasattr(os, "sched_getaffinity"):
@@ -135,11 +142,14 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
     for group, scheduler in enumerate(schedulers):
         for base_name, role in roles:
             name = group_prefix(group, args.groups) + base_name
+            ranks = tensor_parallel_size(args, role)
             argv = internal(name) + [
                 "--role", role, "--worker-id", name,
                 "--advertise-address", f"{dial}:{grpc_ports[name]}",
                 "--scheduler-address", f"{dial}:{grpc_ports[scheduler]}",
-                "--num-threads", str(num_threads), *passed_on_argv(args, "worker")]
+                # a group's ranks split the worker's threads (they must not share cores)
+                "--num-threads", str(max(1, num_threads // ranks)),
+                "--tensor-parallel-size", str(ranks), *passed_on_argv(args, "worker")]
             # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
             # fresh machine the GGUF is converted once rather than by every process at once.
             services.append(spec(name, "worker", argv, role=role,

@@ -45,7 +45,8 @@ def send_order_from_proto(message: worker_pb2.KvSendOrder) -> SendOrder:
         src_block_ids=tuple(message.src_block_ids), dst_address=message.dst_address,
         dst_block_ids=tuple(message.dst_block_ids), transport=message.transport,
         dst_shm_path=message.dst_shm_path, during_step=message.during_step,
-        deadline_unix_ms=message.deadline_unix_ms, dst_instance_id=message.dst_instance_id)
+        deadline_unix_ms=message.deadline_unix_ms, dst_instance_id=message.dst_instance_id,
+        dst_kv_shards=max(1, message.dst_kv_shards))
 
 
 # ---- results ------------------------------------------------------------------------------------

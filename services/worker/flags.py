@@ -60,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="there, every layer step (prefill included) on that kernel with activations "
                   "coded as int8 per 32 values, as llama.cpp does: faster, less accurate")
     add_flag(parser, "--block-size", type=int, default=16)
+    add_flag(parser, "--tensor-parallel-size", "-tp", type=int, default=1,
+             help="ranks of this worker's tensor-parallel group on this host (CPU): the "
+                  "worker starts N-1 more processes, each holding 1/N of every layer's weights "
+                  "and its share of the KV heads, on --num-threads threads each (default: "
+                  "its share of the cores); the scheduler sees one worker")
+    add_flag(parser, "--tensor-parallel-timeout", type=float, default=30.0,
+             help="seconds a rank may lag inside a step before its group is declared broken "
+                  "(the worker exits and is restarted; its requests are re-prefilled)")
     add_enable_lora(parser)
     add_max_loras(parser)
     add_flag(parser, "--max-lora-rank", type=int, default=16,

@@ -25,7 +25,9 @@ from kvrelay.worker.flags import add_arguments  # `kvrelay worker`'s flags (cli.
 from kvrelay.worker.compute_domain import boot_id, compute_domain
 from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           KvTransferService, ShmKvTransport)
+from kvrelay.engine.parallel.followers import stop_followers, watch_followers
 from kvrelay.worker.model_setup import load_worker_model
+from kvrelay.worker.rank_group import check_group_flags, group_cache_path, on_follower_death
 from kvrelay.worker.registration import Registration
 from kvrelay.worker.step_executor import StepExecutor
 from kvrelay.worker.step_service import WorkerService
@@ -40,6 +42,7 @@ ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.W
 
 
 def run(args: argparse.Namespace) -> int:
+    check_group_flags(args)
     run_service(f"worker-{args.role}", serve(args), args.log_level)
     return 0
 
@@ -49,6 +52,7 @@ async def serve(args: argparse.Namespace) -> None:
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     transports = [name for name in args.kv_transports.split(",") if name]
     shm_path = _shm_path(args, worker_id, transports)
+    kv_cache_path, private_cache = group_cache_path(args, worker_id, shm_path)
     server = ServiceServer(args.host, args.port, [
         worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
         kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name])
@@ -64,8 +68,12 @@ async def serve(args: argparse.Namespace) -> None:
     # and this loop thread's KV page copies run inline (omp_threads.py says why).
     run_torch_ops_inline()
     loaded = await asyncio.get_running_loop().run_in_executor(service.compute, load_worker_model,
-                                                              args, shm_path)
+                                                              args, kv_cache_path)
     runner = loaded.runner
+    if private_cache:
+        os.unlink(kv_cache_path)  # every rank has it mapped; nothing else may
+    # A follower's death breaks the group: the leader goes too, at once (rank_group.py).
+    watching = watch_followers(loaded.followers, on_follower_death)
     if not args.no_warmup and needs_warm_up(runner):
         seconds = await asyncio.get_running_loop().run_in_executor(service.compute, warm_up,
                                                                    runner, args.role)
@@ -78,7 +86,7 @@ async def serve(args: argparse.Namespace) -> None:
     freeze_heap()  # the model's modules and tensors, too
     service.attach(executor, KvSender(_transports(transports, runner), args.kv_transfer_timeout))
     instance_id = uuid.uuid4().hex
-    receiver.attach(runner.kv_cache, instance_id)
+    receiver.attach(runner.kv_pages, instance_id)
     registration = Registration(args.scheduler_address, scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=ROLES[args.role],
         address=args.advertise_address or f"127.0.0.1:{server.port}",
@@ -92,7 +100,8 @@ async def serve(args: argparse.Namespace) -> None:
         num_threads=loaded.num_threads, kv_group_windows=runner.kv_layout.windows,
         kv_cache_dtype=runner.kv_cache_dtype_name,
         max_loras=args.max_loras if args.enable_lora else 0,
-        max_lora_rank=args.max_lora_rank if args.enable_lora else 0))
+        max_lora_rank=args.max_lora_rank if args.enable_lora else 0,
+        tensor_parallel_size=args.tensor_parallel_size))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     dtype = str(runner.dtype).removeprefix("torch.")
@@ -102,7 +111,9 @@ async def serve(args: argparse.Namespace) -> None:
              num_blocks=runner.num_blocks, dtype=dtype, weights=weights,
              kv_cache_dtype=runner.kv_cache_dtype_name,
              small_step_kernel=runner.int4_kernel,
-             kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block / (1 << 30), 2),
+             tensor_parallel_size=args.tensor_parallel_size,
+             kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block
+                                * args.tensor_parallel_size / (1 << 30), 2),
              kv_capacity_tokens=runner.num_blocks * runner.block_size,
              kv_cache_size=loaded.kv_budget_reason)
     try:
@@ -112,6 +123,9 @@ async def serve(args: argparse.Namespace) -> None:
         if metrics_server is not None:
             metrics_server.close()
         await registration.close()
+        watching.set()
+        await asyncio.get_running_loop().run_in_executor(service.compute, stop_followers,
+                                                         runner.tp, loaded.followers)
         if shm_path:
             os.unlink(shm_path)
 
@@ -158,8 +172,8 @@ def _remove_stale_shm_files(shm_dir: str) -> None:
 def _transports(names: list[str], runner) -> dict:
     transports = {"grpc": GrpcKvTransport()}
     if "shm" in names:
-        block_shape = (runner.slots_per_block, runner.block_size, runner.num_kv_heads,
-                       runner.kv_row_width)
+        block_size, num_kv_heads, row_width = runner.kv_pages.page_shape
+        block_shape = (runner.slots_per_block, block_size, num_kv_heads, row_width)
         transports["shm"] = ShmKvTransport(block_shape, runner.kv_cache_dtype)
     return transports
 

@@ -12,6 +12,7 @@ from kvrelay.engine.hardware import resolve_device, resolve_dtype
 from kvrelay.engine.llm import eos_token_ids
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.parallel.followers import start_group, stop_followers
 from kvrelay.engine.prefill_chunks import attention_crossover
 from kvrelay.worker import kv_budget
 
@@ -25,10 +26,12 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: frozenset[int]
     attention_crossover: int
-    num_threads: int  # of the compute thread (this runs on it), for its steps
+    num_threads: int  # of the compute thread (this runs on it), for its steps: one rank's
+    followers: list  # the other ranks' processes (tensor parallel), empty for one rank
 
 
-def load_worker_model(args, shm_path: str | None) -> LoadedModel:
+def load_worker_model(args, kv_cache_path: str | None) -> LoadedModel:
+    """kv_cache_path: a shared file for the KV cache (the shm transport's, or a group's)."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     model_dir = resolve_model_dir(args.model)
@@ -36,19 +39,26 @@ def load_worker_model(args, shm_path: str | None) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    kv_size = KvSizer(args, shm_path, device)
-    runner = ModelRunner(hf_config, model_dir, dtype, device, args.block_size,
-                         args.num_kv_blocks, kv_size, kv_cache_path=shm_path,
-                         int4_max_tokens=args.int4_max_tokens,
+    kv_size = KvSizer(args, kv_cache_path, device)
+    runner_args = (hf_config, model_dir, dtype, device, args.block_size, args.num_kv_blocks,
+                   kv_size)
+    runner_kwargs = dict(kv_cache_path=kv_cache_path, int4_max_tokens=args.int4_max_tokens,
                          amx_max_tokens=args.amx_max_tokens,
                          q4a8_max_tokens=args.q4a8_max_tokens,
                          int8_activations=args.int8_activations,
                          kv_cache_dtype=args.kv_cache_dtype)
+    group, followers = start_group(args.tensor_parallel_size, args.num_threads, runner_args,
+                                   runner_kwargs, args.tensor_parallel_timeout)
+    try:
+        runner = ModelRunner(*runner_args, **runner_kwargs, tp=group)
+    except BaseException:
+        stop_followers(group, followers)
+        raise
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(runner, _model_name(args.model, model_dir), kv_size.reason,
                        max_model_len_for(hf_config, args.max_model_len), hf_config.vocab_size,
                        eos_token_ids(hf_config, model_dir, tokenizer),
-                       attention_crossover(hf_config), torch.get_num_threads())
+                       attention_crossover(hf_config), torch.get_num_threads(), followers)
 
 
 class KvSizer:

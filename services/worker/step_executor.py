@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 
 from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.parallel.group import GroupBroken
 from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvrelay.engine.spec.verify import EmittedRun, sample_items
 from kvrelay.engine.structured.backend import bitmask_words
 from kvrelay.step_messages import Sampled, StepOrder, StepOutcome, token_logprob
+from kvrelay.worker.rank_group import group_broken
 from kvrelay.worker.sequences import SequenceTable
 from kvrelay.worker.step_threads import StepThreads
 
@@ -49,7 +51,11 @@ class StepExecutor:
         if self.threads is not None:
             self.threads.use(order.num_threads)
         step_input = self.runner.prepare(batch.scheduled)
-        result = self.runner.execute_step(step_input, on_layer_done)
+        try:
+            result = self.runner.execute_step(step_input, on_layer_done)
+        except GroupBroken as exc:  # a rank died or stalled: no step can run any more
+            group_broken(str(exc))
+            raise
         for item in batch.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
         sampled = self._sample(order, batch, step_input, result.logits)  # logits [S, vocab]

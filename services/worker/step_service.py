@@ -126,7 +126,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             # pages that stream layer by layer during the pass go through the feed's queue
             streams = order.during_step and self.layerwise_push
             runner = self.executor.runner
-            feed = LayerFeed(runner.kv_cache, list(order.src_block_ids), loop,
+            feed = LayerFeed(runner.kv_pages, list(order.src_block_ids), loop,
                              None if streams else self.sender.lander(order),
                              runner.slots_done_after)
             if order.during_step:

@@ -16,7 +16,8 @@ import torch
 
 from kvrelay.api.kvrelay.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from kvrelay.engine.kv_groups import KVGroupLayout
-from kvrelay.engine.model_runner import allocate_kv_cache, map_kv_cache_file
+from kvrelay.engine.kv_pages import KvPages, map_kv_pages
+from kvrelay.engine.model_runner import allocate_kv_cache
 from kvrelay.step_messages import SendOrder
 from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           KvTransferService, LayerFeed, ShmKvTransport,
@@ -94,9 +95,9 @@ def test_grpc_push_copies_the_blocks_bit_for_bit(dtype, layer_by_layer):
     src, dst = [5, 0, 7, 3], [11, 2, 6, 9]
 
     async def scenario():
-        server, address = await _serve(KvReceiver(destination))
+        server, address = await _serve(KvReceiver(KvPages.whole(destination)))
         transport = GrpcKvTransport()
-        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), src, asyncio.get_running_loop())
         try:
             if layer_by_layer:  # as the compute thread does while the forward pass runs
                 thread = threading.Thread(target=_layers_done, args=(feed,))
@@ -125,9 +126,10 @@ def test_grpc_push_lands_only_in_the_worker_instance_it_was_ordered_for(dst_inst
     src, dst = [5, 0], [11, 2]
 
     async def scenario():
-        server, address = await _serve(KvReceiver(destination, instance_id="worker-now"))
+        server, address = await _serve(KvReceiver(KvPages.whole(destination),
+                                                   instance_id="worker-now"))
         transport = GrpcKvTransport()
-        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), src, asyncio.get_running_loop())
         feed.fill_now()
         order = dataclasses.replace(_order(src, dst, address), dst_instance_id=dst_instance)
         try:
@@ -157,12 +159,12 @@ def test_grpc_push_above_4_mib_per_layer_goes_in_chunks_under_the_limit():
     before = destination.clone()
     src = list(range(80))  # 5 MiB per layer
     dst = list(range(95, 15, -1))
-    service = CountingService(KvReceiver(destination))
+    service = CountingService(KvReceiver(KvPages.whole(destination)))
 
     async def scenario():
         server, address = await _serve(service)
         transport = GrpcKvTransport()
-        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), src, asyncio.get_running_loop())
         feed.fill_now()
         try:
             await transport.push(_order(src, dst, address), feed)
@@ -185,9 +187,9 @@ def test_grpc_push_the_receiver_cannot_write_fails(problem):
     dst = [1, SMALL[2]] if problem == "block-out-of-range" else [1, 2]
 
     async def scenario():
-        server, address = await _serve(KvReceiver(destination))
+        server, address = await _serve(KvReceiver(KvPages.whole(destination)))
         transport = GrpcKvTransport()
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         feed.fill_now()
         try:
             with pytest.raises(TransferFailed, match="refused"):
@@ -208,7 +210,7 @@ def test_sender_reports_a_dead_destination_as_a_failed_result_within_its_timeout
     async def scenario():
         transport = GrpcKvTransport()
         sender = KvSender({"grpc": transport}, timeout_s=3.0)
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         feed.fill_now()
         started = time.monotonic()
         try:
@@ -227,10 +229,10 @@ def test_sender_times_out_a_send_whose_layers_never_come():
     source, destination = _cache(SMALL, torch.float32, 1), _cache(SMALL, torch.float32, 2)
 
     async def scenario():
-        server, address = await _serve(KvReceiver(destination))
+        server, address = await _serve(KvReceiver(KvPages.whole(destination)))
         transport = GrpcKvTransport()
         sender = KvSender({"grpc": transport}, timeout_s=0.5)
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         feed.on_layer_done(0)  # the rest of the layers never come
         started = time.monotonic()
         try:
@@ -249,10 +251,10 @@ def test_sender_fails_a_send_whose_forward_pass_failed():
     source, destination = _cache(SMALL, torch.float32, 1), _cache(SMALL, torch.float32, 2)
 
     async def scenario():
-        server, address = await _serve(KvReceiver(destination))
+        server, address = await _serve(KvReceiver(KvPages.whole(destination)))
         transport = GrpcKvTransport()
         sender = KvSender({"grpc": transport}, timeout_s=5.0)
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         feed.on_layer_done(0)
         feed.fail(RuntimeError("out of memory"))
         try:
@@ -279,7 +281,7 @@ def test_shm_push_lands_in_the_destination_file(tmp_path, dtype):
     async def scenario():
         transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), dtype)
         sender = KvSender({"shm": transport}, timeout_s=5.0)
-        feed = LayerFeed(source, src, asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), src, asyncio.get_running_loop())
         thread = threading.Thread(target=_layers_done, args=(feed,))
         thread.start()
         result = await sender.send(_order(src, dst, transport="shm", shm_path=path), feed)
@@ -290,7 +292,7 @@ def test_shm_push_lands_in_the_destination_file(tmp_path, dtype):
     assert result.ok, result.error
     assert result.num_bytes == source[:, :, src].numel() * source.element_size()
     _assert_moved(source, destination, before, src, dst)  # the decode worker's own mapping
-    reader = map_kv_cache_file(path, dtype, (layers, block_size, kv_heads, head_dim))
+    reader = map_kv_pages(path, dtype, (layers, block_size, kv_heads, head_dim)).shards[0]
     assert reader.shape == destination.shape
     _assert_moved(source, reader, before, src, dst)  # and a fresh one
 
@@ -306,7 +308,7 @@ def test_shm_push_that_cannot_land_fails(tmp_path, problem):
 
     async def scenario():
         transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), torch.float32)
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         feed.fill_now()
         order = _order([0, 1], dst, transport="shm",
                        shm_path="" if problem == "no-path" else path)
@@ -325,7 +327,7 @@ def _landing(path: str, dtype, source: torch.Tensor, order) -> tuple[ShmKvTransp
     layers, _, _, block_size, kv_heads, head_dim = SMALL
     transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), dtype)
     sender = KvSender({"shm": transport}, timeout_s=5.0)
-    feed = LayerFeed(source, list(order.src_block_ids), asyncio.get_running_loop(),
+    feed = LayerFeed(KvPages.whole(source), list(order.src_block_ids), asyncio.get_running_loop(),
                      sender.lander(order))
     return transport, sender, feed
 
@@ -360,7 +362,7 @@ def test_shm_landing_writes_the_final_pages_before_the_source_blocks_are_let_go(
     assert result.ok, result.error
     assert result.num_bytes == original[:, :, src].numel() * original.element_size()
     _assert_moved(original, destination, before, src, dst)
-    reader = map_kv_cache_file(path, dtype, (SMALL[0], SMALL[3], SMALL[4], SMALL[5]))
+    reader = map_kv_pages(path, dtype, (SMALL[0], SMALL[3], SMALL[4], SMALL[5])).shards[0]
     _assert_moved(original, reader, before, src, dst)
 
 
@@ -412,11 +414,11 @@ def test_a_send_past_its_deadline_writes_nothing(tmp_path, transport_name):
     layers, _, _, block_size, kv_heads, head_dim = SMALL
 
     async def scenario():
-        server, address = await _serve(KvReceiver(destination))
+        server, address = await _serve(KvReceiver(KvPages.whole(destination)))
         transports = {"grpc": GrpcKvTransport(),
                       "shm": ShmKvTransport((layers, block_size, kv_heads, head_dim),
                                             torch.float32)}
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         feed.fill_now()
         order = _order([0, 1], [2, 3], address, transport_name, path, _deadline_in(-0.001))
         try:
@@ -438,7 +440,7 @@ def test_shm_send_stops_writing_at_its_deadline(tmp_path):
 
     async def scenario():
         transport = ShmKvTransport((layers, block_size, kv_heads, head_dim), torch.float32)
-        feed = LayerFeed(source, [0, 1], asyncio.get_running_loop())
+        feed = LayerFeed(KvPages.whole(source), [0, 1], asyncio.get_running_loop())
         order = _order([0, 1], [2, 3], transport="shm", shm_path=path,
                        deadline_unix_ms=_deadline_in(0.3))
         feed.on_layer_done(0)
@@ -457,7 +459,7 @@ def test_shm_send_stops_writing_at_its_deadline(tmp_path):
 def test_receiver_refuses_chunks_after_their_deadline():
     destination = _cache(SMALL, torch.float32, 2)
     before = destination.clone()
-    service = KvTransferService(KvReceiver(destination))
+    service = KvTransferService(KvReceiver(KvPages.whole(destination)))
     _, _, _, block_size, kv_heads, head_dim = SMALL
     pages = torch.zeros((1, block_size, kv_heads, head_dim))
 
@@ -480,7 +482,7 @@ def test_a_feed_streams_each_slot_in_order_once_its_last_layer_has_run():
     src = [4, 1]
 
     async def scenario():
-        feed = LayerFeed(cache, src, asyncio.get_running_loop(),
+        feed = LayerFeed(KvPages.whole(cache), src, asyncio.get_running_loop(),
                          slots_done_after=layout.slots_done_after())
         done = []
         for layer in range(layout.num_layers):

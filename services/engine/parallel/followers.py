@@ -1,24 +1,33 @@
 """The ranks of a tensor-parallel group after the first: processes of their own, each holding
 its shard of the model and its KV heads, running every step the leader runs.
 
-The leader (rank 0: the engine's own ModelRunner) broadcasts each step's inputs; every rank
-computes the same step on its shard, the row-parallel layers summing their partial outputs
-(group.py), and the leader samples from the gathered logits. A follower whose leader goes away
-fails its next collective within the group's timeout and exits: nothing is left hanging.
+The leader (rank 0: the engine's or the worker's own ModelRunner) posts each step's inputs;
+every rank computes the same step on its shard, the row-parallel layers summing their partial
+outputs (group.py), and the leader samples from the gathered logits. The group lives and dies
+as one: a follower is killed with its leader (the kernel's parent-death signal), and the leader
+learns at once of a follower's death (watch_followers) or, for a rank that stalls, within the
+group's timeout in its next collective.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import socket
+import threading
 
 import torch
 
-from kvrelay.engine.parallel.group import init_group, leave_group
+from kvrelay.engine.models.registry import arch_spec
+from kvrelay.engine.parallel.group import (DEFAULT_TIMEOUT_S, TPGroup, init_group,
+                                           leave_group)
+from kvrelay.engine.parallel.shard import check_shardable
 
 log = logging.getLogger(__name__)
-STOP = None  # what the leader broadcasts to end the followers' loops
+STOP = None  # what the leader posts to end the followers' loops
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -32,44 +41,91 @@ def threads_per_rank(size: int, requested: int | None) -> int:
     return requested or max(1, (os.cpu_count() or 1) // size)
 
 
-def start_followers(size: int, init_method: str, runner_args: tuple, runner_kwargs: dict,
-                    num_threads: int) -> list[multiprocessing.Process]:
-    """Ranks 1..size-1, each building ModelRunner(*runner_args, **runner_kwargs, tp=its
-    group) and then following the leader's steps."""
+def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_kwargs: dict,
+                timeout_s: float = DEFAULT_TIMEOUT_S):
+    """This process as rank 0 of a tensor-parallel group of `size`, ranks 1..size-1 started
+    (processes of their own, each building ModelRunner(*runner_args, **runner_kwargs, tp=its
+    rank)), or a group of one; returns (the group, the followers' processes)."""
+    if size == 1:
+        return TPGroup(), []
+    check_shardable(arch_spec(runner_args[0])[1], size)  # before any rank starts
+    threads = threads_per_rank(size, num_threads)
+    torch.set_num_threads(threads)
+    init_method = free_init_method()
     context = multiprocessing.get_context("spawn")
-    processes = []
+    followers = []
     for rank in range(1, size):
         process = context.Process(target=follow, name=f"tp-rank-{rank}", daemon=True,
                                   args=(rank, size, init_method, runner_args, runner_kwargs,
-                                        num_threads))
+                                        threads, timeout_s))
         process.start()
-        processes.append(process)
-    return processes
+        followers.append(process)
+    try:
+        return init_group(0, size, init_method, runner_args[3], timeout_s), followers
+    except BaseException:
+        _reap(followers, wait_s=0)
+        raise
 
 
 def follow(rank: int, size: int, init_method: str, runner_args: tuple, runner_kwargs: dict,
-           num_threads: int) -> None:
+           num_threads: int, timeout_s: float) -> None:
     from kvrelay.engine.model_runner import ModelRunner
+    leader = os.getppid()
+    _die_with_parent()
     torch.set_num_threads(num_threads)
     device = runner_args[3]
-    group = init_group(rank, size, init_method, device)
+    group = init_group(rank, size, init_method, device, timeout_s)
     try:
         runner = ModelRunner(*runner_args, **runner_kwargs, tp=group)
-        while (step := group.broadcast_object(None)) is not STOP:
+        alive = lambda: os.getppid() == leader  # noqa: E731 - reparented: the leader is gone
+        while (step := group.next_step(alive)) is not STOP:
             runner.execute_step(step)
     finally:
         leave_group()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the process that started it dies (Linux): a follower never
+    outlives its leader, even one killed with SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the mailbox's liveness check still holds
+        pass
+
+
+def watch_followers(processes: list[multiprocessing.Process], on_death) -> threading.Event:
+    """Call on_death(process) from a daemon thread as soon as a follower exits; set the
+    returned event first to stop watching (a deliberate stop)."""
+    stopping = threading.Event()
+    if not processes:
+        return stopping
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+        ready = wait([process.sentinel for process in processes])
+        if not stopping.is_set():
+            gone = next(process for process in processes if process.sentinel in ready)
+            gone.join(timeout=1)  # reaped: its exit code known
+            on_death(gone)
+    threading.Thread(target=watch, name="tp-watch", daemon=True).start()
+    return stopping
 
 
 def stop_followers(group, processes: list[multiprocessing.Process]) -> None:
     """Tell the followers to leave (called by the leader), then reap them."""
     if group.size > 1:
         try:
-            group.broadcast_object(STOP)
+            group.post_step(STOP)
         except RuntimeError:  # a follower already gone: the others time out and exit
             pass
         leave_group()
+    _reap(processes, wait_s=30)
+
+
+def _reap(processes: list[multiprocessing.Process], wait_s: float) -> None:
     for process in processes:
-        process.join(timeout=30)
+        process.join(timeout=wait_s)
         if process.is_alive():
             process.kill()
+            process.join(timeout=5)

@@ -1,7 +1,7 @@
 """A tensor-parallel group as a model's layers see it: this process's rank, the group's size,
 and the collectives a sharded layer needs, on torch.distributed (gloo on CPU, NCCL on CUDA);
-on CPU the all-reduces and all-gathers go through shared memory (kernels/shm_collectives.py),
-gloo only setting up and broadcasting each step's inputs.
+on CPU the all-reduces and all-gathers go through shared memory (kernels/shm_collectives.py) and
+so do each step's inputs (step_mailbox.py), gloo only setting up.
 
 A group of one is the default everywhere: its collectives return at once, so the single-rank
 model runs exactly as before.
@@ -16,10 +16,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvrelay.kernels.shm_collectives import ShmExchange
+from kvrelay.engine.parallel.step_mailbox import StepMailbox
+from kvrelay.kernels.shm_collectives import ShmExchange, barrier_ops
 
-# A rank that stops answering takes its group down within this (no collective hangs forever).
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+# A rank that stops answering inside a step takes its group down within this (no collective
+# hangs forever); the wait between steps has none (step_mailbox.py).
+DEFAULT_TIMEOUT_S = 120.0
+# gloo's own timeout, for setting up: ranks load their shards of a large checkpoint and build
+# kernels at their own pace between the first collectives.
+SETUP_TIMEOUT_S = 1800.0
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed: a rank died or stalled past the timeout. The group cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     shm: ShmExchange | None = None  # ranks on one host's CPUs
+    mailbox: StepMailbox | None = None  # each step's inputs, likewise
 
     @property
     def is_leader(self) -> bool:
@@ -36,9 +46,9 @@ class TPGroup:
         """Sum over the ranks, in place (the row-parallel linears' partial outputs)."""
         if self.size == 1:
             return tensor
-        slots = self.shm.exchange(tensor) if self.shm is not None else None
+        slots = self._exchange(tensor)
         if slots is None:
-            dist.all_reduce(tensor)
+            _collective(dist.all_reduce, tensor)
             return tensor
         tensor.copy_(slots[0])
         for other in slots[1:]:  # in rank order on every rank: the same bits everywhere
@@ -50,49 +60,85 @@ class TPGroup:
         vocab-parallel head's logits)."""
         if self.size == 1:
             return tensor
-        slots = self.shm.exchange(tensor) if self.shm is not None else None
+        slots = self._exchange(tensor)
         if slots is None:
             slots = [torch.empty_like(tensor) for _ in range(self.size)]
-            dist.all_gather(slots, tensor.contiguous())
+            _collective(dist.all_gather, slots, tensor.contiguous())
         return torch.cat(slots, dim=-1)
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        if self.shm is None:
+            return None
+        try:
+            return self.shm.exchange(tensor)
+        except RuntimeError as exc:
+            raise GroupBroken(str(exc)) from exc
 
     def broadcast_object(self, value=None):
         """The leader's `value` on every rank (a step's inputs)."""
         if self.size == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        _collective(dist.broadcast_object_list, box, src=0)
         return box[0]
 
+    def post_step(self, step) -> None:
+        """Leader: every other rank's next step (None: leave the group)."""
+        if self.mailbox is not None:
+            self.mailbox.post(step)
+        else:
+            self.broadcast_object(step)
 
-def init_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    def next_step(self, leader_alive=lambda: True):
+        """Follower: the leader's next step, however long the group stays idle."""
+        if self.mailbox is not None:
+            return self.mailbox.receive(leader_alive)
+        return self.broadcast_object(None)
+
+
+def _collective(operation, *args, **kwargs):
+    try:
+        return operation(*args, **kwargs)
+    except RuntimeError as exc:  # gloo: a peer closed or the timeout passed
+        raise GroupBroken(str(exc)) from exc
+
+
+def init_group(rank: int, size: int, init_method: str, device: torch.device,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
     """Join the group's rendezvous (a TCPStore at init_method, "tcp://host:port")."""
     if size > 1:
         if dist.is_initialized():  # an earlier engine's group (one group per process)
             dist.destroy_process_group()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=COLLECTIVE_TIMEOUT)
         if device.type == "cpu":
-            return TPGroup(rank, size, _shared_slots(rank, size))
+            barrier_ops()  # built (or loaded) before the first collective, not inside one
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S)))
+        if device.type == "cpu":
+            return TPGroup(rank, size, *_shared_files(rank, size, timeout_s))
     return TPGroup(rank, size)
 
 
-def _shared_slots(rank: int, size: int) -> ShmExchange:
-    """The leader makes the file, every rank maps it, then it is unlinked (the maps stay)."""
+def _shared_files(rank: int, size: int, timeout_s: float) -> tuple[ShmExchange, StepMailbox]:
+    """The leader makes the files, every rank maps them, then they are unlinked (the maps
+    stay)."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    box = [os.path.join(directory, f"kvrelay-tp-{os.getpid()}-{os.urandom(4).hex()}")
-           if rank == 0 else None]
+    stem = os.path.join(directory, f"kvrelay-tp-{os.getpid()}-{os.urandom(4).hex()}")
+    box = [stem if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
+    stem = box[0]
     if rank == 0:
-        exchange = ShmExchange(box[0], rank, size, create=True)
+        exchange = ShmExchange(stem, rank, size, create=True, timeout_s=timeout_s)
+        mailbox = StepMailbox(stem + ".steps", create=True)
     dist.barrier()
     if rank != 0:
-        exchange = ShmExchange(box[0], rank, size, create=False)
+        exchange = ShmExchange(stem, rank, size, create=False, timeout_s=timeout_s)
+        mailbox = StepMailbox(stem + ".steps", create=False)
     dist.barrier()
     if rank == 0:
-        os.unlink(box[0])
-    return exchange
+        os.unlink(stem)
+        os.unlink(stem + ".steps")
+    return exchange, mailbox
 
 
 def leave_group() -> None:

@@ -33,6 +33,19 @@ def check_shardable(spec: ArchSpec, size: int) -> None:
                          "divide the other")
 
 
+def rank_kv_heads(num_kv_heads: int, size: int, rank: int) -> list[int]:
+    """The model's KV heads rank `rank` of `size` holds: a share each, or where ranks outnumber
+    the heads, the one head its query heads read."""
+    if num_kv_heads >= size:
+        share = num_kv_heads // size
+        return list(range(rank * share, (rank + 1) * share))
+    return [rank * num_kv_heads // size]
+
+
+def group_kv_heads(num_kv_heads: int, size: int) -> list[list[int]]:
+    return [rank_kv_heads(num_kv_heads, size, rank) for rank in range(size)]
+
+
 def local_spec(spec: ArchSpec, size: int) -> ArchSpec:
     """The spec of one rank's shard of the model."""
     if size == 1:
@@ -51,9 +64,8 @@ class Sharder:
         head_dim = spec.head_dim
         q_heads = spec.num_heads // size
         self.q_rows = _span(rank * q_heads * head_dim, q_heads * head_dim)
-        kv = spec.num_kv_heads
-        first_kv = rank * (kv // size) if kv >= size else rank * kv // size
-        self.kv_rows = _span(first_kv * head_dim, max(1, kv // size) * head_dim)
+        kv_heads = rank_kv_heads(spec.num_kv_heads, size, rank)
+        self.kv_rows = _span(kv_heads[0] * head_dim, len(kv_heads) * head_dim)
         inter = spec.intermediate_size // size
         self.inter_rows = _span(rank * inter, inter)
         vocab = spec.vocab_size // size

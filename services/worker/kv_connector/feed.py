@@ -11,23 +11,24 @@ from collections.abc import Callable
 
 import torch
 
+from kvrelay.engine.kv_pages import KvPages
+
 # Writes a send's final pages into their destination in one synchronous pass:
-# (kv_cache [layers, 2, num_blocks, ...], source block ids) -> bytes written. Raises on failure.
-Lander = Callable[[torch.Tensor, list[int]], int]
+# (the source cache's pages, source block ids) -> bytes written. Raises on failure.
+Lander = Callable[[KvPages, list[int]], int]
 
 
 class LayerFeed:
-    def __init__(self, kv_cache: torch.Tensor, src_block_ids: list[int],
+    def __init__(self, kv_pages: KvPages, src_block_ids: list[int],
                  loop: asyncio.AbstractEventLoop, lander: Lander | None = None,
                  slots_done_after: dict[int, tuple[int, ...]] | None = None) -> None:
-        # kv_cache [slots, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = kv_cache
+        self.kv_pages = kv_pages  # the source cache, every KV head (a group's too)
         # model layer -> the slots final once it ran (KVGroupLayout.slots_done_after);
         # None: slot i is layer i
         self.slots_done_after = slots_done_after
         self.src_block_ids = src_block_ids
         self.src_index = torch.tensor(src_block_ids, dtype=torch.int64)
-        self.num_layers = kv_cache.shape[0]
+        self.num_layers = kv_pages.num_slots
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.error: BaseException | None = None  # why the layers stopped coming, if they did
@@ -40,7 +41,7 @@ class LayerFeed:
 
     def gather(self, layer: int) -> torch.Tensor:
         """This layer's pages of the source blocks, copied out: [2, n, bs, kv_heads, head_dim]."""
-        return self.kv_cache[layer].index_select(1, self.src_index)
+        return self.kv_pages.read(layer, self.src_index)
 
     def on_layer_done(self, layer: int) -> None:
         """Called from the compute thread once model layer `layer`'s KV of the step is
@@ -74,7 +75,7 @@ class LayerFeed:
             return
         self.has_landed = True  # once, whichever of the compute thread and fill_now comes first
         try:
-            outcome, error = self.lander(self.kv_cache, self.src_block_ids), None
+            outcome, error = self.lander(self.kv_pages, self.src_block_ids), None
         except Exception as exc:  # noqa: BLE001 - the transport reports it as the send's failure
             outcome, error = None, exc
         self.loop.call_soon_threadsafe(self._settle, outcome, error)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.common.log import get_logger
-from kvrelay.kernels.kv_quant import byte_view
+from kvrelay.engine.kv_pages import KvPages
 
 log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -43,21 +43,20 @@ class PushOutcome:
 
 
 class KvReceiver:
-    def __init__(self, kv_cache: torch.Tensor | None = None, instance_id: str = "") -> None:
-        self.kv_cache = None
+    def __init__(self, kv_pages: KvPages | None = None, instance_id: str = "") -> None:
+        self.kv_pages = None
         self.num_bytes_received = 0
-        if kv_cache is not None:
-            self.attach(kv_cache, instance_id)
+        if kv_pages is not None:
+            self.attach(kv_pages, instance_id)
 
-    def attach(self, kv_cache: torch.Tensor, instance_id: str) -> None:
-        # kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = kv_cache
-        self.page_shape = tuple(kv_cache.shape[3:])
+    def attach(self, kv_pages: KvPages, instance_id: str) -> None:
+        self.kv_pages = kv_pages  # this worker's cache, every KV head (a group's too)
+        self.page_shape = kv_pages.page_shape
         self.instance_id = instance_id  # this process, as registered with the scheduler
 
     async def receive(self, chunks: AsyncIterator[PageChunk]) -> PushOutcome:
         """Write one push's chunks as they come; a chunk that cannot be written ends it."""
-        if self.kv_cache is None:
+        if self.kv_pages is None:
             return PushOutcome("", ok=False, error="the model is still loading")
         transfer_id, num_bytes, started, complete = "", 0, time.perf_counter(), False
         try:
@@ -86,18 +85,18 @@ class KvReceiver:
             raise ValueError(f"chunk for worker instance {chunk.dst_instance_id!r}, this is "
                              f"{self.instance_id!r}")
         dtype = DTYPES.get(chunk.dtype)
-        if dtype != self.kv_cache.dtype:
+        if dtype != self.kv_pages.dtype:
             raise ValueError(f"dtype {chunk.dtype!r} does not match the cache's "
-                             f"{self.kv_cache.dtype}")
-        if chunk.layer >= self.kv_cache.shape[0]:
+                             f"{self.kv_pages.dtype}")
+        if chunk.layer >= self.kv_pages.num_slots:
             raise ValueError(f"layer {chunk.layer} out of range")
         dst = torch.tensor(chunk.dst_block_ids, dtype=torch.int64)
-        if dst.numel() == 0 or int(dst.max()) >= self.kv_cache.shape[2]:
+        if dst.numel() == 0 or int(dst.max()) >= self.kv_pages.num_blocks:
             raise ValueError("destination blocks missing or out of range")
         shape = (len(chunk.dst_block_ids), *self.page_shape)
         keys, values = _tensor(chunk.keys, dtype, shape), _tensor(chunk.values, dtype, shape)
-        byte_view(self.kv_cache[chunk.layer, 0]).index_copy_(0, dst, byte_view(keys))
-        byte_view(self.kv_cache[chunk.layer, 1]).index_copy_(0, dst, byte_view(values))
+        self.kv_pages.write(chunk.layer, 0, dst, keys)
+        self.kv_pages.write(chunk.layer, 1, dst, values)
         return len(chunk.keys) + len(chunk.values)
 
 

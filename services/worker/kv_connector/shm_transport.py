@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvrelay.engine.model_runner import map_kv_cache_file
-from kvrelay.kernels.kv_quant import byte_view
+from kvrelay.engine.kv_pages import KvPages, map_kv_pages
 from kvrelay.step_messages import SendOrder
 from kvrelay.worker.kv_connector.base import KvTransport, TransferFailed, check_deadline
 from kvrelay.worker.kv_connector.feed import Lander, LayerFeed
@@ -16,25 +15,29 @@ class ShmKvTransport(KvTransport):
     name = "shm"
 
     def __init__(self, block_shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
-        self.block_shape = block_shape  # (layers, block_size, kv_heads, head_dim)
+        # (layer slots, block_size, the model's KV heads, row_width)
+        self.block_shape = block_shape
         self.dtype = dtype
-        self.mappings: dict[str, torch.Tensor] = {}
+        self.mappings: dict[tuple[str, int], KvPages] = {}
 
-    def _destination(self, path: str) -> torch.Tensor:
-        if path not in self.mappings:
+    def _destination(self, path: str, num_shards: int) -> KvPages:
+        """The destination's cache file mapped, cut as its group of num_shards ranks cuts it."""
+        key = (path, num_shards)
+        if key not in self.mappings:
             try:
-                self.mappings[path] = map_kv_cache_file(path, self.dtype, self.block_shape)
+                self.mappings[key] = map_kv_pages(path, self.dtype, self.block_shape,
+                                                  num_shards)
             except OSError as exc:
                 raise TransferFailed(f"cannot map {path}: {exc}") from None
-        return self.mappings[path]
+        return self.mappings[key]
 
-    def _target(self, order: SendOrder) -> tuple[torch.Tensor, list[int]]:
+    def _target(self, order: SendOrder) -> tuple[KvPages, list[int]]:
         """The destination's mapped cache and the order's block ids in it, checked."""
         if not order.dst_shm_path:
             raise TransferFailed("shm transport needs the destination's shm path")
-        destination = self._destination(order.dst_shm_path)
+        destination = self._destination(order.dst_shm_path, order.dst_kv_shards)
         dst_block_ids = list(order.dst_block_ids)
-        if dst_block_ids and max(dst_block_ids) >= destination.shape[2]:
+        if dst_block_ids and max(dst_block_ids) >= destination.num_blocks:
             raise TransferFailed(f"destination block {max(dst_block_ids)} out of range")
         if len(dst_block_ids) != len(order.src_block_ids):
             raise TransferFailed(f"{len(order.src_block_ids)} source blocks for "
@@ -50,12 +53,9 @@ class ShmKvTransport(KvTransport):
         except TransferFailed as problem:
             return _refusing(problem)  # the send fails when it would land
 
-        def land(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
-            # kv_cache, destination [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        def land(source: KvPages, src_block_ids: list[int]) -> int:
             check_deadline(order)
-            for src, dst in zip(src_block_ids, dst_block_ids):
-                destination[:, :, dst].copy_(kv_cache[:, :, src])
-            return len(dst_block_ids) * kv_cache[:, :, 0].numel() * kv_cache.element_size()
+            return destination.copy_blocks_from(source, src_block_ids, dst_block_ids)
         return land
 
     async def push(self, order: SendOrder, feed: LayerFeed) -> int:
@@ -66,12 +66,13 @@ class ShmKvTransport(KvTransport):
         num_bytes = 0
         async for layer, pages in feed.layers():  # pages [2, n, bs, kv_heads, head_dim]
             check_deadline(order)
-            byte_view(destination[layer]).index_copy_(1, dst_index, byte_view(pages))
+            destination.write(layer, 0, dst_index, pages[0])
+            destination.write(layer, 1, dst_index, pages[1])
             num_bytes += pages.numel() * pages.element_size()
         return num_bytes
 
 
 def _refusing(problem: TransferFailed) -> Lander:
-    def refuse(kv_cache: torch.Tensor, src_block_ids: list[int]) -> int:
+    def refuse(source: KvPages, src_block_ids: list[int]) -> int:
         raise problem
     return refuse

@@ -74,7 +74,7 @@ class ScheduledSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., token_bitmask: _Optional[bytes] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvSendOrder(_message.Message):
-    __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport", "dst_shm_path", "during_step", "deadline_unix_ms", "dst_instance_id")
+    __slots__ = ("transfer_id", "seq_id", "src_block_ids", "dst_address", "dst_block_ids", "transport", "dst_shm_path", "during_step", "deadline_unix_ms", "dst_instance_id", "dst_kv_shards")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class KvSendOrder(_message.Message):
     DURING_STEP_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_KV_SHARDS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     seq_id: str
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,8 @@ class KvSendOrder(_message.Message):
     during_step: bool
     deadline_unix_ms: int
     dst_instance_id: str
-    def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., dst_shm_path: _Optional[str] = ..., during_step: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., dst_instance_id: _Optional[str] = ...) -> None: ...
+    dst_kv_shards: int
+    def __init__(self, transfer_id: _Optional[str] = ..., seq_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., dst_shm_path: _Optional[str] = ..., during_step: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., dst_instance_id: _Optional[str] = ..., dst_kv_shards: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "new_sequences", "scheduled", "finished_seq_ids", "kv_sends", "num_threads")
