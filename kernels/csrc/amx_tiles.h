@@ -37,7 +37,10 @@ inline void configure_full_tiles() {
     config.rows[tile] = 16;
     config.colsb[tile] = 64;
   }
-  _tile_loadconfig(&config);
+  // ldtilecfg reads the 64 bytes through its operand: GCC 12's _tile_loadconfig builtin does not
+  // tell the optimizer so, which then dropped the stores of rows and colsb above as dead (a
+  // palette with no tile configured: SIGILL at the first tile instruction).
+  asm volatile("ldtilecfg %0" : : "m"(config) : "memory");
 }
 #endif  // __AMX_TILE__
 

@@ -2,7 +2,10 @@
 started with `docker compose up` under its own project name and mutual TLS on every internal
 hop, and checked from outside through the gateway's published port only:
 
-- greedy chat completions equal a local `kvrelay up` stack's (float32 on both sides);
+- greedy chat completions equal a local `kvrelay up` stack's (float32 on both sides), the
+  compose stack's prefill worker a tensor-parallel group of 3 ranks in its container (the
+  default model's 9 query and 3 KV heads split three ways, pages resharded to the one-rank
+  decode workers);
 - `--scale decode-worker=2` adds a worker that registers by itself and takes work;
 - a decode worker's process SIGKILLed: Docker restarts its container (restart: unless-stopped),
   streams in flight finish with the text of an uninterrupted run, the restarted worker registers
@@ -39,6 +42,7 @@ TAG = "compose-test"  # KVRELAY_TAG: the image is kvrelay:compose-test
 IMAGE = f"kvrelay:{TAG}"
 DTYPE = "float32"  # the containers' and the reference stack's
 MAX_TOKENS = 24
+PREFILL_RANKS = 3
 PROMPTS = USER_MESSAGES[:3]
 BUILD_TIMEOUT_S = 3600  # a first build with the vfs storage driver
 READY_TIMEOUT_S = 900  # up to the first answer: kernels compile, models load, workers register
@@ -241,6 +245,7 @@ def compose(image, reference, tmp_path_factory, report) -> Compose:
     port = free_port_block(2)
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVRELAY_")}
     env.update(KVRELAY_TAG=TAG, KVRELAY_CERTS_DIR=str(certs), DTYPE=DTYPE, WORKER_THREADS="1",
+               PREFILL_TENSOR_PARALLEL_SIZE=str(PREFILL_RANKS),
                PUBLISH_HOST="127.0.0.1", GATEWAY_PORT=str(port),
                GATEWAY_GRPC_PORT=str(port + 1), LOG_LEVEL="info",
                # docker-compose 1.x gives each engine call 60 s, and with the vfs storage
@@ -304,6 +309,12 @@ def test_greedy_output_equals_the_local_stack(compose, model, reference, report)
     stats = compose.stats()
     roles = sorted(worker["role"] for worker in stats["workers"])
     assert stats["ready"] and roles == ["WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL"], stats
+    # the prefill worker is one group of PREFILL_RANKS processes in its container
+    logs = sh(["docker", "logs", compose.container("prefill-worker")])
+    prefill_log = logs.stdout + logs.stderr
+    assert f'"tensor_parallel_size": {PREFILL_RANKS}' in prefill_log, prefill_log[-2000:]
+    processes = sh(["docker", "top", compose.container("prefill-worker")]).stdout
+    assert processes.count("spawn_main") == PREFILL_RANKS - 1, processes
     # Every container's own healthcheck passes: the gRPC probes with each service's certificate,
     # the gateway's HTTP /health on its metrics port.
     def health() -> dict[str, str]:
@@ -321,7 +332,8 @@ def test_greedy_output_equals_the_local_stack(compose, model, reference, report)
                         "python", "-c", STATS_SCRIPT], check=False)
         assert plaintext.returncode != 0 and "StatusCode.UNAVAILABLE" in plaintext.stderr, \
             plaintext.stderr[-2000:]
-    report(f"greedy parity with `kvrelay up` ({DTYPE}) on {len(reference)} prompts; "
+    report(f"greedy parity with `kvrelay up` ({DTYPE}) on {len(reference)} prompts, the "
+           f"prefill worker {PREFILL_RANKS} tensor-parallel ranks; "
            f"TLS {'on' if compose.tls else 'OFF'}")
 
 

@@ -1,5 +1,6 @@
 """k8s/: every rendered manifest validates against Kubernetes' schema, and the objects fit
-together (see k8s_checks.py), in the base, both overlays and the two-group example."""
+together (see k8s_checks.py), in the base, both overlays, the two-group and the tensor-parallel
+examples."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,8 @@ from tests.deploy.k8s_checks import (all_problems, containers, ingress_sources, 
                                      pod_templates, raw_resources, render, schema_problems)
 
 K8S = cli_facts.REPO / "k8s"
-RENDERED = ["base", "overlays/cpu", "overlays/gpu", "examples/two-groups"]
+RENDERED = ["base", "overlays/cpu", "overlays/gpu", "examples/two-groups",
+            "examples/tensor-parallel"]
 COMPONENT = "app.kubernetes.io/component"
 GROUP = "kvrelay.io/group"
 WORKERS = ("prefill-worker", "decode-worker")
@@ -356,3 +358,22 @@ def test_policy_check_sees_a_worker_opened_to_the_world():
     docs = rendered_copy("base")
     del _doc(docs, "NetworkPolicy", "workers")["spec"]["ingress"][0]["from"]
     assert "world" in ingress_sources(docs, COMPONENT)["decode-worker"]
+
+
+@needs_kubectl
+def test_tensor_parallel_decode_workers():
+    """A decode worker's group of 2 ranks in its pod, CPUs for both, /dev/shm memory-backed
+    for the cache file the ranks share (every worker has it)."""
+    docs = rendered("examples/tensor-parallel")
+    for component in WORKERS:
+        (deployment,) = by_component(docs, "Deployment", component)
+        spec = deployment["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        ranks = {item["name"]: item.get("value") for item in container["env"]}.get(
+            "KVRELAY_TENSOR_PARALLEL_SIZE")
+        assert ranks == ("2" if component == "decode-worker" else None)
+        cpus = container["resources"]["requests"]["cpu"]
+        assert cpus == ("8" if component == "decode-worker" else "4")
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["emptyDir"]["medium"] == "Memory"
