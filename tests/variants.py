@@ -4,7 +4,7 @@ equality of both stays in make test), the 4-bit kernels other than the default o
 tool_choice form, the end-to-end twin of an offline preemption test, two topology changes the
 chaos suite also exercises, the HF peer's harness, an engine parity run without prefix
 caching, the 8-bit KV cache's fp8 parity and PD stack, LoRA on four more families, and tensor
-parallel on Qwen2. Each stays a test; make test's time on 2 cores is what moves them here."""
+parallel on Qwen2 and Mixtral. Each stays a test; make test's time on 2 cores is what moves them here."""
 from __future__ import annotations
 
 import os
@@ -48,11 +48,11 @@ VARIANTS = frozenset(
        "test_pd_tokens_equal_the_offline_engine_on_the_same_8bit_cache",
        "tests/e2e/test_kv_cache_8bit_stack.py::test_each_worker_reports_its_kv_cache_dtype"]
     # LoRA on more families (make test keeps Qwen3 and Phi-3's fused projections), tensor
-    # parallel with a Qwen2 (its biases: Llama and Qwen3 stay)
+    # parallel with a Qwen2 (its biases: Llama and Qwen3 stay) and Mixtral (Qwen3-MoE stays)
     + [f"tests/lora/test_lora_families.py::test_family_adapter_matches_peft[{family}]"
        for family in ("gemma2", "gemma3", "mixtral", "qwen3_moe")]
-    + ["tests/parallel/test_tensor_parallel.py::test_split_model_matches_one_rank"
-       "[qwen2_window-2]"])
+    + [f"tests/parallel/test_tensor_parallel.py::test_split_model_matches_one_rank[{case}]"
+       for case in ("qwen2_window-2", "mixtral-2")])
 
 
 def mark_variants(items) -> None:

@@ -65,11 +65,27 @@ def versions(python: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
-def serve_env(threads: int, kv_cache_gib: int = 4) -> dict:
-    """Offline, on the same CPUs as the other systems (one OpenMP thread per core 0..n-1)."""
+def serve_env(threads: int, kv_cache_gib: int = 4, ranks: int = 1) -> dict:
+    """Offline, on the same CPUs as the other systems (one OpenMP thread per core 0..n-1); with
+    tensor parallelism each rank binds its own share of those cores ("0|1": vLLM's per-rank
+    lists)."""
     return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
+            "VLLM_CPU_OMP_THREADS_BIND": _binding(threads, ranks)}
+
+
+def _binding(threads: int, ranks: int) -> str:
+    share = max(1, threads // ranks)
+    spans = [(rank * share, rank * share + share - 1) for rank in range(ranks)]
+    return "|".join(f"{first}-{last}" if last > first else str(first) for first, last in spans)
+
+
+def tensor_parallel_ranks(flags: list[str]) -> int:
+    """The -tp / --tensor-parallel-size among `vllm serve` flags (1 without)."""
+    for index, flag in enumerate(flags):
+        if flag in ("-tp", "--tensor-parallel-size") and index + 1 < len(flags):
+            return int(flags[index + 1])
+    return 1
 
 
 def serve_command(python: Path, port: int, dtype: str, home=None,
@@ -83,7 +99,8 @@ def launch(port: int, log_path: Path, home=None, dtype: str = "bfloat16", thread
            model: Path | None = None) -> Server:
     python = install(home)
     command = [*serve_command(python, port, dtype, home, model), *extra_flags]
-    process = start_process(command, log_path, serve_env(threads))
+    process = start_process(command, log_path,
+                            serve_env(threads, ranks=tensor_parallel_ranks(list(extra_flags))))
     server = Server(" ".join(["vLLM CPU", *extra_flags]), process, f"http://127.0.0.1:{port}", "openai", command,
                     {"version": versions(python), "dtype": dtype, "threads": threads})
     wait_until_serving(process, f"{server.base_url}/v1/models", timeout_s, log_path)

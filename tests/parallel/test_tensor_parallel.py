@@ -1,14 +1,19 @@
 """Tensor parallelism, offline, float32: a model split over 2 (or 3, or 4) ranks, each its own
 process on torch.distributed (gloo), gives the single rank's greedy tokens and its prompt
 logprobs within 1e-4, for Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms, windows), Phi-3 (fused
-q/k/v and gate/up in the checkpoint), K/V heads replicated where ranks outnumber them, and the
-default model split three ways (9 query and 3 KV heads). What cannot be split is refused."""
+q/k/v and gate/up in the checkpoint), Qwen3-MoE and Mixtral (each expert split by its
+intermediate columns), K/V heads replicated where ranks outnumber them, and the default model
+split three ways (9 query and 3 KV heads). What cannot be split is refused."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from kvrelay.engine import LLM, SamplingParams
-from tests.families.checkpoints import write_checkpoint
+from kvrelay.engine.models.registry import arch_spec
+from kvrelay.engine.parallel.shard import check_shardable
+from tests.families.checkpoints import CONFIGS, write_checkpoint
 
 PROMPTS = [[1, 5, 9, 200, 3000, 17] * 7, [1, 42, 7] * 20, [1] + list(range(100, 230, 3))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
@@ -31,7 +36,8 @@ def _assert_same(single, split) -> None:
 
 
 @pytest.mark.parametrize("family,size", [("llama3", 2), ("llama3", 4), ("qwen2_window", 2),
-                                         ("qwen3", 2), ("phi3_window", 2)])
+                                         ("qwen3", 2), ("phi3_window", 2), ("qwen3_moe", 2),
+                                         ("mixtral", 2)])
 def test_split_model_matches_one_rank(family, size, tmp_path, model_dir):
     write_checkpoint(family, tmp_path, model_dir)
     _assert_same(_run(str(tmp_path), 1), _run(str(tmp_path), size))
@@ -41,8 +47,16 @@ def test_default_model_three_ways():
     _assert_same(_run(None, 1), _run(None, 3))
 
 
-@pytest.mark.parametrize("family,size,reason", [
-    ("qwen3_moe", 2, "mixture-of-experts"), ("llama3", 3, "does not divide")])
+def test_experts_that_do_not_split_are_refused():
+    config = CONFIGS["qwen3_moe"]()
+    spec = arch_spec(config)[1]
+    odd = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate_size=33))
+    check_shardable(spec, 2)
+    with pytest.raises(ValueError, match="experts' intermediate size"):
+        check_shardable(odd, 2)
+
+
+@pytest.mark.parametrize("family,size,reason", [("llama3", 3, "does not divide")])
 def test_what_cannot_be_split_is_refused(family, size, reason, tmp_path, model_dir):
     write_checkpoint(family, tmp_path, model_dir)
     with pytest.raises(ValueError, match=reason):

@@ -2,7 +2,10 @@
 q/k/v and gate/up by output rows (whole heads, whole intermediate columns), o and down by input
 columns (their partial outputs summed across the ranks), embedding and head by vocabulary rows.
 K/V heads split across the ranks, or, where ranks outnumber them, each rank holds the one its
-query heads read (replicated). Norms and everything else are whole on every rank."""
+query heads read (replicated). A mixture-of-experts layer's experts are split the same way, each
+expert's gate/up rows and down columns (vLLM's default under tensor parallelism): every rank
+runs every routed expert on its slice, the router whole on each. Norms and everything else are
+whole on every rank."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,16 +16,18 @@ import torch
 from kvrelay.engine.models.arch import ArchSpec
 
 _LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias)$")
+_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
 
 
 def check_shardable(spec: ArchSpec, size: int) -> None:
     """ValueError where the model cannot be split `size` ways."""
     if size == 1:
         return
+    checks = {"query heads": spec.num_heads, "vocabulary": spec.vocab_size}
+    if not all(spec.moe_layers):
+        checks["intermediate size"] = spec.intermediate_size
     if any(spec.moe_layers):
-        raise ValueError("tensor parallel: mixture-of-experts layers are not split yet")
-    checks = {"query heads": spec.num_heads, "intermediate size": spec.intermediate_size,
-              "vocabulary": spec.vocab_size}
+        checks["experts' intermediate size"] = spec.moe.intermediate_size
     for what, count in checks.items():
         if count % size:
             raise ValueError(f"tensor parallel size {size} does not divide the model's "
@@ -50,10 +55,12 @@ def local_spec(spec: ArchSpec, size: int) -> ArchSpec:
     """The spec of one rank's shard of the model."""
     if size == 1:
         return spec
+    moe = None if spec.moe is None else dataclasses.replace(
+        spec.moe, intermediate_size=spec.moe.intermediate_size // size)
     return dataclasses.replace(spec, num_heads=spec.num_heads // size,
                                num_kv_heads=max(1, spec.num_kv_heads // size),
                                intermediate_size=spec.intermediate_size // size,
-                               vocab_size=spec.vocab_size // size)
+                               vocab_size=spec.vocab_size // size, moe=moe)
 
 
 class Sharder:
@@ -68,6 +75,8 @@ class Sharder:
         self.kv_rows = _span(kv_heads[0] * head_dim, len(kv_heads) * head_dim)
         inter = spec.intermediate_size // size
         self.inter_rows = _span(rank * inter, inter)
+        expert_inter = 0 if spec.moe is None else spec.moe.intermediate_size // size
+        self.expert_rows = _span(rank * expert_inter, expert_inter)
         vocab = spec.vocab_size // size
         self.vocab_rows = _span(rank * vocab, vocab)
 
@@ -103,6 +112,22 @@ class Sharder:
             return torch.cat([gate[self.inter_rows], up[self.inter_rows]])
         if piece == "mlp.down_proj":
             return tensor[:, self.inter_rows]
+        return self._expert_piece(piece, tensor)
+
+    def _expert_piece(self, piece: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An expert's gate/up rows and down columns; transformers 5's 3-D tensors of every
+        expert ([E, 2I, H] gate first, [E, H, I]) likewise; the router whole."""
+        expert = _EXPERT.match(piece)
+        which = expert.group(1) if expert else piece.removeprefix("mlp.experts.")
+        if which in ("gate_proj", "up_proj"):
+            return tensor[self.expert_rows]
+        if which == "down_proj" and expert:
+            return tensor[:, self.expert_rows]
+        if which == "down_proj":
+            return tensor[:, :, self.expert_rows]
+        if which == "gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            return torch.cat([gate[:, self.expert_rows], up[:, self.expert_rows]], dim=1)
         return tensor
 
 

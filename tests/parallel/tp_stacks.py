@@ -1,0 +1,67 @@
+"""What the tensor-parallel stack tests share: a random Llama checkpoint with 4 query and 2 KV
+heads, one rank's greedy tokens for it offline, a stack's tokens over gRPC, and the worker's
+rank processes."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kvrelay.engine import LLM, SamplingParams
+from tests.e2e.grpc_api import generate, token_ids_request
+from tests.e2e.stack import stop_and_check
+from tests.families.checkpoints import write_checkpoint
+
+PROMPTS = [[1, 5, 9, 200, 3000, 17] * 7, [1, 42, 7] * 20, [1] + list(range(100, 230, 3))]
+SHORT = 24  # tokens of each parity check
+
+
+def write_tp_checkpoint(tmp_path_factory, model_dir) -> str:
+    folder = tmp_path_factory.mktemp("llama3-tp")
+    write_checkpoint("llama3", folder, model_dir)
+    return str(folder)
+
+
+def one_rank_tokens(checkpoint: str, counts=(SHORT,)) -> dict[int, list[list[int]]]:
+    """One rank's greedy tokens, offline: {max_tokens: per prompt}."""
+    llm = LLM(model=checkpoint, dtype="float32", num_kv_blocks=256)
+    return {count: [list(output.outputs[0].token_ids) for output in llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True), use_tqdm=False)]
+        for count in counts}
+
+
+def tokens_of(stack, prompt: list[int], max_tokens: int):
+    return generate(stack.grpc_address, token_ids_request(
+        prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True), timeout_s=300)
+
+
+def assert_parity(stack, reference) -> None:
+    for prompt, expected in zip(PROMPTS, reference[SHORT]):
+        assert tokens_of(stack, prompt, SHORT).token_ids[0] == expected
+
+
+def followers_of(worker_pid: int) -> list[int]:
+    """The worker's rank processes (started from its compute thread, so scanned by parent)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == worker_pid and b"spawn_main" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def stop_group_stack(stack, followers: list[int]) -> None:
+    stop_and_check(stack)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in followers):
+        assert time.monotonic() < deadline, "a rank outlived its stack"
+        time.sleep(0.2)
+
+
