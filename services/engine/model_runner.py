@@ -84,8 +84,9 @@ class ModelRunner:
                  tp: TPGroup = TPGroup()) -> None:
         self.device = device
         self.tp = tp  # this rank of a tensor-parallel group (parallel/)
-        if tp.size > 1:  # the small-step kernels take whole weights: the shard's run on oneDNN
-            int4_max_tokens = amx_max_tokens = q4a8_max_tokens = 0
+        if tp.size > 1:  # the 4-bit kernels read whole weights from the checkpoint's blocks:
+            # a shard's small steps run on the gemv kernel's bf16 tiles of its own weights
+            amx_max_tokens = q4a8_max_tokens = 0
             int8_activations = False
         self.dtype = dtype
         self.kv_format = kv_quant.parse(kv_cache_dtype)  # None: the model's dtype
@@ -256,7 +257,7 @@ class ModelRunner:
         path), a Q4_0/Q4_1 source."""
         source = gguf_source(model_dir)
         if (not (self.int4_max_tokens or self.amx_max_tokens or self.q4a8_max_tokens
-                 or self.int8_activations)
+                 or self.int8_activations) or self.tp.size > 1
                 or (source is None and not isinstance(quantized, Int4Checkpoint))
                 or not packing_supported(self.device, self.dtype)):
             return None
@@ -269,7 +270,7 @@ class ModelRunner:
         """The GGUF source's Q8_0 head (gguf_q8_head.py, checked against the loaded head), for
         the small steps' 8-bit kernel; None where the head is not Q8_0 or small steps are off."""
         source = gguf_source(model_dir)
-        if not self.int4_max_tokens or source is None:
+        if not self.int4_max_tokens or source is None or self.tp.size > 1:
             return None
         return gguf_q8_head.load_head_from_gguf(source, model.head_weight.detach())
 

@@ -29,6 +29,9 @@ def check_group_flags(args) -> None:
     if size > 1 and args.device == "cuda":
         sys.exit("--tensor-parallel-size > 1: a worker's rank group runs on CPU for now (its "
                  "KV cache is a shared file its leader maps); on CUDA run one rank a worker")
+    if size > 1 and args.enable_lora:
+        sys.exit("--enable-lora with --tensor-parallel-size > 1: LoRA adapters are not split "
+                 "across a group's ranks yet; run the adapters on one-rank workers")
     if args.tensor_parallel_timeout <= 0:
         sys.exit("--tensor-parallel-timeout must be > 0 seconds")
 

@@ -61,3 +61,34 @@ def test_what_cannot_be_split_is_refused(family, size, reason, tmp_path, model_d
     write_checkpoint(family, tmp_path, model_dir)
     with pytest.raises(ValueError, match=reason):
         LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, tensor_parallel_size=size)
+
+
+def _second_token_logprobs(llm: LLM) -> list[dict[int, float]]:
+    """The first decode step's top logprobs per prompt (the prefill before it runs the same
+    GEMMs whatever the small-step kernels)."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                          logprobs=5), use_tqdm=False)
+    return [{token: entry.logprob for token, entry in output.outputs[0].logprobs[1].items()}
+            for output in outputs]
+
+
+def test_a_bf16_shard_runs_its_small_steps_on_the_gemv_kernel(tmp_path, model_dir):
+    """A rank's decode steps multiply its own shard's bf16 tiles (the 4-bit blocks of a GGUF
+    would be whole weights), never the one-call decode stack (it cannot sum across ranks): the
+    logprobs agree with the same split on oneDNN within bf16's rounding."""
+    write_checkpoint("llama3", tmp_path, model_dir)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=64, tensor_parallel_size=2)
+    runner = llm.engine.runner
+    if not runner.bf16_gemv:
+        pytest.skip("no native gemv kernel here (needs AVX512-BF16 and a compiler)")
+    assert runner.model.decode_stack is None and not runner.decode_stack
+    on_gemv = _second_token_logprobs(llm)
+    del llm, runner
+    on_onednn = _second_token_logprobs(LLM(model=str(tmp_path), dtype="bfloat16",
+                                           num_kv_blocks=64, tensor_parallel_size=2,
+                                           int4_max_tokens=0))
+    for gemv, onednn in zip(on_gemv, on_onednn):
+        shared = set(gemv) & set(onednn)
+        assert len(shared) >= 3
+        assert max(abs(gemv[token] - onednn[token]) for token in shared) < 0.05

@@ -56,9 +56,11 @@ class DecodeStack:
     def fits(model, tiles: dict) -> bool:
         """Whether the model is one the stack runs: a dense family's layers (no experts, the
         whole head dim rotated, no o bias), every layer matmul on `tiles` (4-bit or bf16), the
-        native norms and decode attention in use."""
+        native norms and decode attention in use, and the whole model in this process (a
+        tensor-parallel shard sums its layers' outputs across ranks between the layers, which
+        the one native call cannot)."""
         spec = model.spec
-        return (spec.moe is None and spec.rotary_dim in (None, spec.head_dim) and not spec.o_bias
+        return (model.tp.size == 1 and spec.moe is None and spec.rotary_dim in (None, spec.head_dim) and not spec.o_bias
                 and spec.activation in ("silu", "gelu_tanh")
                 and all(name in tiles for name in matmul_names(len(model.layers)))
                 and model.norm.native is not None

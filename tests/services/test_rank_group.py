@@ -1,0 +1,44 @@
+"""The worker's rank-group flags: what cannot make a group stops the worker at start with the
+reason; where the group's KV cache file lives."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvrelay.worker.flags import add_arguments
+from kvrelay.worker.rank_group import check_group_flags, group_cache_path
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["-tp", "0"], "must be >= 1"),
+    (["--tensor-parallel-size", "2", "--device", "cuda"], "runs on CPU"),
+    (["--tensor-parallel-size", "2", "--enable-lora"], "LoRA adapters are not split"),
+    (["--tensor-parallel-timeout", "0"], "must be > 0"),
+])
+def test_what_cannot_make_a_group_stops_the_worker_with_the_reason(argv, reason):
+    with pytest.raises(SystemExit, match=reason):
+        check_group_flags(_args(*argv))
+
+
+def test_one_rank_and_a_group_pass():
+    check_group_flags(_args())
+    check_group_flags(_args("-tp", "4", "--enable-lora", "--tensor-parallel-size", "1"))
+    check_group_flags(_args("--tensor-parallel-size", "2", "--tensor-parallel-timeout", "5"))
+
+
+def test_the_group_cache_file():
+    """A decode worker's shm file serves the group; a prefill group gets one of its own, named
+    like it (a killed group's file is found and removed at the next start)."""
+    args = _args("--tensor-parallel-size", "2", "--shm-dir", "/dev/shm")
+    assert group_cache_path(args, "decode-0", "/dev/shm/advertised.kv") == (
+        "/dev/shm/advertised.kv", False)
+    path, private = group_cache_path(args, "prefill-0", None)
+    assert private and path.startswith("/dev/shm/kvrelay-prefill-0-") and path.endswith(".kv")
+    assert group_cache_path(_args(), "prefill-0", None) == (None, False)
