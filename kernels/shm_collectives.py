@@ -31,6 +31,19 @@ def barrier_ops():
                           "the shared-memory all-reduce", "gloo runs every collective")
 
 
+def map_shared_file(path: str, num_bytes: int, create: bool) -> mmap.mmap:
+    """A file the ranks of a group share, mapped: made (zeros, owner only) by one rank, opened
+    by the others."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    descriptor = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(descriptor, num_bytes)
+        return mmap.mmap(descriptor, num_bytes)
+    finally:
+        os.close(descriptor)
+
+
 class ShmExchange:
     """Slots for `size` ranks in the file at `path` (the leader creates it, `create`)."""
 
@@ -39,15 +52,7 @@ class ShmExchange:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.timeout_s = timeout_s  # a rank gone or stopped this long takes the group down
         self.header = size * COUNTER_WORDS * 8
-        total = self.header + 2 * size * slot_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        descriptor = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(descriptor, total)
-            self.map = mmap.mmap(descriptor, total)
-        finally:
-            os.close(descriptor)
+        self.map = map_shared_file(path, self.header + 2 * size * slot_bytes, create)
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.counters = self.buffer[:self.header].view(torch.int64)
         self.round = 0

@@ -13,13 +13,13 @@ tokens).
 """
 from __future__ import annotations
 
-import mmap
-import os
 import pickle
 import struct
 import time
 
 import torch.distributed as dist
+
+from kvrelay.kernels.shm_collectives import map_shared_file
 
 HEADER = struct.Struct("<qq")  # sequence number, payload bytes (-1: the payload went by gloo)
 BUFFER_BYTES = 32 << 20
@@ -29,15 +29,7 @@ MAX_SLEEP_S = 2e-3
 
 class StepMailbox:
     def __init__(self, path: str, create: bool, buffer_bytes: int = BUFFER_BYTES) -> None:
-        total = HEADER.size + buffer_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        descriptor = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(descriptor, total)
-            self.map = mmap.mmap(descriptor, total)
-        finally:
-            os.close(descriptor)
+        self.map = map_shared_file(path, HEADER.size + buffer_bytes, create)
         self.capacity = buffer_bytes
         self.sequence = 0  # the last step posted (leader) or read (follower)
 
