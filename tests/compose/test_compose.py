@@ -43,6 +43,11 @@ IMAGE = f"kvrelay:{TAG}"
 DTYPE = "float32"  # the containers' and the reference stack's
 MAX_TOKENS = 24
 PREFILL_RANKS = 3
+# run inside the prefill container: its processes that are a group's other ranks (not this
+# script, whose own command line names what it looks for)
+COUNT_RANKS_SCRIPT = ("import os; print(sum(b'spawn_main' in open(f'/proc/{p}/cmdline', 'rb')"
+                      ".read() for p in os.listdir('/proc') if p.isdigit() and "
+                      "int(p) != os.getpid()))")
 PROMPTS = USER_MESSAGES[:3]
 BUILD_TIMEOUT_S = 3600  # a first build with the vfs storage driver
 READY_TIMEOUT_S = 900  # up to the first answer: kernels compile, models load, workers register
@@ -313,8 +318,9 @@ def test_greedy_output_equals_the_local_stack(compose, model, reference, report)
     logs = sh(["docker", "logs", compose.container("prefill-worker")])
     prefill_log = logs.stdout + logs.stderr
     assert f'"tensor_parallel_size": {PREFILL_RANKS}' in prefill_log, prefill_log[-2000:]
-    processes = sh(["docker", "top", compose.container("prefill-worker")]).stdout
-    assert processes.count("spawn_main") == PREFILL_RANKS - 1, processes
+    ranks = sh(["docker", "exec", compose.container("prefill-worker"), "python", "-c",
+                COUNT_RANKS_SCRIPT]).stdout
+    assert int(ranks) == PREFILL_RANKS - 1, ranks
     # Every container's own healthcheck passes: the gRPC probes with each service's certificate,
     # the gateway's HTTP /health on its metrics port.
     def health() -> dict[str, str]:
