@@ -1,14 +1,15 @@
 """Workers as tensor-parallel rank groups in a real PD stack (`kvrelay up`, float32, a random
 Llama checkpoint with 4 query and 2 KV heads): a prefill group of 2 ranks pushing into one decode
-worker over shared memory gives the single-rank engine's greedy tokens, the pages joined from the
-ranks' heads on the way out; prefix-cached pages are skipped as before. (The reverse, one
+worker (or into a decode group of 2) over shared memory gives the single-rank engine's greedy
+tokens, the pages joined from the ranks' heads on the way out; prefix-cached pages are skipped
+as before. (The reverse, one
 prefill worker into a decode group of 2 over gRPC, and a decode group losing a rank to SIGKILL
 and SIGSTOP under load: tests/chaos/test_tensor_parallel_faults.py, `make chaos`.)"""
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import metric_values, start_stack
 from tests.parallel.tp_stacks import (PROMPTS, SHORT, assert_parity, followers_of, one_rank_tokens,
                                       stop_group_stack, tokens_of, write_tp_checkpoint)
 
@@ -23,14 +24,22 @@ def reference(checkpoint) -> dict[int, list[list[int]]]:
     return one_rank_tokens(checkpoint)
 
 
-def test_a_prefill_group_pushes_into_one_decode_worker_over_shared_memory(
-        checkpoint, reference, tmp_path):
+@pytest.mark.parametrize("decode_ranks", [1, 2])
+def test_a_prefill_group_pushes_into_a_decode_worker_over_shared_memory(
+        checkpoint, reference, tmp_path, decode_ranks):
+    """Into one decode worker (pages joined from the prefill ranks' heads), or into a decode
+    group's file (cut again by head on the way in: make test-variants)."""
     stack = start_stack("pd", tmp_path / "logs", "--model", checkpoint,
-                        "--prefill-tensor-parallel-size", "2")
-    followers = followers_of(stack.service("prefill-0")["pid"])
+                        "--prefill-tensor-parallel-size", "2",
+                        "--decode-tensor-parallel-size", str(decode_ranks))
+    followers = [pid for worker in ("prefill-0", "decode-0")
+                 for pid in followers_of(stack.service(worker)["pid"])]
     try:
-        assert len(followers) == 1
+        assert len(followers) == decode_ranks
         assert_parity(stack, reference)
+        pushed = metric_values(stack.service("prefill-0")["metrics_url"],
+                               "kvrelay:kv_transfer_bytes_total")
+        assert pushed.get('{transport="shm"}', 0) > 0 and len(pushed) == 1, pushed
         again = tokens_of(stack, PROMPTS[0], SHORT)  # its full blocks now come from the cache
         assert again.token_ids[0] == reference[SHORT][0]
         assert again.usage.cached_prompt_tokens >= 32
