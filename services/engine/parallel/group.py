@@ -8,6 +8,7 @@ model runs exactly as before.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -127,17 +128,20 @@ def _shared_files(rank: int, size: int, timeout_s: float) -> tuple[ShmExchange, 
     box = [stem if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     stem = box[0]
-    if rank == 0:
-        exchange = ShmExchange(stem, rank, size, create=True, timeout_s=timeout_s)
-        mailbox = StepMailbox(stem + ".steps", create=True)
-    dist.barrier()
-    if rank != 0:
-        exchange = ShmExchange(stem, rank, size, create=False, timeout_s=timeout_s)
-        mailbox = StepMailbox(stem + ".steps", create=False)
-    dist.barrier()
-    if rank == 0:
-        os.unlink(stem)
-        os.unlink(stem + ".steps")
+    try:
+        if rank == 0:
+            exchange = ShmExchange(stem, rank, size, create=True, timeout_s=timeout_s)
+            mailbox = StepMailbox(stem + ".steps", create=True)
+        dist.barrier()
+        if rank != 0:
+            exchange = ShmExchange(stem, rank, size, create=False, timeout_s=timeout_s)
+            mailbox = StepMailbox(stem + ".steps", create=False)
+        dist.barrier()
+    finally:  # mapped by every rank by now, or the group failed to form: no file stays behind
+        if rank == 0:
+            for path in (stem, stem + ".steps"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
     return exchange, mailbox
 
 
