@@ -118,14 +118,12 @@ class Sharder:
         """An expert's gate/up rows and down columns; transformers 5's 3-D tensors of every
         expert ([E, 2I, H] gate first, [E, H, I]) likewise; the router whole."""
         expert = _EXPERT.match(piece)
-        which = expert.group(1) if expert else piece.removeprefix("mlp.experts.")
-        if which in ("gate_proj", "up_proj"):
-            return tensor[self.expert_rows]
-        if which == "down_proj" and expert:
-            return tensor[:, self.expert_rows]
-        if which == "down_proj":
+        if expert is not None:  # one expert's [rows, columns]
+            down = expert.group(1) == "down_proj"
+            return tensor[:, self.expert_rows] if down else tensor[self.expert_rows]
+        if piece == "mlp.experts.down_proj":
             return tensor[:, :, self.expert_rows]
-        if which == "gate_up_proj":
+        if piece == "mlp.experts.gate_up_proj":
             gate, up = tensor.chunk(2, dim=1)
             return torch.cat([gate[:, self.expert_rows], up[:, self.expert_rows]], dim=1)
         return tensor
