@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvrelay.engine.parallel.partition import parse_partition
 from kvrelay.engine.spec.config import SpeculativeConfig
 from kvrelay.kernels.kv_code_names import canonical as canonical_kv_cache_dtype
 
@@ -70,6 +71,12 @@ class EngineConfig:
     # each a process with its share of the cores (torch.distributed: gloo on CPU, NCCL on
     # CUDA); 1: one process.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (engine/parallel/pipeline.py): the layers split into this many
+    # contiguous stages, each a process with its share of the cores; pp_layer_partition gives
+    # each stage's layer count ("11,19"), else the split balances the weights a decode row
+    # reads (parallel/partition.py).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -84,9 +91,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two <= 256, got {self.block_size}")
         for name in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                      "max_long_partial_prefills", "max_loras", "max_lora_rank",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not served yet: "
+                             "set one of tensor_parallel_size, pipeline_parallel_size to 1")
+        parse_partition(self.pp_layer_partition)  # ValueError: not counts
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         for name in ("long_prefill_token_threshold", "long_prefill_chunk_size",

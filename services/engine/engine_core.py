@@ -14,7 +14,7 @@ from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.hardware import resolve_device, resolve_dtype
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
-from kvrelay.engine.parallel.followers import start_group, stop_followers
+from kvrelay.engine.parallel.followers import start_ranks, stop_followers
 from kvrelay.engine.prefill_chunks import attention_crossover
 from kvrelay.engine.prompt_checks import check_prompt_tokens
 from kvrelay.engine.request import Request
@@ -54,12 +54,12 @@ class EngineCore:
                              q4a8_max_tokens=config.q4a8_max_tokens,
                              int8_activations=config.int8_activations,
                              kv_cache_dtype=config.kv_cache_dtype)
-        self.tp, self.followers = start_group(config.tensor_parallel_size, config.num_threads,
-                                              runner_args, runner_kwargs)
+        self.tp, self.pp, self.followers = start_ranks(config, runner_args, runner_kwargs)
+        group = self.pp if self.pp.size > 1 else self.tp
         try:
-            self.runner = ModelRunner(*runner_args, **runner_kwargs, tp=self.tp)
+            self.runner = ModelRunner(*runner_args, **runner_kwargs, tp=self.tp, pp=self.pp)
         except BaseException:
-            stop_followers(self.tp, self.followers)
+            stop_followers(group, self.followers)
             raise
         self.max_model_len = max_model_len_for(self.hf_config, config.max_model_len)
         drafter = None if config.speculative_config is None else \
@@ -68,7 +68,7 @@ class EngineCore:
                                    attention_crossover(self.hf_config), drafter,
                                    self.runner.kv_layout.windows)
         if self.followers:  # when the engine goes, its ranks go
-            weakref.finalize(self, stop_followers, self.tp, self.followers)
+            weakref.finalize(self, stop_followers, group, self.followers)
         self.adapters = AdapterCatalog()
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank,

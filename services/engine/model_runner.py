@@ -31,6 +31,8 @@ from kvrelay.engine.models.registry import arch_spec, build_model
 from kvrelay.engine.kv_pages import KvPages
 from kvrelay.engine.parallel.group import TPGroup
 from kvrelay.engine.parallel.group_kv import allocate_group_kv_cache
+from kvrelay.engine.parallel.pipeline import PipelineStage, pack_header
+from kvrelay.engine.parallel import stage_kv
 from kvrelay.engine.parallel.shard import Sharder, group_kv_heads
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
 from kvrelay.engine.models.weights import iter_checkpoint, load_weights
@@ -81,10 +83,11 @@ class ModelRunner:
                  kv_cache_path: str | None = None, int4_max_tokens: int = 0,
                  amx_max_tokens: int = 0, q4a8_max_tokens: int = 0,
                  int8_activations: bool = False, kv_cache_dtype: str = "auto",
-                 tp: TPGroup = TPGroup()) -> None:
+                 tp: TPGroup = TPGroup(), pp: PipelineStage = PipelineStage()) -> None:
         self.device = device
         self.tp = tp  # this rank of a tensor-parallel group (parallel/)
-        if tp.size > 1:  # the 4-bit kernels read whole weights from the checkpoint's blocks:
+        self.pp = pp  # this stage of a pipeline-parallel group (parallel/pipeline.py)
+        if self.split:  # the 4-bit kernels read whole weights from the checkpoint's blocks:
             # a shard's small steps run on the gemv kernel's bf16 tiles of its own weights
             amx_max_tokens = q4a8_max_tokens = 0
             int8_activations = False
@@ -130,7 +133,10 @@ class ModelRunner:
         # The pages of every KV head, as the KV connector moves them (None: a group without
         # a shared cache file, whose other ranks' pages this process cannot reach).
         self.kv_pages: KvPages | None = None
-        if tp.size > 1 and kv_cache_path is not None:
+        if pp.size > 1:
+            self.kv_cache, self.kv_caches, self.kv_pages = stage_kv.allocate(
+                shape, self.kv_cache_dtype, device, kv_cache_path, pp, self.kv_layout)
+        elif tp.size > 1 and kv_cache_path is not None:
             shards = allocate_group_kv_cache(shape, self.kv_cache_dtype, kv_cache_path,
                                              tp.rank, tp.size)
             self.kv_cache = shards[0]  # this rank's (the leader holds every rank's)
@@ -141,8 +147,9 @@ class ModelRunner:
             self.kv_cache = allocate_kv_cache(shape, self.kv_cache_dtype, device, kv_cache_path)
             if tp.size == 1:
                 self.kv_pages = KvPages.whole(self.kv_cache)
-        self.kv_caches = [(self.kv_cache[slot][0], self.kv_cache[slot][1])
-                          for slot in self.kv_layout.layer_slot]  # per layer
+        if pp.size == 1:
+            self.kv_caches = [(self.kv_cache[slot][0], self.kv_cache[slot][1])
+                              for slot in self.kv_layout.layer_slot]  # per layer
         if device.type == "cpu":
             paged_decode_op()  # build or load the native decode kernel now, not on step one
 
@@ -155,14 +162,21 @@ class ModelRunner:
             if callable(kv_cache_memory):
                 kv_cache_memory = kv_cache_memory()  # sized from what is free, weights in
             num_blocks = max(1, kv_cache_memory // (self.bytes_per_block * self.tp.size))
-        return self.tp.broadcast_object(num_blocks)
+        group = self.pp if self.pp.size > 1 else self.tp
+        return group.broadcast_object(num_blocks)
+
+    @property
+    def split(self) -> bool:
+        """The model is split across processes (tensor or pipeline parallel)."""
+        return self.tp.size > 1 or self.pp.size > 1
 
     def enable_lora(self, max_loras: int, max_rank: int,
                     held_adapters: Callable[[], frozenset[int]] = frozenset) -> AdapterSlots:
         """Make the model's linears adaptable: `max_loras` slots of rank `max_rank`.
         held_adapters: the adapter ids of the owner's live sequences (kept resident)."""
-        if self.tp.size > 1:
-            raise ValueError("LoRA adapters under tensor parallelism are not served yet")
+        if self.split:
+            raise ValueError("LoRA adapters under tensor or pipeline parallelism are not "
+                             "served yet")
         self.lora = AdapterSlots(self.model, max_loras, max_rank, self.dtype, self.device,
                                  held_adapters)
         return self.lora
@@ -183,7 +197,7 @@ class ModelRunner:
 
     def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
         with torch.device("meta"), skip_weight_init():
-            model, rename = build_model(hf_config, self.tp)
+            model, rename = build_model(hf_config, self.tp, self.pp.layers)
         if model_dir is None:
             # Random weights, made where they run (an 8B model's float32 copy on the host
             # would be 32 GB): for kernel and speed measurements with a real config.
@@ -193,10 +207,14 @@ class ModelRunner:
         else:
             model = model.to_empty(device="cpu")
             quantized = self._quantized_checkpoint(hf_config, model_dir, rename)
-            if quantized is not None and self.tp.size > 1:
-                raise ValueError("tensor parallel: quantized checkpoints are not split yet")
+            if quantized is not None and self.split:
+                raise ValueError("tensor or pipeline parallel: quantized checkpoints are not "
+                                 "split yet")
             tensors = sharded(hf_config, model_dir, rename, self.tp) if self.tp.size > 1 \
                 else None if quantized is None else quantized.tensors()
+            if self.pp.size > 1:
+                tensors = stage_kv.stage_tensors(tensors or iter_checkpoint(model_dir), rename,
+                                                 model)
             load_weights(model, model_dir, rename, tensors)
         q4_blocks = self._q4_blocks(hf_config, model_dir, model, quantized)
         del quantized  # an int4 checkpoint's unpacked codes: the blocks hold what steps need
@@ -257,7 +275,7 @@ class ModelRunner:
         path), a Q4_0/Q4_1 source."""
         source = gguf_source(model_dir)
         if (not (self.int4_max_tokens or self.amx_max_tokens or self.q4a8_max_tokens
-                 or self.int8_activations) or self.tp.size > 1
+                 or self.int8_activations) or self.split
                 or (source is None and not isinstance(quantized, Int4Checkpoint))
                 or not packing_supported(self.device, self.dtype)):
             return None
@@ -270,7 +288,7 @@ class ModelRunner:
         """The GGUF source's Q8_0 head (gguf_q8_head.py, checked against the loaded head), for
         the small steps' 8-bit kernel; None where the head is not Q8_0 or small steps are off."""
         source = gguf_source(model_dir)
-        if not self.int4_max_tokens or source is None or self.tp.size > 1:
+        if not self.int4_max_tokens or source is None or self.split:
             return None
         return gguf_q8_head.load_head_from_gguf(source, model.head_weight.detach())
 
@@ -357,35 +375,48 @@ class ModelRunner:
         """Run the forward pass; return float32 logits [S, vocab] for the sampled rows."""
         return self.execute_step(step, on_layer_done).logits
 
-    @torch.inference_mode()
     def execute_step(self, step: StepInput, on_layer_done=None) -> StepResult:
         """The forward pass: float32 logits [S, vocab] for the sampled rows, the prompt
         logprobs of the items that ask for them, the embeddings the step finishes."""
+        return self.finish_step(self.start_step(step, on_layer_done))
+
+    @torch.inference_mode()
+    def start_step(self, step: StepInput, on_layer_done=None) -> PendingStep:
+        """The step as far as this process takes it: whole, or through the first pipeline
+        stage's layers (the later stages compute it meanwhile; finish_step collects it, and
+        the next step may start before that)."""
         if self.tp.size > 1 and self.tp.is_leader:
             self.tp.post_step(step)  # every rank computes the step on its shard
-        # One metadata per KV group, with the group's window (layers of a window group see
-        # only the last W keys; the blocks before those may already be freed).
-        group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
-                                                self.block_size, max_seqlen_q=step.max_seqlen_q,
-                                                max_seqlen_k=step.max_seqlen_k,
-                                                window=self.kv_layout.groups[group].window)
-                       for group, table in enumerate(step.block_tables)]
-        layer_groups = self.kv_layout.layer_group
-        parts = [step.logits_indices, step.prompt_indices, step.pool_indices]
-        rows = torch.cat([part for part in parts if part is not None]) \
-            if step.prompt_rows or step.pool_rows else step.logits_indices
+        metas = self._layer_metas(step)
+        rows = _output_rows(step)
         if self.lora is not None:
             self.lora.begin_step(step.token_adapters)
         elif step.token_adapters is not None:
             raise ValueError("a step with LoRA adapters on a runner without LoRA")
         try:
-            hidden = self.model.final_hidden(
-                step.input_ids, step.positions, self.kv_caches,
-                [step.slot_mappings[group] for group in layer_groups],
-                [group_metas[group] for group in layer_groups], rows, on_layer_done)
+            residual, delta = self.model.run_layers(
+                self.model.embed(step.input_ids), None, step.positions, self.kv_caches,
+                *metas, on_layer_done)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        if self.pp.size > 1:
+            self.pp.doorbell.ring()
+            self.pp.send(*_stage_message(step, residual, delta))
+            return PendingStep(step, on_layer_done=on_layer_done)
+        return PendingStep(step, residual[rows], None if delta is None else delta[rows])
+
+    @torch.inference_mode()
+    def finish_step(self, pending: PendingStep) -> StepResult:
+        """The step's outputs from the final norm's rows (from the last stage, or here)."""
+        step = pending.step
+        if pending.residual_rows is None:  # the last stage's, in the order steps started
+            _, _, tensors = self.pp.receive()
+            pending.residual_rows, pending.delta_rows = (*tensors, None)[:2]
+            if pending.on_layer_done is not None:  # the later stages' layers are stored
+                for index in range(self.pp.layers.stop, self.num_layers):
+                    pending.on_layer_done(index)
+        hidden = self.model.final_norm(pending.residual_rows, pending.delta_rows)
         num_sampled = step.logits_indices.shape[0]
         num_prompt = 0 if step.prompt_indices is None else step.prompt_indices.shape[0]
         logits = self.model.logits_of(hidden[:num_sampled])
@@ -395,6 +426,57 @@ class ModelRunner:
         pooled = pooling.pool(hidden[num_sampled + num_prompt:], step.pool_rows) \
             if step.pool_rows else []
         return StepResult(logits, scored, pooled)
+
+    @torch.inference_mode()
+    def run_stage(self, step: StepInput, header: bytes, tensors: list[torch.Tensor]) -> None:
+        """A later pipeline stage: this stage's layers over the activations the stage before
+        sent, passed on to the next stage (the same header: the same shapes), or from the
+        last, the final norm's rows back to the leader."""
+        residual, delta = (*tensors, None)[:2]
+        residual, delta = self.model.run_layers(residual, delta, step.positions,
+                                                self.kv_caches, *self._layer_metas(step))
+        if not self.pp.is_last:
+            self.pp.send(header, [tensor for tensor in (residual, delta) if tensor is not None])
+            return
+        rows = _output_rows(step)
+        self.pp.send(*_stage_message(None, residual[rows],
+                                     None if delta is None else delta[rows]))
+
+    def _layer_metas(self, step: StepInput) -> tuple[list, list]:
+        """Per model layer: its KV group's slot mapping and attention metadata. One metadata
+        per group, with the group's window (layers of a window group see only the last W keys;
+        the blocks before those may already be freed)."""
+        group_metas = [build_attention_metadata(step.cu_seqlens_q, step.seq_lens, table,
+                                                self.block_size, max_seqlen_q=step.max_seqlen_q,
+                                                max_seqlen_k=step.max_seqlen_k,
+                                                window=self.kv_layout.groups[group].window)
+                       for group, table in enumerate(step.block_tables)]
+        layer_groups = self.kv_layout.layer_group
+        return ([step.slot_mappings[group] for group in layer_groups],
+                [group_metas[group] for group in layer_groups])
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A step started (start_step): the final norm's input rows once computed here, or None
+    while the last pipeline stage still has them."""
+    step: StepInput
+    residual_rows: torch.Tensor | None = None  # [R, hidden]
+    delta_rows: torch.Tensor | None = None  # [R, hidden], where the layers' adds are fused
+    on_layer_done: Callable[[int], None] | None = None
+
+
+def _output_rows(step: StepInput) -> torch.Tensor:
+    """[R] int64: the rows the step samples, then those it scores, then those it pools."""
+    if not (step.prompt_rows or step.pool_rows):
+        return step.logits_indices
+    parts = [step.logits_indices, step.prompt_indices, step.pool_indices]
+    return torch.cat([part for part in parts if part is not None])
+
+
+def _stage_message(value, residual: torch.Tensor, delta: torch.Tensor | None):
+    tensors = [residual] if delta is None else [residual, delta]
+    return pack_header(value, tensors), tensors
 
 
 def sharded(hf_config, model_dir: Path, rename, tp: TPGroup):

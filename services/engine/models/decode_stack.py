@@ -60,7 +60,7 @@ class DecodeStack:
         tensor-parallel shard sums its layers' outputs across ranks between the layers, which
         the one native call cannot)."""
         spec = model.spec
-        return (model.tp.size == 1 and spec.moe is None
+        return (model.tp.size == 1 and model.whole and spec.moe is None
                 and spec.rotary_dim in (None, spec.head_dim) and not spec.o_bias
                 and spec.activation in ("silu", "gelu_tanh")
                 and all(name in tiles for name in matmul_names(len(model.layers)))

@@ -78,32 +78,49 @@ class DecoderLayer(nn.Module):
         return self._mlp(self.mlp_norm.add_and_norm(attn_out, residual))
 
 
+class ElsewhereLayer(nn.Module):
+    """A layer another pipeline stage runs: holds nothing here."""
+
+
 class DecoderLM(nn.Module):
     """A family's causal LM; `config` is the Hugging Face config, `spec` what the family read
     from it (models/<family>.py). Under tensor parallelism (`tp` of more than one rank) `spec`
     is this rank's shard's (parallel/shard.py): its heads, intermediate columns and vocabulary
-    rows."""
+    rows. A pipeline stage (`stage_layers` some of the layers) holds only those; the first
+    stage also holds the embedding, the final norm and the head (it samples), the others none
+    of them (parallel/pipeline.py)."""
 
-    def __init__(self, config, spec: ArchSpec, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, config, spec: ArchSpec, tp: TPGroup = TPGroup(),
+                 stage_layers: range | None = None) -> None:
         super().__init__()
         self.config = config
         self.spec = spec
         self.tp = tp
+        self.stage_layers = range(spec.num_layers) if stage_layers is None else stage_layers
+        self.holds_ends = self.stage_layers.start == 0  # embedding, final norm, head
         self.ropes = nn.ModuleDict({key: RotaryEmbedding(config, key, spec.rotary_dim)
                                     for key in dict.fromkeys(spec.layer_ropes)})
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, index, tp)
+                                    if index in self.stage_layers else ElsewhereLayer()
                                     for index in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         self.tie_word_embeddings = spec.tie_word_embeddings
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.embed_tokens = self.norm = self.lm_head = None
+        if self.holds_ends:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+            if not self.tie_word_embeddings:
+                self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.packed_head: PackedLinear | None = None
         # every layer of a small decode step in one native call (decode_stack.py), if attached
         self.decode_stack: DecodeStack | None = None
         self.fused_layers = False  # the layers' skip adds fused into the norms (native ops)
         # with LoRA adapters (engine/lora/slots.py): the running step's token -> slot map
         self.lora_step = None
+
+    @property
+    def whole(self) -> bool:
+        """Every layer in this process (no pipeline stages)."""
+        return len(self.stage_layers) == self.spec.num_layers
 
     @property
     def layer_windows(self) -> list[int]:
@@ -142,7 +159,8 @@ class DecoderLM(nn.Module):
     def pack_for_cpu_(self) -> None:
         """After loading bf16 weights on CPU: pre-pack every matmul's weight for oneDNN (the
         experts' too)."""
-        self.packed_head = PackedLinear(self.head_weight, None)
+        if self.holds_ends:
+            self.packed_head = PackedLinear(self.head_weight, None)
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.experts.prepare_for_cpu_()
@@ -182,20 +200,42 @@ class DecoderLM(nn.Module):
         """The final norm's output for rows row_indices [R] -> [R, hidden] (forward's args).
         on_layer_done(i) runs once layer i's KV for this step is stored (the KV connector
         starts pushing that layer while later layers compute)."""
-        logits_indices = row_indices
-        hidden = self._embed(input_ids)
-        ropes = {key: rope.tables_for(positions, hidden.dtype) for key, rope in self.ropes.items()}
+        residual, delta = self.run_layers(self.embed(input_ids), None, positions, kv_caches,
+                                          slot_mappings, attn_metas, on_layer_done)
+        return self.final_norm(residual[row_indices],
+                               None if delta is None else delta[row_indices])
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self._embed(input_ids)
+
+    def run_layers(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                   positions: torch.Tensor, kv_caches: list[KVCache],
+                   slot_mappings: list[torch.Tensor], attn_metas: list[AttentionMetadata],
+                   on_layer_done: Callable[[int], None] | None = None):
+        """This stage's layers over the residual stream [T, hidden]: `residual + delta` (delta
+        None: residual alone; fused layers keep the last add for the norm after it, unfused
+        ones never leave one). residual is updated in place. Returns (residual, delta).
+        Per-layer lists are indexed by model layer."""
+        ropes = {key: rope.tables_for(positions, residual.dtype)
+                 for key, rope in self.ropes.items()}
         if self.fused_layers:
-            hidden = self._layers_fused(ropes, hidden, kv_caches, slot_mappings, attn_metas,
-                                        logits_indices, on_layer_done)
-        else:
-            for index, layer in enumerate(self.layers):
-                hidden = layer(ropes[layer.rope_key], hidden, kv_caches[index],
-                               slot_mappings[index], attn_metas[index])
-                if on_layer_done is not None:
-                    on_layer_done(index)
-            hidden = self.norm(hidden[logits_indices])
-        return hidden
+            return self._layers_fused(ropes, residual, delta, kv_caches, slot_mappings,
+                                      attn_metas, on_layer_done)
+        hidden = residual if delta is None else residual + delta
+        for index in self.stage_layers:
+            layer = self.layers[index]
+            hidden = layer(ropes[layer.rope_key], hidden, kv_caches[index],
+                           slot_mappings[index], attn_metas[index])
+            if on_layer_done is not None:
+                on_layer_done(index)
+        return hidden, None
+
+    def final_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The final norm of rows of the residual stream (+ the last layer's output, where
+        fused) [R, hidden] -> [R, hidden]."""
+        if delta is None:
+            return self.norm(residual)
+        return self.norm.add_and_norm(delta, residual)
 
     def _adapters_in_step(self) -> bool:
         """Whether a LoRA adapter updates this step (the one-call stack computes none)."""
@@ -220,24 +260,26 @@ class DecoderLM(nn.Module):
         cap = self.spec.final_soft_cap
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _layers_fused(self, ropes, hidden, kv_caches, slot_mappings, attn_metas,
-                      logits_indices, on_layer_done) -> torch.Tensor:
-        """The layers with fused add + norm; returns the final norm of the sampled rows only
-        (their last add is the only one still needed). hidden [T, hidden] -> [S, hidden]."""
-        residual, delta = hidden, None  # the embedding is a fresh tensor: updated in place
+    def _layers_fused(self, ropes, residual, delta, kv_caches, slot_mappings, attn_metas,
+                      on_layer_done):
+        """The layers with each skip add fused into the norm after it; returns (residual,
+        the last layer's output): the final add is left to the final norm, which only the
+        sampled rows need."""
         stack = self.decode_stack
-        if stack is not None and not self._adapters_in_step() and \
-                stack.takes(hidden.shape[0], attn_metas[0], kv_caches):
+        if stack is not None and delta is None and self.whole and \
+                not self._adapters_in_step() and \
+                stack.takes(residual.shape[0], attn_metas[0], kv_caches):
             delta = stack.run(residual, ropes, kv_caches, slot_mappings, attn_metas)
             # every layer's K/V is stored by now: a push that waits on them starts at once
             # (the stack's steps are a few tokens, so little overlap is lost)
             for index in range(len(self.layers) if on_layer_done is not None else 0):
                 on_layer_done(index)
-        else:
-            for index, layer in enumerate(self.layers):
-                delta = layer.forward_fused(ropes[layer.rope_key], delta, residual,
-                                            kv_caches[index], slot_mappings[index],
-                                            attn_metas[index])
-                if on_layer_done is not None:
-                    on_layer_done(index)
-        return self.norm.add_and_norm(delta[logits_indices], residual[logits_indices])
+            return residual, delta
+        for index in self.stage_layers:
+            layer = self.layers[index]
+            delta = layer.forward_fused(ropes[layer.rope_key], delta, residual,
+                                        kv_caches[index], slot_mappings[index],
+                                        attn_metas[index])
+            if on_layer_done is not None:
+                on_layer_done(index)
+        return residual, delta

@@ -23,6 +23,8 @@ import torch
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.group import (DEFAULT_TIMEOUT_S, TPGroup, init_group,
                                            leave_group)
+from kvrelay.engine.parallel.partition import parse_partition, stage_layers
+from kvrelay.engine.parallel.pipeline import PipelineStage, init_pipeline
 from kvrelay.engine.parallel.shard import check_shardable
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,22 @@ def free_init_method(host: str = "127.0.0.1") -> str:
 def threads_per_rank(size: int, requested: int | None) -> int:
     """Each rank its share of the cores (ranks on one host must not share them)."""
     return requested or max(1, (os.cpu_count() or 1) // size)
+
+
+def start_ranks(config, runner_args: tuple, runner_kwargs: dict,
+                timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The processes of an engine's model: a tensor-parallel group, a pipeline, or this process
+    alone (config: EngineConfig, or a worker's flags of the same names). Returns (this rank's
+    TPGroup, its PipelineStage, the other ranks' processes)."""
+    if config.pipeline_parallel_size > 1:
+        pp, followers = start_pipeline(config.pipeline_parallel_size,
+                                       parse_partition(config.pp_layer_partition),
+                                       config.num_threads, runner_args, runner_kwargs,
+                                       timeout_s)
+        return TPGroup(), pp, followers
+    tp, followers = start_group(config.tensor_parallel_size, config.num_threads, runner_args,
+                                runner_kwargs, timeout_s)
+    return tp, PipelineStage(), followers
 
 
 def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_kwargs: dict,
@@ -65,6 +83,64 @@ def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_k
     except BaseException:
         _reap(followers, wait_s=0)
         raise
+
+
+def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threads: int | None,
+                   runner_args: tuple, runner_kwargs: dict,
+                   timeout_s: float = DEFAULT_TIMEOUT_S):
+    """This process as stage 0 of a pipeline of `num_stages` (stages 1.. started as processes,
+    each building ModelRunner(*runner_args, **runner_kwargs, pp=its stage)), or a pipeline of
+    one; returns (the stage, the other stages' processes)."""
+    layers = stage_layers(arch_spec(runner_args[0])[1], num_stages, partition)
+    if num_stages == 1:
+        return PipelineStage(layers=layers[0]), []
+    device = runner_args[3]
+    if device.type != "cpu":
+        raise ValueError("pipeline parallelism runs on CPU for now; on CUDA use tensor "
+                         "parallelism")
+    threads = threads_per_rank(num_stages, num_threads)
+    torch.set_num_threads(threads)
+    log.info("pipeline stages' layers: %s", ", ".join(
+        f"{stage}: {part.start}-{part.stop - 1}" for stage, part in enumerate(layers)))
+    init_method = free_init_method()
+    context = multiprocessing.get_context("spawn")
+    followers = []
+    for stage in range(1, num_stages):
+        process = context.Process(target=follow_stage, name=f"pp-stage-{stage}", daemon=True,
+                                  args=(stage, layers, init_method, runner_args, runner_kwargs,
+                                        threads, timeout_s))
+        process.start()
+        followers.append(process)
+    try:
+        return init_pipeline(0, num_stages, layers[0], init_method, device,
+                             timeout_s), followers
+    except BaseException:
+        _reap(followers, wait_s=0)
+        raise
+
+
+def follow_stage(stage: int, layers: list[range], init_method: str, runner_args: tuple,
+                 runner_kwargs: dict, num_threads: int, timeout_s: float) -> None:
+    """A later stage's life: each step's activations in, this stage's layers, on to the next."""
+    from kvrelay.engine.model_runner import ModelRunner
+    leader = os.getppid()
+    _die_with_parent()
+    torch.set_num_threads(num_threads)
+    pp = init_pipeline(stage, len(layers), layers[stage], init_method, runner_args[3],
+                       timeout_s)
+    try:
+        runner = ModelRunner(*runner_args, **runner_kwargs, pp=pp)
+        alive = lambda: os.getppid() == leader  # noqa: E731 - reparented: the leader is gone
+        while True:
+            pp.doorbell.wait(alive)
+            header, step, tensors = pp.receive()
+            if step is STOP:
+                if not pp.is_last:
+                    pp.send(header, [])
+                return
+            runner.run_stage(step, header, tensors)
+    finally:
+        leave_group()
 
 
 def follow(rank: int, size: int, init_method: str, runner_args: tuple, runner_kwargs: dict,

@@ -108,21 +108,27 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
     """Join the group's rendezvous (a TCPStore at init_method, "tcp://host:port")."""
     if size > 1:
-        if dist.is_initialized():  # an earlier engine's group (one group per process)
-            dist.destroy_process_group()
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cpu":
-            barrier_ops()  # built (or loaded) before the first collective, not inside one
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S)))
+        join_process_group(rank, size, init_method, device, timeout_s)
         if device.type == "cpu":
             return TPGroup(rank, size, *_shared_files(rank, size, timeout_s))
     return TPGroup(rank, size)
 
 
-def _shared_files(rank: int, size: int, timeout_s: float) -> tuple[ShmExchange, StepMailbox]:
-    """The leader makes the files, every rank maps them, then they are unlinked (the maps
-    stay)."""
+def join_process_group(rank: int, size: int, init_method: str, device: torch.device,
+                       timeout_s: float) -> None:
+    if dist.is_initialized():  # an earlier engine's group (one group per process)
+        dist.destroy_process_group()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":
+        barrier_ops()  # built (or loaded) before the first collective, not inside one
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S)))
+
+
+def map_group_files(rank: int, make, suffixes: tuple[str, ...]):
+    """The group's shared files under one name the leader picks: make(stem, create) maps
+    them, on the leader first (create=True), then on the others; then they are unlinked (the
+    maps stay). Returns make's result."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     stem = os.path.join(directory, f"kvrelay-tp-{os.getpid()}-{os.urandom(4).hex()}")
     box = [stem if rank == 0 else None]
@@ -130,19 +136,23 @@ def _shared_files(rank: int, size: int, timeout_s: float) -> tuple[ShmExchange, 
     stem = box[0]
     try:
         if rank == 0:
-            exchange = ShmExchange(stem, rank, size, create=True, timeout_s=timeout_s)
-            mailbox = StepMailbox(stem + ".steps", create=True)
+            made = make(stem, True)
         dist.barrier()
         if rank != 0:
-            exchange = ShmExchange(stem, rank, size, create=False, timeout_s=timeout_s)
-            mailbox = StepMailbox(stem + ".steps", create=False)
+            made = make(stem, False)
         dist.barrier()
     finally:  # mapped by every rank by now, or the group failed to form: no file stays behind
         if rank == 0:
-            for path in (stem, stem + ".steps"):
+            for suffix in suffixes:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-    return exchange, mailbox
+                    os.unlink(stem + suffix)
+    return made
+
+
+def _shared_files(rank: int, size: int, timeout_s: float) -> tuple[ShmExchange, StepMailbox]:
+    return map_group_files(rank, lambda stem, create: (
+        ShmExchange(stem, rank, size, create=create, timeout_s=timeout_s),
+        StepMailbox(stem + ".steps", create=create)), ("", ".steps"))
 
 
 def leave_group() -> None:

@@ -26,7 +26,7 @@ def allocate_group_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: st
             shared_pages.reserve(path, region_bytes * size)
         except OSError as exc:
             problem = exc
-    _all_or_none(problem)
+    all_or_none(problem)
     whole = torch.from_file(path, shared=True, size=region_bytes * size, dtype=torch.uint8)
     regions = [whole[r * region_bytes:(r + 1) * region_bytes].view(dtype).view(shape)
                for r in range(size)]
@@ -35,7 +35,7 @@ def allocate_group_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, path: st
     return regions if rank == 0 else [regions[rank]]
 
 
-def _all_or_none(problem: Exception | None) -> None:
+def all_or_none(problem: Exception | None) -> None:
     """Raise on every rank if any rank failed (none is left waiting in a collective)."""
     flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
     dist.all_reduce(flag)

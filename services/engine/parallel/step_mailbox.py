@@ -47,19 +47,23 @@ class StepMailbox:
 
     def receive(self, leader_alive) -> object:
         """Follower: wait for the next posted value (as long as `leader_alive()` holds)."""
-        waited, sleep = 0.0, SPIN_S
-        while True:
-            sequence, size = HEADER.unpack_from(self.map, 0)
-            if sequence > self.sequence:
-                break
-            if waited > 1.0 and not leader_alive():
-                raise RuntimeError("the group's leader is gone")
-            time.sleep(sleep)
-            waited += sleep
-            sleep = min(MAX_SLEEP_S, sleep * 2) if waited > 0.01 else SPIN_S
+        wait_until(lambda: HEADER.unpack_from(self.map, 0)[0] > self.sequence, leader_alive)
+        sequence, size = HEADER.unpack_from(self.map, 0)
         self.sequence = sequence
         if size < 0:
             box = [None]
             dist.broadcast_object_list(box, src=0)
             return box[0]
         return pickle.loads(self.map[HEADER.size:HEADER.size + size])
+
+
+def wait_until(ready, leader_alive) -> None:
+    """Poll `ready()` with no timeout while the leader lives: spinning briefly, then sleeping
+    longer the longer the group has been idle (at most MAX_SLEEP_S)."""
+    waited, sleep = 0.0, SPIN_S
+    while not ready():
+        if waited > 1.0 and not leader_alive():
+            raise RuntimeError("the group's leader is gone")
+        time.sleep(sleep)
+        waited += sleep
+        sleep = min(MAX_SLEEP_S, sleep * 2) if waited > 0.01 else SPIN_S

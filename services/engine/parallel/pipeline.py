@@ -1,0 +1,122 @@
+"""A pipeline-parallel group as its stages see it: this process's stage, the layers it runs,
+and the messages that carry a step from stage to stage on torch.distributed (gloo on CPU).
+
+Stage 0, the leader, embeds the step's tokens, runs its layers and sends the step with its
+activations (the residual stream, and the last layer's output where the layers' adds are fused
+into the norms) to stage 1, which runs its layers and sends on; the last stage sends the rows
+the leader samples (and scores or pools) back to it, and the leader applies the final norm and
+the head. Each message waits at most the group's timeout (a stage that dies or stalls takes the
+group down instead of hanging it); between steps a stage waits on the doorbell (doorbell.py),
+which has none.
+
+A group of one is the default everywhere: the model runs whole in this process.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvrelay.engine.parallel.doorbell import Doorbell
+from kvrelay.engine.parallel.group import (DEFAULT_TIMEOUT_S, GroupBroken, join_process_group,
+                                           map_group_files)
+
+STOP = None  # the step a leaving leader sends down the pipeline
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    stage: int = 0
+    num_stages: int = 1
+    layers: range | None = None  # the layers this stage runs (None: every layer)
+    doorbell: Doorbell | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def size(self) -> int:
+        return self.num_stages
+
+    @property
+    def is_leader(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def next_stage(self) -> int:
+        """Where this stage's output goes: the next stage, or from the last, the leader."""
+        return (self.stage + 1) % self.num_stages
+
+    @property
+    def previous_stage(self) -> int:
+        return (self.stage - 1) % self.num_stages
+
+    def broadcast_object(self, value=None):
+        """The leader's `value` on every stage (at setup)."""
+        if self.num_stages == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def post_step(self, step) -> None:
+        """Leader: only STOP goes this way (each stage passes it on, then leaves); steps go
+        through the first stage's layers (ModelRunner.start_step)."""
+        assert step is STOP
+        self.doorbell.ring()
+        self.send(pack_header(STOP, []), [])
+
+    def send(self, header: bytes, tensors: list[torch.Tensor]) -> None:
+        """To the next stage: a pickled header (pack_header) and its tensors."""
+        payload = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        self._wait(dist.isend(torch.tensor([payload.numel()], dtype=torch.int64),
+                              self.next_stage))
+        self._wait(dist.isend(payload, self.next_stage))
+        for tensor in tensors:
+            self._wait(dist.isend(tensor.contiguous(), self.next_stage))
+
+    def receive(self) -> tuple[bytes, object, list[torch.Tensor]]:
+        """From the previous stage: (the header's bytes, its value, its tensors)."""
+        size = torch.empty(1, dtype=torch.int64)
+        self._wait(dist.irecv(size, self.previous_stage))
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(dist.irecv(payload, self.previous_stage))
+        header = payload.numpy().tobytes()
+        value, specs = pickle.loads(header)
+        tensors = []
+        for shape, dtype in specs:
+            tensor = torch.empty(shape, dtype=dtype)
+            self._wait(dist.irecv(tensor, self.previous_stage))
+            tensors.append(tensor)
+        return header, value, tensors
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:  # gloo: a stage closed, or the timeout passed
+            raise GroupBroken(str(exc)) from exc
+
+
+def pack_header(value, tensors: list[torch.Tensor]) -> bytes:
+    """A message's header: `value` and its tensors' shapes and dtypes."""
+    specs = [(tuple(tensor.shape), tensor.dtype) for tensor in tensors]
+    return pickle.dumps((value, specs), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def init_pipeline(stage: int, num_stages: int, layers: range, init_method: str,
+                  device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> PipelineStage:
+    """Join the group's rendezvous (a TCPStore at init_method) as `stage`, running `layers`."""
+    if num_stages == 1:
+        return PipelineStage(layers=layers)
+    if device.type != "cpu":
+        raise ValueError("pipeline parallelism runs on CPU for now (its stages meet in shared "
+                         "memory between steps); on CUDA use tensor parallelism")
+    join_process_group(stage, num_stages, init_method, device, timeout_s)
+    doorbell = map_group_files(stage, lambda stem, create: Doorbell(stem + ".bell", create),
+                               (".bell",))
+    return PipelineStage(stage, num_stages, layers, doorbell, timeout_s)

@@ -1,0 +1,73 @@
+"""A pipeline stage's share of the model: the KV cache of its layers and the checkpoint tensors
+of its layers (and, on the first stage, the embedding, the final norm and the head).
+
+A block's pages hold every layer slot (kv_groups.py); a stage's layers use a run of the slots.
+Where the group shares a cache file (a worker: the KV connector reads and writes every layer's
+pages through the leader) the file holds the whole cache, one rank's layout, and each stage maps
+it and faults in only its own slots; the leader maps it whole. Otherwise (offline) each stage
+allocates the run of slots its layers use and nothing else.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvrelay.engine import shared_pages
+from kvrelay.engine.kv_groups import KVGroupLayout
+from kvrelay.engine.kv_pages import KvPages
+from kvrelay.engine.parallel.group_kv import all_or_none
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             path: str | None, pp, layout: KVGroupLayout):
+    """Every stage calls this together. shape: the whole cache [slots, 2, num_blocks,
+    block_size, kv_heads, row_width]. Returns (this stage's cache tensor, per model layer its
+    (K, V) or None for another stage's layer, the leader's KvPages or None)."""
+    slots = [layout.layer_slot[layer] for layer in pp.layers]
+    first, last = min(slots), max(slots)
+    if path is None:
+        from kvrelay.engine.model_runner import allocate_kv_cache
+        cache = allocate_kv_cache((last - first + 1, *shape[1:]), dtype, device, None)
+        pages = None
+    else:
+        whole = _map_whole(shape, dtype, path, pp.is_leader)
+        shared_pages.populate(whole[first:last + 1].view(torch.uint8).view(-1))
+        dist.barrier()  # every stage has mapped it: the owner may unlink a private file now
+        cache = whole[first:last + 1]
+        pages = KvPages.whole(whole) if pp.is_leader else None
+    kv_caches = [(cache[slot - first][0], cache[slot - first][1]) if layer in pp.layers
+                 else None for layer, slot in enumerate(layout.layer_slot)]
+    return cache, kv_caches, pages
+
+
+def _map_whole(shape: tuple[int, ...], dtype: torch.dtype, path: str,
+               is_leader: bool) -> torch.Tensor:
+    num_bytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+    problem = None
+    if is_leader:
+        try:  # pages committed now: a filesystem without room fails here, on every stage
+            shared_pages.reserve(path, num_bytes)
+        except OSError as exc:
+            problem = exc
+    all_or_none(problem)
+    cache = torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
+    return cache.view(dtype).view(shape)
+
+
+def stage_tensors(tensors: Iterable[tuple[str, torch.Tensor]], rename, model):
+    """The checkpoint's (name, tensor) pairs this stage's model holds: its layers', and the
+    embedding, final norm and head where it holds them."""
+    for name, tensor in tensors:
+        canonical = rename(name.removeprefix("model."))
+        match = _LAYER.match(canonical)
+        if match is not None:
+            if int(match.group(1)) in model.stage_layers:
+                yield name, tensor
+        elif model.holds_ends or "rotary_emb" in canonical:
+            yield name, tensor
