@@ -162,8 +162,13 @@ class ModelRunner:
             if callable(kv_cache_memory):
                 kv_cache_memory = kv_cache_memory()  # sized from what is free, weights in
             num_blocks = max(1, kv_cache_memory // (self.bytes_per_block * self.tp.size))
-        group = self.pp if self.pp.size > 1 else self.tp
-        return group.broadcast_object(num_blocks)
+        return self.group.broadcast_object(num_blocks)
+
+    @property
+    def group(self):
+        """The group of processes this runner leads or belongs to (a TPGroup of one when the
+        model is whole here)."""
+        return self.pp if self.pp.size > 1 else self.tp
 
     @property
     def split(self) -> bool:

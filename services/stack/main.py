@@ -38,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--decode-tensor-parallel-size", type=int, default=None,
              help="ranks of each decode worker's tensor-parallel group (pd topology; "
                   "default: --tensor-parallel-size)")
+    add_flag(parser, "--prefill-pipeline-parallel-size", type=int, default=None,
+             help="stages of each prefill worker's pipeline (pd topology; default: "
+                  "--pipeline-parallel-size)")
+    add_flag(parser, "--decode-pipeline-parallel-size", type=int, default=None,
+             help="stages of each decode worker's pipeline (pd topology; default: "
+                  "--pipeline-parallel-size)")
     add_flag(parser, "--groups", type=int, default=1,
              help="scheduler groups (data parallel), each with its own scheduler and workers")
     add_flag(parser, "--gateways", type=int, default=1,
@@ -116,9 +122,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if min(counts) < 1:
         return "worker, group, gateway and tokenizer counts must be >= 1"
     sizes = (args.tensor_parallel_size, args.prefill_tensor_parallel_size,
-             args.decode_tensor_parallel_size)
+             args.decode_tensor_parallel_size, args.pipeline_parallel_size,
+             args.prefill_pipeline_parallel_size, args.decode_pipeline_parallel_size)
     if min(size for size in sizes if size is not None) < 1:
-        return "tensor-parallel sizes must be >= 1"
+        return "tensor- and pipeline-parallel sizes must be >= 1"
     if args.max_restarts < 0:
         return "--max-restarts must be >= 0"
     internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))

@@ -41,6 +41,7 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--num-kv-blocks": ("worker",),
     "--kv-cache-dtype": ("worker",),
     "--tensor-parallel-timeout": ("worker",),
+    "--pp-layer-partition": ("worker",),
     "--int4-max-tokens": ("worker",),
     "--amx-max-tokens": ("worker",),
     "--q4a8-max-tokens": ("worker",),
@@ -78,6 +79,9 @@ READ_BY_UP: dict[str, tuple[str, str]] = {
     "--tensor-parallel-size": ("worker", "every worker's, unless --prefill-/"
                                "--decode-tensor-parallel-size set its role's; its ranks share "
                                "the worker's threads"),
+    "--pipeline-parallel-size": ("worker", "every worker's, unless --prefill-/"
+                                 "--decode-pipeline-parallel-size set its role's; its stages "
+                                 "share the worker's threads"),
 }
 
 _PLURAL = {"gateway": "gateways", "tokenizer": "tokenizers", "scheduler": "schedulers",

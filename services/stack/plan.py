@@ -87,10 +87,18 @@ def threads_per_worker(args: Namespace, num_workers: int) -> int:
 
 
 def tensor_parallel_size(args: Namespace, role: str) -> int:
-    """The ranks of a worker's group: its role's size where set, else the stack's."""
+    """The ranks of a worker's tensor-parallel group: its role's size where set, else the
+    stack's."""
     by_role = {"prefill": args.prefill_tensor_parallel_size,
                "decode": args.decode_tensor_parallel_size}.get(role)
     return by_role or args.tensor_parallel_size
+
+
+def pipeline_parallel_size(args: Namespace, role: str) -> int:
+    """The stages of a worker's pipeline: its role's count where set, else the stack's."""
+    by_role = {"prefill": args.prefill_pipeline_parallel_size,
+               "decode": args.decode_pipeline_parallel_size}.get(role)
+    return by_role or args.pipeline_parallel_size
 
 
 def usable_cpus() -> int:
@@ -143,13 +151,15 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
         for base_name, role in roles:
             name = group_prefix(group, args.groups) + base_name
             ranks = tensor_parallel_size(args, role)
+            stages = pipeline_parallel_size(args, role)
             argv = internal(name) + [
                 "--role", role, "--worker-id", name,
                 "--advertise-address", f"{dial}:{grpc_ports[name]}",
                 "--scheduler-address", f"{dial}:{grpc_ports[scheduler]}",
                 # a group's ranks split the worker's threads (they must not share cores)
-                "--num-threads", str(max(1, num_threads // ranks)),
-                "--tensor-parallel-size", str(ranks), *passed_on_argv(args, "worker")]
+                "--num-threads", str(max(1, num_threads // (ranks * stages))),
+                "--tensor-parallel-size", str(ranks),
+                "--pipeline-parallel-size", str(stages), *passed_on_argv(args, "worker")]
             # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
             # fresh machine the GGUF is converted once rather than by every process at once.
             services.append(spec(name, "worker", argv, role=role,

@@ -65,9 +65,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "worker starts N-1 more processes, each holding 1/N of every layer's weights "
                   "and its share of the KV heads, on --num-threads threads each (default: "
                   "its share of the cores); the scheduler sees one worker")
+    add_flag(parser, "--pipeline-parallel-size", "-pp", type=int, default=1,
+             help="stages of this worker's pipeline on this host (CPU): the worker starts "
+                  "N-1 more processes, each holding a contiguous run of the layers and their KV "
+                  "cache, on --num-threads threads each (default: its share of the cores); "
+                  "steps of different sequences are in flight in different stages at once; "
+                  "the scheduler sees one worker")
+    add_flag(parser, "--pp-layer-partition", default=None,
+             help="each pipeline stage's layer count, comma-separated (\"11,19\"); default: "
+                  "balanced by the weights a decode row reads, the first stage holding the "
+                  "head")
     add_flag(parser, "--tensor-parallel-timeout", type=float, default=30.0,
-             help="seconds a rank may lag inside a step before its group is declared broken "
-                  "(the worker exits and is restarted; its requests are re-prefilled)")
+             help="seconds a rank or pipeline stage may lag inside a step before its group is "
+                  "declared broken (the worker exits and is restarted; its requests are "
+                  "re-prefilled)")
     add_enable_lora(parser)
     add_max_loras(parser)
     add_flag(parser, "--max-lora-rank", type=int, default=16,

@@ -112,6 +112,7 @@ async def serve(args: argparse.Namespace) -> None:
              kv_cache_dtype=runner.kv_cache_dtype_name,
              small_step_kernel=runner.int4_kernel,
              tensor_parallel_size=args.tensor_parallel_size,
+             pipeline_parallel_size=args.pipeline_parallel_size,
              kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block
                                 * args.tensor_parallel_size / (1 << 30), 2),
              kv_capacity_tokens=runner.num_blocks * runner.block_size,
@@ -125,7 +126,7 @@ async def serve(args: argparse.Namespace) -> None:
         await registration.close()
         watching.set()
         await asyncio.get_running_loop().run_in_executor(service.compute, stop_followers,
-                                                         runner.tp, loaded.followers)
+                                                         runner.group, loaded.followers)
         if shm_path:
             os.unlink(shm_path)
 

@@ -12,7 +12,7 @@ from kvrelay.engine.hardware import resolve_device, resolve_dtype
 from kvrelay.engine.llm import eos_token_ids
 from kvrelay.engine.model_loader import check_architecture, resolve_model_dir
 from kvrelay.engine.model_runner import ModelRunner
-from kvrelay.engine.parallel.followers import start_group, stop_followers
+from kvrelay.engine.parallel.followers import start_ranks, stop_followers
 from kvrelay.engine.prefill_chunks import attention_crossover
 from kvrelay.worker import kv_budget
 
@@ -47,12 +47,12 @@ def load_worker_model(args, kv_cache_path: str | None) -> LoadedModel:
                          q4a8_max_tokens=args.q4a8_max_tokens,
                          int8_activations=args.int8_activations,
                          kv_cache_dtype=args.kv_cache_dtype)
-    group, followers = start_group(args.tensor_parallel_size, args.num_threads, runner_args,
-                                   runner_kwargs, args.tensor_parallel_timeout)
+    tp, pp, followers = start_ranks(args, runner_args, runner_kwargs,
+                                    args.tensor_parallel_timeout)
     try:
-        runner = ModelRunner(*runner_args, **runner_kwargs, tp=group)
+        runner = ModelRunner(*runner_args, **runner_kwargs, tp=tp, pp=pp)
     except BaseException:
-        stop_followers(group, followers)
+        stop_followers(pp if pp.size > 1 else tp, followers)
         raise
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(runner, _model_name(args.model, model_dir), kv_size.reason,

@@ -1,0 +1,39 @@
+"""Workers as pipelines in a real PD stack (`kvrelay up`, float32, a random Llama checkpoint):
+a prefill pipeline of 2 stages pushing over shared memory into a decode pipeline of 2 stages
+gives the single-process engine's greedy tokens. Each group's KV cache is one file its leader
+maps whole, the stages writing their own layers' slots: the pages go out and come in whole, as
+between single workers, and prefix-cached pages are skipped as before."""
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.stack import metric_values, start_stack
+from tests.parallel.tp_stacks import (PROMPTS, SHORT, assert_parity, followers_of, one_rank_tokens,
+                                      stop_group_stack, tokens_of, write_tp_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, model_dir) -> str:
+    return write_tp_checkpoint(tmp_path_factory, model_dir)
+
+
+def test_a_prefill_pipeline_pushes_into_a_decode_pipeline(checkpoint, tmp_path):
+    reference = one_rank_tokens(checkpoint)
+    stack = start_stack("pd", tmp_path / "logs", "--model", checkpoint,
+                        "--pipeline-parallel-size", "2")
+    followers = [pid for worker in ("prefill-0", "decode-0")
+                 for pid in followers_of(stack.service(worker)["pid"])]
+    try:
+        assert len(followers) == 2  # one more stage each
+        assert_parity(stack, reference)
+        pushed = metric_values(stack.service("prefill-0")["metrics_url"],
+                               "kvrelay:kv_transfer_bytes_total")
+        assert pushed.get('{transport="shm"}', 0) > 0 and len(pushed) == 1, pushed
+        again = tokens_of(stack, PROMPTS[0], SHORT)  # its full blocks now come from the cache
+        assert again.token_ids[0] == reference[SHORT][0]
+        assert again.usage.cached_prompt_tokens >= 32
+        workers = {w.worker_id: w for w in stack.scheduler_stats().workers}
+        for name in ("prefill-0", "decode-0"):
+            assert workers[name].num_free_blocks == workers[name].num_blocks
+    finally:
+        stop_group_stack(stack, followers)
