@@ -82,6 +82,10 @@ class Scheduler:
         self._long_slots = 0
         self._step_prefill = 0  # prompt tokens scheduled in this step so far
         self._deferred: list[Request] = []  # prompts part way through their chunks
+        # A pipeline worker's micro-batches (schedule's pipeline_depth): how many steps may be
+        # in flight, and how many running requests this step may still take.
+        self._depth = 1
+        self._running_left = 0
         # Steps sent to the worker and not yet applied, per request they compute (the service
         # marks them: begin_step). A request that ends meanwhile keeps its blocks out of the
         # pool until then, since the worker may still write its KV there and a block handed
@@ -147,12 +151,17 @@ class Scheduler:
         return bool(self.running) or bool(self.waiting)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self, token_budget: int | None = None,
-                 decodes_elsewhere: int = 0) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None, decodes_elsewhere: int = 0,
+                 pipeline_depth: int = 1) -> SchedulerOutput:
         """One step's work; `token_budget` overrides max_num_batched_tokens for this step.
         `decodes_elsewhere`: sequences decoding on other workers that wait for this step
-        (shared hardware), counted with this worker's own (prefill_chunks.py)."""
+        (shared hardware), counted with this worker's own (prefill_chunks.py).
+        `pipeline_depth` > 1: a pipeline worker's micro-batch, planned while up to depth - 1
+        others are in flight: it leaves out the sequences they compute, and takes at most its
+        share (1/depth) of the running ones, so the stages each have a micro-batch."""
         output = SchedulerOutput()
+        self._depth = pipeline_depth
+        self._running_left = -(-len(self.running) // pipeline_depth)
         budget = token_budget or self.config.max_num_batched_tokens
         # The tail of `running` is the first to be preempted, so keep it in policy order.
         self.running.sort(key=lambda req: req.sort_key(self.config.scheduling_policy))
@@ -263,6 +272,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._depth > 1:
+                if self._running_left <= 0:
+                    break  # this micro-batch's share: the rest go in the next one
+                if self._in_flight.get(request.sequence_id):
+                    index += 1  # computed by a micro-batch still in flight
+                    continue
+                self._running_left -= 1
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._long_threshold and num_new > 1 and request.num_tokens > self._long_threshold:
                 # A long prompt part way through its chunks: it keeps its long-prompt slot, and
@@ -286,7 +302,9 @@ class Scheduler:
                 index += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # tail: not yet scheduled in this step
+                victim = self._pop_victim(index)
+                if victim is None:
+                    break  # only micro-batches in flight to take from: it waits
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
@@ -300,6 +318,15 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing behind it is left to schedule
         return budget
+
+    def _pop_victim(self, index: int) -> Request | None:
+        """The request to preempt: the tail of `running` (not yet scheduled in this step, at
+        `index` or after it), leaving out those a micro-batch in flight computes."""
+        for position in range(len(self.running) - 1, index - 1, -1):
+            if not self._in_flight.get(self.running[position].sequence_id) \
+                    or self._depth == 1:
+                return self.running.pop(position)
+        return None
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         skipped = []  # long prompts waiting for a long-prompt slot

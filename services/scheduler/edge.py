@@ -41,7 +41,8 @@ def worker_info_from_proto(message: scheduler_pb2.RegisterWorkerRequest) -> Work
         kv_group_windows=tuple(message.kv_group_windows) or (0,),
         kv_cache_dtype=message.kv_cache_dtype or message.dtype,
         max_loras=message.max_loras, max_lora_rank=message.max_lora_rank,
-        tensor_parallel_size=max(1, message.tensor_parallel_size))
+        tensor_parallel_size=max(1, message.tensor_parallel_size),
+        pipeline_parallel_size=max(1, message.pipeline_parallel_size))
 
 
 # ---- steps --------------------------------------------------------------------------------------

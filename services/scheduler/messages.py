@@ -59,6 +59,8 @@ class WorkerInfo:
     max_loras: int = 0  # LoRA slots (0: LoRA off)
     max_lora_rank: int = 0
     tensor_parallel_size: int = 1  # the ranks of its group (its KV cache cut by head)
+    # the stages of its pipeline: up to this many steps, of different sequences, in flight
+    pipeline_parallel_size: int = 1
 
     @property
     def push_address(self) -> str:

@@ -40,7 +40,8 @@ class StepPlanner:
         registry = self.cluster.registry
         output = worker.core.schedule(
             registry.step_budget(worker),
-            decodes_elsewhere=registry.decodes_sharing_compute(worker))
+            decodes_elsewhere=registry.decodes_sharing_compute(worker),
+            pipeline_depth=worker.info.pipeline_parallel_size)
         for request in output.preempted:  # recomputed later: the worker gets it anew then
             self.cluster.forget_on(worker, request.sequence_id)
         return self._order(output)

@@ -5,6 +5,7 @@ different workers run concurrently; KV send results arrive on the same stream be
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import grpc
 
@@ -73,6 +74,9 @@ class WorkerLink:
         scheduling: plain decodes, and no other worker waiting for these cores)."""
         if not self.worker.alive:  # died while waiting for its turn
             return
+        if self.worker.info.pipeline_parallel_size > 1:
+            await self._micro_batches(call, reader, num_threads)
+            return
         plan = self.steps.plan()
         if plan is None:
             self.cluster.sink.flush()
@@ -85,16 +89,43 @@ class WorkerLink:
                 ahead = self.steps.plan_ahead(plan)
             if ahead is not None:
                 await self._send(call, ahead, num_threads)
-            outcome = edge.outcome_from_proto(await _first(self.pending[plan.order.step_id],
-                                                           reader))
-            del self.pending[plan.order.step_id]
-            log.debug("step done", worker_id=self.worker.worker_id, step_id=outcome.step_id,
-                      num_sampled=len(outcome.sampled))
-            num_emitted = self.steps.apply(plan, outcome)
-            self.cluster.retry_awaiting()
-            self.cluster.sink.flush()
-            scheduler_metrics.after_step(self.cluster, self.worker, plan, num_emitted)
+            await self._collect(plan, reader)
             plan = ahead
+
+    async def _micro_batches(self, call, reader: asyncio.Task, num_threads: int) -> None:
+        """A pipeline worker's turn: up to one step per stage in flight, each of other
+        sequences (Scheduler.schedule's pipeline_depth), the next planned as soon as one comes
+        back, so every stage has a micro-batch to compute. Another worker waiting for these
+        cores ends the turn once the steps in flight are back."""
+        depth = self.worker.info.pipeline_parallel_size
+        in_flight: collections.deque[StepPlan] = collections.deque()
+        planning = True
+        while True:
+            while planning and len(in_flight) < depth and self.worker.alive:
+                if in_flight and self.gate.contended(self.worker):
+                    planning = False
+                    break
+                plan = self.steps.plan()
+                if plan is None:
+                    break
+                await self._send(call, plan, num_threads)
+                in_flight.append(plan)
+            if not in_flight:
+                self.cluster.sink.flush()
+                return
+            await self._collect(in_flight.popleft(), reader)
+
+    async def _collect(self, plan: StepPlan, reader: asyncio.Task) -> None:
+        """The step's outcome, applied."""
+        outcome = edge.outcome_from_proto(await _first(self.pending[plan.order.step_id],
+                                                       reader))
+        del self.pending[plan.order.step_id]
+        log.debug("step done", worker_id=self.worker.worker_id, step_id=outcome.step_id,
+                  num_sampled=len(outcome.sampled))
+        num_emitted = self.steps.apply(plan, outcome)
+        self.cluster.retry_awaiting()
+        self.cluster.sink.flush()
+        scheduler_metrics.after_step(self.cluster, self.worker, plan, num_emitted)
 
     async def _send(self, call, plan: StepPlan, num_threads: int) -> None:
         plan.order.num_threads = num_threads

@@ -101,7 +101,8 @@ async def serve(args: argparse.Namespace) -> None:
         kv_cache_dtype=runner.kv_cache_dtype_name,
         max_loras=args.max_loras if args.enable_lora else 0,
         max_lora_rank=args.max_lora_rank if args.enable_lora else 0,
-        tensor_parallel_size=args.tensor_parallel_size))
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size))
     keep_alive = asyncio.create_task(registration.keep_alive())
     await server.set_serving(True)
     dtype = str(runner.dtype).removeprefix("torch.")

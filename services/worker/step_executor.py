@@ -3,9 +3,11 @@ updates the sequence table into the engine's batch (a SchedulerOutput, as the of
 core runs it), then the varlen forward pass and sampling."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvrelay.engine.model_runner import ModelRunner
+from kvrelay.engine.model_runner import ModelRunner, PendingStep, StepInput
 from kvrelay.engine.parallel.group import GroupBroken
 from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -46,19 +48,30 @@ class StepExecutor:
                 on_layer_done=None) -> StepOutcome:
         """The forward pass and sampling of `apply`'s batch (heavy; runs in the compute
         thread)."""
+        return self.finish(self.start(order, batch, on_layer_done))
+
+    def start(self, order: StepOrder, batch: SchedulerOutput,
+              on_layer_done=None) -> StartedStep:
+        """The forward pass as far as this process takes it (all of it, or a pipeline's first
+        stage: the next step may start before `finish` collects this one)."""
+        started = StartedStep(order, batch)
         if not batch.scheduled:
-            return StepOutcome(order.step_id)
+            return started
         if self.threads is not None:
             self.threads.use(order.num_threads)
-        step_input = self.runner.prepare(batch.scheduled)
-        try:
-            result = self.runner.execute_step(step_input, on_layer_done)
-        except GroupBroken as exc:  # a rank died or stalled: no step can run any more
-            group_broken(str(exc))
-            raise
+        started.step_input = self.runner.prepare(batch.scheduled)
+        started.pending = _in_group(self.runner.start_step, started.step_input, on_layer_done)
+        return started
+
+    def finish(self, started: StartedStep) -> StepOutcome:
+        """The step's outputs and sampling."""
+        order, batch = started.order, started.batch
+        if started.pending is None:
+            return StepOutcome(order.step_id)
+        result = _in_group(self.runner.finish_step, started.pending)
         for item in batch.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-        sampled = self._sample(order, batch, step_input, result.logits)  # logits [S, vocab]
+        sampled = self._sample(order, batch, started.step_input, result.logits)  # [S, vocab]
         return StepOutcome(order.step_id, tuple(sampled), tuple(result.prompt_logprobs),
                            tuple(result.pooled))
 
@@ -87,6 +100,22 @@ class StepExecutor:
         return Sampled(sequence.sequence_id, tuple(run.token_ids), tuple(
             token_logprob(entry, rank, token_id, num_top)
             for token_id, entry, rank in zip(run.token_ids, run.logprobs, run.ranks)))
+
+
+@dataclass(slots=True)
+class StartedStep:
+    order: StepOrder
+    batch: SchedulerOutput
+    step_input: StepInput | None = None  # None: nothing scheduled
+    pending: PendingStep | None = None
+
+
+def _in_group(call, *args):
+    try:
+        return call(*args)
+    except GroupBroken as exc:  # a rank died or stalled: no step can run any more
+        group_broken(str(exc))
+        raise
 
 
 def _bitmask_rows(packed: bytes, num_rows: int, vocab_size: int) -> torch.Tensor | None:

@@ -5,20 +5,22 @@ the same stream when they finish (step_id 0)."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from kvrelay.api.kvrelay.v1 import worker_pb2, worker_pb2_grpc
 from kvrelay.common import metrics
 from kvrelay.common.log import get_logger
-from kvrelay.engine.scheduler import SchedulerOutput
-from kvrelay.step_messages import Sampled, SendOrder, StepOrder, StepOutcome
+from kvrelay.step_messages import SendOrder, StepOrder, StepOutcome
 from kvrelay.worker import edge
 from kvrelay.worker.adapter_service import AdapterCalls
 from kvrelay.worker.kv_connector import KvSender, LayerFeed
 from kvrelay.worker.sequences import SequenceTable
-from kvrelay.worker.step_executor import StepExecutor
+from kvrelay.worker.step_executor import StartedStep, StepExecutor
 
 log = get_logger(__name__)
 STEP_SECONDS = metrics.histogram("worker_step_seconds", "Forward pass + sampling per step")
@@ -74,46 +76,70 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.idle.set()
 
     async def _serve_steps(self, request_iterator, outbox: asyncio.Queue) -> None:
+        """Steps in the order they come. A pipeline worker starts the next step (its first
+        stage) before it collects the one before, when the next is already here and fewer
+        than its stages are in flight: the scheduler sends such steps for other sequences
+        (Scheduler.schedule's pipeline_depth); every other worker finishes each step first."""
         sends: set[asyncio.Task] = set()
+        orders: asyncio.Queue = asyncio.Queue()
+        reading = asyncio.create_task(_read_orders(request_iterator, orders))
+        depth = self.executor.runner.pp.size
+        in_flight: collections.deque[_InFlight] = collections.deque()
         try:
-            async for request in request_iterator:
-                order = edge.step_from_proto(request)
-                log.debug("step received", step_id=order.step_id)
-                outcome = await self._run_step(order, outbox, sends)
-                log.debug("step computed", step_id=order.step_id)
-                outbox.put_nowait(edge.outcome_to_proto(outcome))
+            while True:
+                if in_flight and (orders.empty() or len(in_flight) >= depth):
+                    await self._finish(in_flight.popleft(), outbox)
+                    continue
+                order = await orders.get()
+                if order is None:  # the stream ended (or broke: raised below)
+                    break
+                in_flight.append(await self._start(order, outbox, sends))
+            while in_flight:
+                await self._finish(in_flight.popleft(), outbox)
+            await reading
         finally:
+            reading.cancel()
             for task in sends:
                 task.cancel()
 
-    async def _run_step(self, order: StepOrder, outbox: asyncio.Queue,
-                        sends: set) -> StepOutcome:
+    async def _start(self, order: StepOrder, outbox: asyncio.Queue, sends: set) -> _InFlight:
+        log.debug("step received", step_id=order.step_id)
+        started_at = time.perf_counter()
         batch = self.executor.apply(order)
         RUNNING_SEQUENCES.set(len(self.executor.table))
         feeds = self._start_sends(order.kv_sends, outbox, sends)
         hook = _fan_out(feeds) if feeds and self.layerwise_push else None
-        loop = asyncio.get_running_loop()
-        with STEP_SECONDS.time():
-            try:
-                outcome = await loop.run_in_executor(self.compute, self._execute, order, batch,
-                                                     hook, feeds if hook is None else [])
-            except BaseException as exc:
-                for feed in feeds:
-                    feed.fail(exc)
-                raise
-        if hook is None:
+        try:
+            started = await asyncio.get_running_loop().run_in_executor(
+                self.compute, self.executor.start, order, batch, hook)
+        except BaseException as exc:
             for feed in feeds:
-                feed.fill_now()  # those with a lander landed in the compute thread already
-        STEP_TOKENS.inc(batch.num_batched_tokens)
-        return outcome
+                feed.fail(exc)
+            raise
+        return _InFlight(started, feeds, hook is None, started_at)
 
-    def _execute(self, order: StepOrder, batch: SchedulerOutput, hook,
-                 final_feeds: list[LayerFeed]) -> StepOutcome:
-        """The compute thread's part: the step, then the sends that land their pages straight
-        in the destination do so on the same thread (both cores, and before any later step can
-        reuse the source blocks)."""
-        outcome = self.executor.execute(order, batch, hook)
-        for feed in final_feeds:
+    async def _finish(self, step: _InFlight, outbox: asyncio.Queue) -> None:
+        try:
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self.compute, self._complete, step)
+        except BaseException as exc:
+            for feed in step.feeds:
+                feed.fail(exc)
+            raise
+        if step.sends_after:
+            for feed in step.feeds:
+                feed.fill_now()  # those with a lander landed in the compute thread already
+        STEP_SECONDS.observe(time.perf_counter() - step.started_at)
+        STEP_TOKENS.inc(step.started.batch.num_batched_tokens)
+        log.debug("step computed", step_id=outcome.step_id)
+        outbox.put_nowait(edge.outcome_to_proto(outcome))
+
+    def _complete(self, step: _InFlight) -> StepOutcome:
+        """The compute thread's part: the step's outputs, then the sends that land their pages
+        straight in the destination do so on the same thread (both cores, and before any later
+        step can reuse the source blocks)."""
+        outcome = self.executor.finish(step.started)
+        for feed in step.feeds if step.sends_after else ():
             feed.land()
         return outcome
 
@@ -141,6 +167,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _send(self, order: SendOrder, feed: LayerFeed, outbox: asyncio.Queue) -> None:
         result = await self.sender.send(order, feed)
         outbox.put_nowait(edge.send_result_to_proto(result))
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step started on this worker and not yet answered."""
+    started: StartedStep
+    feeds: list[LayerFeed]  # the KV sends it fills
+    sends_after: bool  # they go once the step is done (not layer by layer during it)
+    started_at: float  # perf_counter()
+
+
+async def _read_orders(request_iterator, orders: asyncio.Queue) -> None:
+    """The scheduler's step orders as they arrive; None once the stream ends (or breaks)."""
+    try:
+        async for request in request_iterator:
+            orders.put_nowait(edge.step_from_proto(request))
+    finally:
+        orders.put_nowait(None)
 
 
 def _fan_out(feeds: list[LayerFeed]):

@@ -124,7 +124,7 @@ class OutputBatch(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id", "num_threads", "kv_address", "kv_group_windows", "kv_cache_dtype", "max_loras", "max_lora_rank", "tensor_parallel_size")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "block_size", "model", "dtype", "kv_transports", "host_id", "shm_path", "max_model_len", "vocab_size", "eos_token_ids", "compute_domain", "attention_crossover", "instance_id", "num_threads", "kv_address", "kv_group_windows", "kv_cache_dtype", "max_loras", "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class RegisterWorkerRequest(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -171,7 +172,8 @@ class RegisterWorkerRequest(_message.Message):
     max_loras: int
     max_lora_rank: int
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_threads: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    pipeline_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., compute_domain: _Optional[str] = ..., attention_crossover: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_threads: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("lease_ms",)
