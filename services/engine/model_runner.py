@@ -31,7 +31,7 @@ from kvrelay.engine.models.registry import arch_spec, build_model
 from kvrelay.engine.kv_pages import KvPages
 from kvrelay.engine.parallel.group import TPGroup
 from kvrelay.engine.parallel.group_kv import allocate_group_kv_cache
-from kvrelay.engine.parallel.pipeline import PipelineStage, pack_header
+from kvrelay.engine.parallel.pipeline import PipelineStage, Sending, pack_header
 from kvrelay.engine.parallel import stage_kv
 from kvrelay.engine.parallel.shard import Sharder, group_kv_heads
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
@@ -407,8 +407,8 @@ class ModelRunner:
                 self.lora.end_step()
         if self.pp.size > 1:
             self.pp.doorbell.ring()
-            self.pp.send(*_stage_message(step, residual, delta))
-            return PendingStep(step, on_layer_done=on_layer_done)
+            sending = self.pp.start_send(*_stage_message(step, residual, delta))
+            return PendingStep(step, on_layer_done=on_layer_done, sending=sending)
         return PendingStep(step, residual[rows], None if delta is None else delta[rows])
 
     @torch.inference_mode()
@@ -416,6 +416,7 @@ class ModelRunner:
         """The step's outputs from the final norm's rows (from the last stage, or here)."""
         step = pending.step
         if pending.residual_rows is None:  # the last stage's, in the order steps started
+            self.pp.wait_sent(pending.sending)
             _, _, tensors = self.pp.receive()
             pending.residual_rows, pending.delta_rows = (*tensors, None)[:2]
             if pending.on_layer_done is not None:  # the later stages' layers are stored
@@ -469,6 +470,7 @@ class PendingStep:
     residual_rows: torch.Tensor | None = None  # [R, hidden]
     delta_rows: torch.Tensor | None = None  # [R, hidden], where the layers' adds are fused
     on_layer_done: Callable[[int], None] | None = None
+    sending: Sending | None = None  # its activations on the way to the next stage
 
 
 def _output_rows(step: StepInput) -> torch.Tensor:

@@ -59,7 +59,7 @@ def group_cache_path(args, worker_id: str, advertised: str | None) -> tuple[str 
 
 def group_broken(reason: str) -> None:
     """The group cannot compute any more: exit now (its followers are killed with it)."""
-    log.error("tensor-parallel group broken; exiting so the group restarts", reason=reason)
+    log.error("rank group broken; exiting so the group restarts", reason=reason)
     os._exit(EXIT_GROUP_BROKEN)
 
 

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from tests.chaos.load import wait_healed
 from tests.e2e.stack import start_stack
-from tests.parallel.tp_stacks import (PROMPTS, SHORT, assert_parity, followers_of, one_rank_tokens,
-                                      stop_group_stack, tokens_of, write_tp_checkpoint)
-
-LONG = 320  # tokens a stream decodes: the fault lands while they run
-NUM_STREAMS = 16
+from tests.parallel.tp_stacks import (LONG, SHORT, Streams, assert_parity, followers_of,
+                                      one_rank_tokens, stop_group_stack, write_tp_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -29,31 +25,6 @@ def checkpoint(tmp_path_factory, model_dir) -> str:
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> dict[int, list[list[int]]]:
     return one_rank_tokens(checkpoint, (SHORT, LONG))
-
-
-class Streams:
-    """NUM_STREAMS greedy requests at once over gRPC, each checked against one rank's tokens."""
-
-    def __init__(self, stack, reference) -> None:
-        self.results: dict[int, object] = {}
-        self.threads = [threading.Thread(target=self._run, args=(stack, reference, index))
-                        for index in range(NUM_STREAMS)]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, stack, reference, index: int) -> None:
-        prompt = PROMPTS[index % len(PROMPTS)]
-        try:
-            tokens = tokens_of(stack, prompt, LONG).token_ids[0]
-            expected = reference[LONG][index % len(PROMPTS)]
-            self.results[index] = "exact" if tokens == expected else f"differs: {tokens}"
-        except Exception as exc:  # noqa: BLE001 - reported below
-            self.results[index] = repr(exc)
-
-    def check(self) -> None:
-        for thread in self.threads:
-            thread.join(300)
-        assert self.results == {index: "exact" for index in range(NUM_STREAMS)}
 
 
 def test_a_decode_group_loses_a_rank_to_sigkill_and_to_sigstop_and_no_stream_is_lost(

@@ -5,7 +5,7 @@ hop, and checked from outside through the gateway's published port only:
 - greedy chat completions equal a local `kvrelay up` stack's (float32 on both sides), the
   compose stack's prefill worker a tensor-parallel group of 3 ranks in its container (the
   default model's 9 query and 3 KV heads split three ways, pages resharded to the one-rank
-  decode workers);
+  decode workers), each decode worker a pipeline of 2 stages;
 - `--scale decode-worker=2` adds a worker that registers by itself and takes work;
 - a decode worker's process SIGKILLed: Docker restarts its container (restart: unless-stopped),
   streams in flight finish with the text of an uninterrupted run, the restarted worker registers
@@ -43,6 +43,7 @@ IMAGE = f"kvrelay:{TAG}"
 DTYPE = "float32"  # the containers' and the reference stack's
 MAX_TOKENS = 24
 PREFILL_RANKS = 3
+DECODE_STAGES = 2  # each decode worker a pipeline of 2 stages in its container
 # run inside the prefill container: its processes that are a group's other ranks (not this
 # script, whose own command line names what it looks for)
 COUNT_RANKS_SCRIPT = ("import os; print(sum(b'spawn_main' in open(f'/proc/{p}/cmdline', 'rb')"
@@ -251,6 +252,7 @@ def compose(image, reference, tmp_path_factory, report) -> Compose:
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVRELAY_")}
     env.update(KVRELAY_TAG=TAG, KVRELAY_CERTS_DIR=str(certs), DTYPE=DTYPE, WORKER_THREADS="1",
                PREFILL_TENSOR_PARALLEL_SIZE=str(PREFILL_RANKS),
+               DECODE_PIPELINE_PARALLEL_SIZE=str(DECODE_STAGES),
                PUBLISH_HOST="127.0.0.1", GATEWAY_PORT=str(port),
                GATEWAY_GRPC_PORT=str(port + 1), LOG_LEVEL="info",
                # docker-compose 1.x gives each engine call 60 s, and with the vfs storage
@@ -321,6 +323,9 @@ def test_greedy_output_equals_the_local_stack(compose, model, reference, report)
     ranks = sh(["docker", "exec", compose.container("prefill-worker"), "python", "-c",
                 COUNT_RANKS_SCRIPT]).stdout
     assert int(ranks) == PREFILL_RANKS - 1, ranks
+    stages = sh(["docker", "exec", compose.container("decode-worker"), "python", "-c",
+                 COUNT_RANKS_SCRIPT]).stdout
+    assert int(stages) == DECODE_STAGES - 1, stages
     # Every container's own healthcheck passes: the gRPC probes with each service's certificate,
     # the gateway's HTTP /health on its metrics port.
     def health() -> dict[str, str]:
@@ -339,7 +344,8 @@ def test_greedy_output_equals_the_local_stack(compose, model, reference, report)
         assert plaintext.returncode != 0 and "StatusCode.UNAVAILABLE" in plaintext.stderr, \
             plaintext.stderr[-2000:]
     report(f"greedy parity with `kvrelay up` ({DTYPE}) on {len(reference)} prompts, the "
-           f"prefill worker {PREFILL_RANKS} tensor-parallel ranks; "
+           f"prefill worker {PREFILL_RANKS} tensor-parallel ranks, decode workers "
+           f"{DECODE_STAGES} pipeline stages; "
            f"TLS {'on' if compose.tls else 'OFF'}")
 
 

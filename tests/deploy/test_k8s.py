@@ -19,7 +19,7 @@ from tests.deploy.k8s_checks import (all_problems, containers, ingress_sources, 
 
 K8S = cli_facts.REPO / "k8s"
 RENDERED = ["base", "overlays/cpu", "overlays/gpu", "examples/two-groups",
-            "examples/tensor-parallel"]
+            "examples/tensor-parallel", "examples/pipeline-parallel"]
 COMPONENT = "app.kubernetes.io/component"
 GROUP = "kvrelay.io/group"
 WORKERS = ("prefill-worker", "decode-worker")
@@ -361,16 +361,18 @@ def test_policy_check_sees_a_worker_opened_to_the_world():
 
 
 @needs_kubectl
-def test_tensor_parallel_decode_workers():
-    """A decode worker's group of 2 ranks in its pod, CPUs for both, /dev/shm memory-backed
-    for the cache file the ranks share (every worker has it)."""
-    docs = rendered("examples/tensor-parallel")
+@pytest.mark.parametrize("example,variable", [
+    ("tensor-parallel", "KVRELAY_TENSOR_PARALLEL_SIZE"),
+    ("pipeline-parallel", "KVRELAY_PIPELINE_PARALLEL_SIZE")])
+def test_split_decode_workers(example, variable):
+    """A decode worker's group of 2 ranks (or pipeline of 2 stages) in its pod, CPUs for
+    both, /dev/shm memory-backed for the cache file they share (every worker has it)."""
+    docs = rendered(f"examples/{example}")
     for component in WORKERS:
         (deployment,) = by_component(docs, "Deployment", component)
         spec = deployment["spec"]["template"]["spec"]
         container = spec["containers"][0]
-        ranks = {item["name"]: item.get("value") for item in container["env"]}.get(
-            "KVRELAY_TENSOR_PARALLEL_SIZE")
+        ranks = {item["name"]: item.get("value") for item in container["env"]}.get(variable)
         assert ranks == ("2" if component == "decode-worker" else None)
         cpus = container["resources"]["requests"]["cpu"]
         assert cpus == ("8" if component == "decode-worker" else "4")

@@ -4,6 +4,7 @@ rank processes."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -65,3 +66,30 @@ def stop_group_stack(stack, followers: list[int]) -> None:
         time.sleep(0.2)
 
 
+LONG = 320  # tokens a stream decodes: the fault lands while they run
+NUM_STREAMS = 16
+
+
+class Streams:
+    """NUM_STREAMS greedy requests at once over gRPC, each checked against one rank's tokens."""
+
+    def __init__(self, stack, reference) -> None:
+        self.results: dict[int, object] = {}
+        self.threads = [threading.Thread(target=self._run, args=(stack, reference, index))
+                        for index in range(NUM_STREAMS)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, stack, reference, index: int) -> None:
+        prompt = PROMPTS[index % len(PROMPTS)]
+        try:
+            tokens = tokens_of(stack, prompt, LONG).token_ids[0]
+            expected = reference[LONG][index % len(PROMPTS)]
+            self.results[index] = "exact" if tokens == expected else f"differs: {tokens}"
+        except Exception as exc:  # noqa: BLE001 - reported below
+            self.results[index] = repr(exc)
+
+    def check(self) -> None:
+        for thread in self.threads:
+            thread.join(300)
+        assert self.results == {index: "exact" for index in range(NUM_STREAMS)}

@@ -72,13 +72,23 @@ class PipelineStage:
         self.send(pack_header(STOP, []), [])
 
     def send(self, header: bytes, tensors: list[torch.Tensor]) -> None:
-        """To the next stage: a pickled header (pack_header) and its tensors."""
+        """To the next stage: a pickled header (pack_header) and its tensors, waiting until
+        the stage has taken them."""
+        self.wait_sent(self.start_send(header, tensors))
+
+    def start_send(self, header: bytes, tensors: list[torch.Tensor]) -> Sending:
+        """send without waiting: the leader's, whose sends a stage takes only after it has sent
+        back an earlier step's rows, which the leader receives after this (gloo completes a
+        send when the peer receives it: waiting here would deadlock with two steps in flight)."""
         payload = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        self._wait(dist.isend(torch.tensor([payload.numel()], dtype=torch.int64),
-                              self.next_stage))
-        self._wait(dist.isend(payload, self.next_stage))
-        for tensor in tensors:
-            self._wait(dist.isend(tensor.contiguous(), self.next_stage))
+        buffers = [torch.tensor([payload.numel()], dtype=torch.int64), payload,
+                   *(tensor.contiguous() for tensor in tensors)]
+        return Sending(buffers, [self._started(dist.isend, buffer, self.next_stage)
+                                 for buffer in buffers])
+
+    def wait_sent(self, sending: Sending) -> None:
+        for work in sending.works:
+            self._wait(work)
 
     def receive(self) -> tuple[bytes, object, list[torch.Tensor]]:
         """From the previous stage: (the header's bytes, its value, its tensors)."""
@@ -95,11 +105,25 @@ class PipelineStage:
             tensors.append(tensor)
         return header, value, tensors
 
+    @staticmethod
+    def _started(operation, *args):
+        try:
+            return operation(*args)
+        except RuntimeError as exc:  # gloo: the peer is gone
+            raise GroupBroken(str(exc)) from exc
+
     def _wait(self, work) -> None:
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # gloo: a stage closed, or the timeout passed
             raise GroupBroken(str(exc)) from exc
+
+
+@dataclass(slots=True)
+class Sending:
+    """A message on its way: its buffers (kept alive until sent) and their sends."""
+    buffers: list[torch.Tensor]
+    works: list
 
 
 def pack_header(value, tensors: list[torch.Tensor]) -> bytes:
