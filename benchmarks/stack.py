@@ -251,7 +251,9 @@ def main() -> None:
     args = parser.parse_args()
     log_dir = args.log_dir or REPO / "bench-results" / time.strftime("stack-%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True, exist_ok=True)
-    variants = [t for t in args.topologies.split(",") if t]
+    # a comma starts the next variant only before a topology's name: values may hold commas
+    # (KVRELAY_PP_LAYER_PARTITION=13,17)
+    variants = [t for t in re.split(r",(?=(?:pd|colocated)\b)", args.topologies) if t]
     systems = []
     rounds: list[list[StackResult]] = []
     print(f"service logs in {log_dir}", flush=True)

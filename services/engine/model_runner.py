@@ -416,6 +416,7 @@ class ModelRunner:
         """The step's outputs from the final norm's rows (from the last stage, or here)."""
         step = pending.step
         if pending.residual_rows is None:  # the last stage's, in the order steps started
+            self.pp.doorbell.take_result()
             self.pp.wait_sent(pending.sending)
             _, _, tensors = self.pp.receive()
             pending.residual_rows, pending.delta_rows = (*tensors, None)[:2]
@@ -433,6 +434,11 @@ class ModelRunner:
             if step.pool_rows else []
         return StepResult(logits, scored, pooled)
 
+    def result_ready(self, pending: PendingStep) -> bool:
+        """Whether finish_step would find the step's rows here or on their way (not wait
+        for a stage still computing it); steps are collected in the order they started."""
+        return pending.residual_rows is not None or self.pp.doorbell.result_ready()
+
     @torch.inference_mode()
     def run_stage(self, step: StepInput, header: bytes, tensors: list[torch.Tensor]) -> None:
         """A later pipeline stage: this stage's layers over the activations the stage before
@@ -445,6 +451,7 @@ class ModelRunner:
             self.pp.send(header, [tensor for tensor in (residual, delta) if tensor is not None])
             return
         rows = _output_rows(step)
+        self.pp.doorbell.returning()  # before the send: it completes as the leader receives
         self.pp.send(*_stage_message(None, residual[rows],
                                      None if delta is None else delta[rows]))
 

@@ -23,6 +23,9 @@ from kvrelay.worker.sequences import SequenceTable
 from kvrelay.worker.step_executor import StartedStep, StepExecutor
 
 log = get_logger(__name__)
+# A pipeline worker with a step in flight looks this often whether it is done, while it waits
+# for the next order (which it starts first if that comes sooner).
+POLL_S = 0.0005
 STEP_SECONDS = metrics.histogram("worker_step_seconds", "Forward pass + sampling per step")
 STEP_TOKENS = metrics.counter("worker_step_tokens", "Tokens computed by this worker")
 RUNNING_SEQUENCES = metrics.gauge("worker_sequences", "Sequences this worker holds state for")
@@ -85,12 +88,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         reading = asyncio.create_task(_read_orders(request_iterator, orders))
         depth = self.executor.runner.pp.size
         in_flight: collections.deque[_InFlight] = collections.deque()
+        getting: asyncio.Task | None = None
         try:
             while True:
-                if in_flight and (orders.empty() or len(in_flight) >= depth):
+                if in_flight and (depth == 1 or len(in_flight) >= depth
+                                  or self._done(in_flight[0])):
                     await self._finish(in_flight.popleft(), outbox)
                     continue
-                order = await orders.get()
+                # room for a step: the next order, or (while the oldest step in flight is
+                # still in a later stage) a look at whether that one is done
+                getting = getting or asyncio.ensure_future(orders.get())
+                await asyncio.wait({getting}, timeout=POLL_S if in_flight else None)
+                if not getting.done():
+                    continue
+                order, getting = getting.result(), None
                 if order is None:  # the stream ended (or broke: raised below)
                     break
                 in_flight.append(await self._start(order, outbox, sends))
@@ -99,8 +110,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await reading
         finally:
             reading.cancel()
+            if getting is not None:
+                getting.cancel()
             for task in sends:
                 task.cancel()
+
+    def _done(self, step: _InFlight) -> bool:
+        pending = step.started.pending
+        return pending is None or self.executor.runner.result_ready(pending)
 
     async def _start(self, order: StepOrder, outbox: asyncio.Queue, sends: set) -> _InFlight:
         log.debug("step received", step_id=order.step_id)
