@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "steps of different sequences are in flight in different stages at once; "
                   "the scheduler sees one worker")
     add_flag(parser, "--pp-layer-partition", default=None,
-             help="each pipeline stage's layer count, comma-separated (\"11,19\"); default: "
-                  "balanced by the weights a decode row reads, the first stage holding the "
+             help="each pipeline stage's layer count, comma-separated (\"13,17\"); default: "
+                  "balanced by the weights a token goes through, the first stage holding the "
                   "head")
     add_flag(parser, "--tensor-parallel-timeout", type=float, default=30.0,
              help="seconds a rank or pipeline stage may lag inside a step before its group is "

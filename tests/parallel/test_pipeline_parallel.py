@@ -46,14 +46,23 @@ def test_default_model_in_two_stages():
 
 
 def test_the_default_split_balances_a_decode_rows_weights():
-    """The first stage holds the head: on a small model it takes fewer layers."""
+    """The first stage holds the head: on a small model it takes fewer layers (the default
+    model's 30: 13 + 17)."""
     spec = arch_spec(CONFIGS["llama3"]())[1]
     assert [len(part) for part in stage_layers(spec, 2)] == [1, 1]
+    assert [len(part) for part in stage_layers(_default_spec(), 2)] == [13, 17]
     costs = [10] * 30
     counts = balanced_counts(costs, 2, first_extra=80)
     assert counts == (11, 19) and sum(counts) == 30
     assert balanced_counts(costs, 3, first_extra=0) == (10, 10, 10)
-    assert head_cost(spec) == spec.vocab_size * spec.hidden_size and layer_cost(spec, 0) > 0
+    assert head_cost(spec) == spec.vocab_size * spec.hidden_size // 2 and layer_cost(spec, 0) > 0
+
+
+def _default_spec():
+    from transformers import AutoConfig
+
+    from kvrelay.engine.model_loader import resolve_model_dir
+    return arch_spec(AutoConfig.from_pretrained(resolve_model_dir(None)))[1]
 
 
 @pytest.mark.parametrize("stages,partition,reason", [

@@ -1,9 +1,12 @@
 """Which contiguous layers each pipeline stage runs.
 
-By default the split balances what a decode row costs each stage, the matmul weights it reads:
-a layer's attention and MLP (a mixture-of-experts layer's routed experts, top_k of them), and on
-the first stage the vocabulary head too (it samples, so it holds the embedding and the head; on
-a small model the head weighs as much as several layers). `--pp-layer-partition "11,19"` gives
+By default the split balances what a token costs each stage, the matmul weights it goes
+through: a layer's attention and MLP (a mixture-of-experts layer's routed experts, top_k of
+them), and on the first stage the vocabulary head too (it samples, so it holds the embedding and
+the head; on a small model the head weighs as much as several layers). Only sampled rows reach
+the head, so it is counted at half its weight: a chat workload computes about as many prompt
+tokens (no head) as output tokens (measured on chat-64 through a colocated worker, 2 stages of
+the default model: 11 + 19 layers, the head counted whole, left the second stage the busier). `--pp-layer-partition "11,19"` gives
 the counts by hand, as vLLM's VLLM_PP_LAYER_PARTITION does.
 """
 from __future__ import annotations
@@ -55,7 +58,8 @@ def layer_cost(spec: ArchSpec, index: int) -> int:
 
 
 def head_cost(spec: ArchSpec) -> int:
-    return spec.vocab_size * spec.hidden_size
+    """The head's weights, halved: a prompt token's row does not reach it."""
+    return spec.vocab_size * spec.hidden_size // 2
 
 
 def balanced_counts(costs: list[int], num_stages: int, first_extra: int) -> tuple[int, ...]:
