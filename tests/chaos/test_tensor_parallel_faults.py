@@ -1,8 +1,9 @@
 """A decode worker that is a tensor-parallel group of 2 (fed by one prefill worker over gRPC,
-the pages cut by KV head on the way in) gives one rank's greedy tokens, then loses a rank for
-real under 16 greedy streams, first to SIGKILL (seen at once), then to SIGSTOP (seen at the
-step's next collective, after --tensor-parallel-timeout): no stream is lost or altered, the
-group is restarted whole, every block is free afterwards, and its tokens are still exact."""
+the pages cut by KV head on the way in), or a pipeline of 2 stages, gives one process's greedy
+tokens, then loses its other rank for real under 16 greedy streams, first to SIGKILL (seen at
+once), then to SIGSTOP (seen at the step's next collective or receive, after
+--tensor-parallel-timeout): no stream is lost or altered, the group is restarted whole, and its
+tokens are still exact."""
 from __future__ import annotations
 
 import os
@@ -27,10 +28,13 @@ def reference(checkpoint) -> dict[int, list[list[int]]]:
     return one_rank_tokens(checkpoint, (SHORT, LONG))
 
 
+@pytest.mark.parametrize("split,stopped", [
+    # a rank stopped: the all-reduce's barrier gives up; a stage stopped: the leader's receive
+    (("--decode-tensor-parallel-size", "2", "--kv-transport", "grpc"), "did not reach round"),
+    (("--decode-pipeline-parallel-size", "2"), "Timed out waiting")])
 def test_a_decode_group_loses_a_rank_to_sigkill_and_to_sigstop_and_no_stream_is_lost(
-        checkpoint, reference, tmp_path):
-    stack = start_stack("pd", tmp_path / "logs", "--model", checkpoint,
-                        "--decode-tensor-parallel-size", "2", "--kv-transport", "grpc",
+        checkpoint, reference, tmp_path, split, stopped):
+    stack = start_stack("pd", tmp_path / "logs", "--model", checkpoint, *split,
                         "--tensor-parallel-timeout", "5")
     seen = []
     try:
@@ -47,8 +51,8 @@ def test_a_decode_group_loses_a_rank_to_sigkill_and_to_sigstop_and_no_stream_is_
             assert stack.service("decode-0")["restarts"] == restarts + 1
             assert not os.path.exists(f"/proc/{follower}")  # the stopped one killed too
         log = (tmp_path / "logs" / "up.log").read_text()
-        # the death seen at once; the stopped rank at the timeout, in the step it held up
-        assert "exited with -9" in log and "did not reach round" in log
+        # the death seen at once; the stopped one at the timeout, in the step it held up
+        assert "exited with -9" in log and stopped in log
         assert_parity(stack, reference)
     finally:
         stop_group_stack(stack, seen + followers_of(stack.service("decode-0")["pid"]))

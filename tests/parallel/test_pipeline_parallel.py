@@ -7,45 +7,28 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.engine import LLM, SamplingParams
+from kvrelay.engine import LLM
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.partition import (balanced_counts, head_cost, layer_cost,
                                                stage_layers)
 from tests.families.checkpoints import CONFIGS, write_checkpoint
-
-PROMPTS = [[1, 5, 9, 200, 3000, 17] * 7, [1, 42, 7] * 20, [1] + list(range(100, 230, 3))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
-
-
-def _run(model: str | None, stages: int, partition: str | None = None):
-    llm = LLM(model=model, dtype="float32", num_kv_blocks=256, pipeline_parallel_size=stages,
-              pp_layer_partition=partition)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    tokens = [list(output.outputs[0].token_ids) for output in outputs]
-    logprobs = [[entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:],
-                                                                 prompt[1:])]
-                for output, prompt in zip(outputs, PROMPTS)]
-    return tokens, logprobs
-
-
-def _assert_same(single, split) -> None:
-    assert split[0] == single[0]
-    worst = max(abs(a - b) for one, other in zip(single[1], split[1]) for a, b in zip(one, other))
-    assert worst < 1e-4, worst
+from tests.parallel.parity import assert_same, run_prompts
 
 
 @pytest.mark.parametrize("family,stages,partition", [
     ("llama3", 2, None), ("qwen3", 3, None), ("gemma3", 2, "4,2"), ("qwen3_moe", 2, "1,2")])
 def test_staged_model_matches_one_process(family, stages, partition, tmp_path, model_dir):
     write_checkpoint(family, tmp_path, model_dir)
-    _assert_same(_run(str(tmp_path), 1), _run(str(tmp_path), stages, partition))
+    assert_same(run_prompts(str(tmp_path)),
+                run_prompts(str(tmp_path), pipeline_parallel_size=stages,
+                            pp_layer_partition=partition))
 
 
 def test_default_model_in_two_stages():
-    _assert_same(_run(None, 1), _run(None, 2))
+    assert_same(run_prompts(None), run_prompts(None, pipeline_parallel_size=2))
 
 
-def test_the_default_split_balances_a_decode_rows_weights():
+def test_the_default_split_balances_a_tokens_weights():
     """The first stage holds the head: on a small model it takes fewer layers (the default
     model's 30: 13 + 17)."""
     spec = arch_spec(CONFIGS["llama3"]())[1]

@@ -14,25 +14,7 @@ from kvrelay.engine import LLM, SamplingParams
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.shard import check_shardable
 from tests.families.checkpoints import CONFIGS, write_checkpoint
-
-PROMPTS = [[1, 5, 9, 200, 3000, 17] * 7, [1, 42, 7] * 20, [1] + list(range(100, 230, 3))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
-
-
-def _run(model: str | None, size: int):
-    llm = LLM(model=model, dtype="float32", num_kv_blocks=256, tensor_parallel_size=size)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    tokens = [list(output.outputs[0].token_ids) for output in outputs]
-    logprobs = [[entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:],
-                                                                 prompt[1:])]
-                for output, prompt in zip(outputs, PROMPTS)]
-    return tokens, logprobs
-
-
-def _assert_same(single, split) -> None:
-    assert split[0] == single[0]
-    worst = max(abs(a - b) for one, other in zip(single[1], split[1]) for a, b in zip(one, other))
-    assert worst < 1e-4, worst
+from tests.parallel.parity import PROMPTS, assert_same, run_prompts
 
 
 @pytest.mark.parametrize("family,size", [("llama3", 2), ("llama3", 4), ("qwen2_window", 2),
@@ -40,11 +22,11 @@ def _assert_same(single, split) -> None:
                                          ("mixtral", 2)])
 def test_split_model_matches_one_rank(family, size, tmp_path, model_dir):
     write_checkpoint(family, tmp_path, model_dir)
-    _assert_same(_run(str(tmp_path), 1), _run(str(tmp_path), size))
+    assert_same(run_prompts(str(tmp_path)), run_prompts(str(tmp_path), tensor_parallel_size=size))
 
 
 def test_default_model_three_ways():
-    _assert_same(_run(None, 1), _run(None, 3))
+    assert_same(run_prompts(None), run_prompts(None, tensor_parallel_size=3))
 
 
 def test_experts_that_do_not_split_are_refused():
