@@ -70,14 +70,8 @@ def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_k
     threads = threads_per_rank(size, num_threads)
     torch.set_num_threads(threads)
     init_method = free_init_method()
-    context = multiprocessing.get_context("spawn")
-    followers = []
-    for rank in range(1, size):
-        process = context.Process(target=follow, name=f"tp-rank-{rank}", daemon=True,
-                                  args=(rank, size, init_method, runner_args, runner_kwargs,
-                                        threads, timeout_s))
-        process.start()
-        followers.append(process)
+    followers = _spawn(follow, "tp-rank", size, lambda rank: (
+        rank, size, init_method, runner_args, runner_kwargs, threads, timeout_s))
     try:
         return init_group(0, size, init_method, runner_args[3], timeout_s), followers
     except BaseException:
@@ -103,14 +97,8 @@ def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threa
     log.info("pipeline stages' layers: %s", ", ".join(
         f"{stage}: {part.start}-{part.stop - 1}" for stage, part in enumerate(layers)))
     init_method = free_init_method()
-    context = multiprocessing.get_context("spawn")
-    followers = []
-    for stage in range(1, num_stages):
-        process = context.Process(target=follow_stage, name=f"pp-stage-{stage}", daemon=True,
-                                  args=(stage, layers, init_method, runner_args, runner_kwargs,
-                                        threads, timeout_s))
-        process.start()
-        followers.append(process)
+    followers = _spawn(follow_stage, "pp-stage", num_stages, lambda stage: (
+        stage, layers, init_method, runner_args, runner_kwargs, threads, timeout_s))
     try:
         return init_pipeline(0, num_stages, layers[0], init_method, device,
                              timeout_s), followers
@@ -158,6 +146,18 @@ def follow(rank: int, size: int, init_method: str, runner_args: tuple, runner_kw
             runner.execute_step(step)
     finally:
         leave_group()
+
+
+def _spawn(target, name: str, size: int, args_of) -> list[multiprocessing.Process]:
+    """Ranks 1..size-1 as processes (spawn: a fresh interpreter, no forked torch state)."""
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, size):
+        process = context.Process(target=target, name=f"{name}-{rank}", daemon=True,
+                                  args=args_of(rank))
+        process.start()
+        processes.append(process)
+    return processes
 
 
 def _die_with_parent() -> None:
