@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import metric_values, start_stack
-from tests.parallel.tp_stacks import (LONG, PROMPTS, SHORT, Streams, assert_parity, followers_of,
-                                      one_rank_tokens, stop_group_stack, tokens_of,
+from tests.e2e.stack import start_stack
+from tests.parallel.tp_stacks import (LONG, SHORT, Streams, assert_pushed_over_shm_then_cached,
+                                      followers_of, one_rank_tokens, stop_group_stack,
                                       write_tp_checkpoint)
 
 
@@ -27,13 +27,7 @@ def test_a_prefill_pipeline_pushes_into_a_decode_pipeline(checkpoint, tmp_path):
                  for pid in followers_of(stack.service(worker)["pid"])]
     try:
         assert len(followers) == 2  # one more stage each
-        assert_parity(stack, reference)
-        pushed = metric_values(stack.service("prefill-0")["metrics_url"],
-                               "kvrelay:kv_transfer_bytes_total")
-        assert pushed.get('{transport="shm"}', 0) > 0 and len(pushed) == 1, pushed
-        again = tokens_of(stack, PROMPTS[0], SHORT)  # its full blocks now come from the cache
-        assert again.token_ids[0] == reference[SHORT][0]
-        assert again.usage.cached_prompt_tokens >= 32
+        assert_pushed_over_shm_then_cached(stack, reference)
         workers = {w.worker_id: w for w in stack.scheduler_stats().workers}
         for name in ("prefill-0", "decode-0"):
             assert workers[name].num_free_blocks == workers[name].num_blocks

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import metric_values, start_stack
-from tests.parallel.tp_stacks import (PROMPTS, SHORT, assert_parity, followers_of, one_rank_tokens,
-                                      stop_group_stack, tokens_of, write_tp_checkpoint)
+from tests.e2e.stack import start_stack
+from tests.parallel.tp_stacks import (assert_pushed_over_shm_then_cached, followers_of,
+                                      one_rank_tokens, stop_group_stack, write_tp_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +36,7 @@ def test_a_prefill_group_pushes_into_a_decode_worker_over_shared_memory(
                  for pid in followers_of(stack.service(worker)["pid"])]
     try:
         assert len(followers) == decode_ranks
-        assert_parity(stack, reference)
-        pushed = metric_values(stack.service("prefill-0")["metrics_url"],
-                               "kvrelay:kv_transfer_bytes_total")
-        assert pushed.get('{transport="shm"}', 0) > 0 and len(pushed) == 1, pushed
-        again = tokens_of(stack, PROMPTS[0], SHORT)  # its full blocks now come from the cache
-        assert again.token_ids[0] == reference[SHORT][0]
-        assert again.usage.cached_prompt_tokens >= 32
+        assert_pushed_over_shm_then_cached(stack, reference)
         workers = {w.worker_id: w for w in stack.scheduler_stats().workers}
         assert workers["prefill-0"].num_free_blocks == workers["prefill-0"].num_blocks
     finally:

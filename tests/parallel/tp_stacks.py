@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvrelay.engine import LLM, SamplingParams
 from tests.e2e.grpc_api import generate, token_ids_request
-from tests.e2e.stack import stop_and_check
+from tests.e2e.stack import metric_values, stop_and_check
 from tests.families.checkpoints import write_checkpoint
 
 PROMPTS = [[1, 5, 9, 200, 3000, 17] * 7, [1, 42, 7] * 20, [1] + list(range(100, 230, 3))]
@@ -40,6 +40,18 @@ def tokens_of(stack, prompt: list[int], max_tokens: int):
 def assert_parity(stack, reference) -> None:
     for prompt, expected in zip(PROMPTS, reference[SHORT]):
         assert tokens_of(stack, prompt, SHORT).token_ids[0] == expected
+
+
+def assert_pushed_over_shm_then_cached(stack, reference) -> None:
+    """Parity, the prefill worker's pages gone over shm only, and a repeated prompt's full
+    blocks served from the prefix cache."""
+    assert_parity(stack, reference)
+    pushed = metric_values(stack.service("prefill-0")["metrics_url"],
+                           "kvrelay:kv_transfer_bytes_total")
+    assert pushed.get('{transport="shm"}', 0) > 0 and len(pushed) == 1, pushed
+    again = tokens_of(stack, PROMPTS[0], SHORT)
+    assert again.token_ids[0] == reference[SHORT][0]
+    assert again.usage.cached_prompt_tokens >= 32
 
 
 def followers_of(worker_pid: int) -> list[int]:
