@@ -42,6 +42,7 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--kv-cache-dtype": ("worker",),
     "--tensor-parallel-timeout": ("worker",),
     "--pp-layer-partition": ("worker",),
+    "--dist-init-address": ("worker",),
     "--int4-max-tokens": ("worker",),
     "--amx-max-tokens": ("worker",),
     "--q4a8-max-tokens": ("worker",),
@@ -82,6 +83,8 @@ READ_BY_UP: dict[str, tuple[str, str]] = {
     "--pipeline-parallel-size": ("worker", "every worker's, unless --prefill-/"
                                  "--decode-pipeline-parallel-size set its role's; its stages "
                                  "share the worker's threads"),
+    "--nnodes": ("worker", "the worker's, whose pipeline then spans this host and others "
+                 "(--topology colocated: one worker)"),
 }
 
 _PLURAL = {"gateway": "gateways", "tokenizer": "tokenizers", "scheduler": "schedulers",

@@ -75,6 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help="each pipeline stage's layer count, comma-separated (\"13,17\"); default: "
                   "balanced by the weights a token goes through, the first stage holding the "
                   "head")
+    add_flag(parser, "--nnodes", type=int, default=1,
+             help="hosts this worker's pipeline spans, each running as many consecutive stages "
+                  "(--pipeline-parallel-size / N); every host runs `kvrelay worker` with the "
+                  "same --nnodes, --pipeline-parallel-size and --dist-init-address")
+    add_flag(parser, "--node-rank", type=int, default=0,
+             help="this host's place among --nnodes: 0 runs the first stages and the leader "
+                  "(it registers with the scheduler and serves steps; its flags choose the "
+                  "model and settings), the others run their stages for it")
+    add_flag(parser, "--dist-init-address", default=None,
+             help="HOST:PORT of node 0's rendezvous (a torch.distributed TCPStore it opens), "
+                  "reachable from every host; gloo then connects the stages on ports of its "
+                  "own over the interface that routes there (GLOO_SOCKET_IFNAME overrides)")
     add_flag(parser, "--tensor-parallel-timeout", type=float, default=30.0,
              help="seconds a rank or pipeline stage may lag inside a step before its group is "
                   "declared broken (the worker exits and is restarted; its requests are "

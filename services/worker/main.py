@@ -27,7 +27,8 @@ from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           KvTransferService, ShmKvTransport)
 from kvrelay.engine.parallel.followers import stop_followers, watch_followers
 from kvrelay.worker.model_setup import load_worker_model
-from kvrelay.worker.rank_group import check_group_flags, group_cache_path, on_follower_death
+from kvrelay.worker.rank_group import (check_group_flags, group_cache_path, on_follower_death,
+                                       serve_other_node)
 from kvrelay.worker.registration import Registration
 from kvrelay.worker.step_executor import StepExecutor
 from kvrelay.worker.step_service import WorkerService
@@ -43,6 +44,8 @@ ROLES = {"prefill": scheduler_pb2.WORKER_ROLE_PREFILL, "decode": scheduler_pb2.W
 
 def run(args: argparse.Namespace) -> int:
     check_group_flags(args)
+    if args.node_rank > 0:
+        return serve_other_node(args)
     run_service(f"worker-{args.role}", serve(args), args.log_level)
     return 0
 
@@ -50,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> None:
     install(tls_files_from_args(args))  # this process's identity on every internal hop
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-    transports = [name for name in args.kv_transports.split(",") if name]
+    # a pipeline across hosts moves no KV pages (its stages' pages are on their hosts)
+    transports = [name for name in args.kv_transports.split(",") if name and args.nnodes == 1]
     shm_path = _shm_path(args, worker_id, transports)
     kv_cache_path, private_cache = group_cache_path(args, worker_id, shm_path)
     server = ServiceServer(args.host, args.port, [
@@ -86,7 +90,8 @@ async def serve(args: argparse.Namespace) -> None:
     freeze_heap()  # the model's modules and tensors, too
     service.attach(executor, KvSender(_transports(transports, runner), args.kv_transfer_timeout))
     instance_id = uuid.uuid4().hex
-    receiver.attach(runner.kv_pages, instance_id)
+    if runner.kv_pages is not None:
+        receiver.attach(runner.kv_pages, instance_id)
     registration = Registration(args.scheduler_address, scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker_id, role=ROLES[args.role],
         address=args.advertise_address or f"127.0.0.1:{server.port}",
@@ -113,7 +118,7 @@ async def serve(args: argparse.Namespace) -> None:
              kv_cache_dtype=runner.kv_cache_dtype_name,
              small_step_kernel=runner.int4_kernel,
              tensor_parallel_size=args.tensor_parallel_size,
-             pipeline_parallel_size=args.pipeline_parallel_size,
+             pipeline_parallel_size=args.pipeline_parallel_size, nnodes=args.nnodes,
              kv_cache_gib=round(runner.num_blocks * runner.bytes_per_block
                                 * args.tensor_parallel_size / (1 << 30), 2),
              kv_capacity_tokens=runner.num_blocks * runner.block_size,

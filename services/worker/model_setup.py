@@ -15,6 +15,7 @@ from kvrelay.engine.model_runner import ModelRunner
 from kvrelay.engine.parallel.followers import start_ranks, stop_followers
 from kvrelay.engine.prefill_chunks import attention_crossover
 from kvrelay.worker import kv_budget
+from kvrelay.worker.rank_group import placement
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ def load_worker_model(args, kv_cache_path: str | None) -> LoadedModel:
                          int8_activations=args.int8_activations,
                          kv_cache_dtype=args.kv_cache_dtype)
     tp, pp, followers = start_ranks(args, runner_args, runner_kwargs,
-                                    args.tensor_parallel_timeout)
+                                    args.tensor_parallel_timeout, placement(args))
     try:
         runner = ModelRunner(*runner_args, **runner_kwargs, tp=tp, pp=pp)
     except BaseException:

@@ -1,5 +1,6 @@
-"""A worker as a rank group on one host: a tensor-parallel group (`--tensor-parallel-size N`)
-or a pipeline (`--pipeline-parallel-size N`). This process is rank 0 (stage 0), the leader, and
+"""A worker as a rank group: a tensor-parallel group on one host (`--tensor-parallel-size N`)
+or a pipeline (`--pipeline-parallel-size N`), on one host or across several (`--nnodes`: each
+host's `kvrelay worker --node-rank K` runs its stages; node 0's is the leader, below). This process is rank 0 (stage 0), the leader, and
 starts ranks 1..N-1 (engine/parallel/followers.py). The scheduler sees one worker: the leader
 registers, steps, samples and moves KV pages for all; the group's KV cache lives in one shared
 file which the leader maps whole: a tensor-parallel rank's heads in a region of its own
@@ -9,14 +10,16 @@ The group lives and dies as one. A follower that dies, or a rank that stalls in 
 --tensor-parallel-timeout, leaves the group unable to compute: the leader exits at once with
 EXIT_GROUP_BROKEN (its followers die with it), its requests are recovered by the scheduler as for
 any lost worker (re-prefilled elsewhere), and the supervisor (`kvrelay up`, Kubernetes)
-restarts the whole group.
+restarts the whole group. A pipeline across hosts has no shared file: each stage holds its own
+layers' pages, and the worker serves --role both (no KV pushes).
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from kvrelay.common.log import get_logger
+from kvrelay.common.log import get_logger, setup_logging
+from kvrelay.engine.parallel.nodes import NodePlacement
 from kvrelay.engine.parallel.partition import parse_partition
 
 log = get_logger(__name__)
@@ -42,19 +45,56 @@ def check_group_flags(args) -> None:
         parse_partition(args.pp_layer_partition)
     except ValueError as exc:
         sys.exit(f"--pp-layer-partition: {exc}")
+    try:
+        placement(args).check(args.pipeline_parallel_size, args.tensor_parallel_size)
+    except ValueError as exc:
+        sys.exit(str(exc))
+    if args.nnodes > 1 and args.role != "both":
+        sys.exit(f"--nnodes > 1 with --role {args.role}: a pipeline across hosts serves "
+                 "--role both (KV pages cannot be pushed to or from its other hosts' stages "
+                 "yet)")
     if args.tensor_parallel_timeout <= 0:
         sys.exit("--tensor-parallel-timeout must be > 0 seconds")
+
+
+def placement(args) -> NodePlacement:
+    """The hosts this worker's pipeline spans, from its flags."""
+    return NodePlacement(args.nnodes, args.node_rank, args.dist_init_address)
 
 
 def group_cache_path(args, worker_id: str, advertised: str | None) -> tuple[str | None, bool]:
     """Where the KV cache lives: the shm transport's advertised file where there is one, else for
     a group a file of its own (private: unlinked once every rank mapped it); returns (path,
     private)."""
+    if args.nnodes > 1:  # each stage holds its own layers' pages (no KV moves: role both)
+        return None, False
     if advertised is not None or (args.tensor_parallel_size == 1
                                   and args.pipeline_parallel_size == 1):
         return advertised, False
     # named as the shm transport's files are, so a killed group's file is found and removed
     return os.path.join(args.shm_dir, f"kvrelay-{worker_id}-{os.getpid()}.kv"), True
+
+
+def serve_other_node(args) -> int:
+    """`kvrelay worker --node-rank K` (K > 0): this host's stages of node 0's pipeline, with no
+    service of its own (node 0's leader registers and steps for the whole pipeline). Returns 0
+    when the leader stops the pipeline, EXIT_GROUP_BROKEN when it is gone or the group broke:
+    the supervisor restarts this host's stages, which wait at the rendezvous for the leader's
+    next start."""
+    from kvrelay.engine.parallel.followers import serve_stages
+    setup_logging(f"worker-node-{args.node_rank}", args.log_level)
+    here = placement(args).stages_here(args.pipeline_parallel_size)
+    log.info("joining the pipeline's rendezvous", address=args.dist_init_address,
+             stages=f"{here.start}-{here.stop - 1} of {args.pipeline_parallel_size}")
+    try:
+        serve_stages(placement(args), args.pipeline_parallel_size, args.num_threads,
+                     args.tensor_parallel_timeout)
+    except RuntimeError as exc:  # GroupBroken, or the store's DistError: the leader is gone
+        log.error("pipeline stages stopped; exiting so they rejoin the leader's next start",
+                  reason=str(exc).splitlines()[0])
+        return EXIT_GROUP_BROKEN
+    log.info("pipeline stopped by its leader")
+    return 0
 
 
 def group_broken(reason: str) -> None:

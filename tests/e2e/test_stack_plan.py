@@ -100,7 +100,11 @@ def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [("--port", "50052"), ("--grpc-port", "8000"),
-                                  ("--num-decode-workers", "0")])
+                                  ("--num-decode-workers", "0"),
+                                  # a pipeline across hosts is one worker's
+                                  ("--nnodes", "2", "--pipeline-parallel-size", "2"),
+                                  ("--nnodes", "2", "--pipeline-parallel-size", "2", "--topology", "colocated",
+                                   "--num-workers", "2")])
 def test_conflicting_ports_and_empty_topologies_are_refused(argv):
     assert stack_main._check_args(parse(*argv)) is not None
 
@@ -156,3 +160,12 @@ def test_no_async_scheduling_reaches_the_scheduler_only():
     for name in ("prefill-0", "decode-0", "gateway", "tokenizer"):
         assert "--no-async-scheduling" not in specs[name].argv
     assert "--no-async-scheduling" not in {s.name: s for s in plan_stack(parse())}["scheduler"].argv
+
+
+def test_a_pipeline_across_hosts_takes_this_hosts_share_of_the_threads():
+    args = parse("--topology", "colocated", "--pipeline-parallel-size", "4", "--nnodes", "2",
+                 "--dist-init-address", "10.0.0.1:29500", "--threads-per-worker", "8")
+    assert stack_main._check_args(args) is None
+    [worker] = [s for s in plan_stack(args) if s.kind == "worker"]
+    assert flag(worker, "--nnodes") == "2" and flag(worker, "--num-threads") == "4"
+    assert flag(worker, "--dist-init-address") == "10.0.0.1:29500"

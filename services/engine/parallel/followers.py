@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.group import (DEFAULT_TIMEOUT_S, TPGroup, init_group,
                                            leave_group)
+from kvrelay.engine.parallel.nodes import NodePlacement
 from kvrelay.engine.parallel.partition import parse_partition, stage_layers
 from kvrelay.engine.parallel.pipeline import PipelineStage, init_pipeline
 from kvrelay.engine.parallel.shard import check_shardable
@@ -32,27 +32,22 @@ STOP = None  # what the leader posts to end the followers' loops
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def free_init_method(host: str = "127.0.0.1") -> str:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
-
-
 def threads_per_rank(size: int, requested: int | None) -> int:
     """Each rank its share of the cores (ranks on one host must not share them)."""
     return requested or max(1, (os.cpu_count() or 1) // size)
 
 
 def start_ranks(config, runner_args: tuple, runner_kwargs: dict,
-                timeout_s: float = DEFAULT_TIMEOUT_S):
-    """The processes of an engine's model: a tensor-parallel group, a pipeline, or this process
-    alone (config: EngineConfig, or a worker's flags of the same names). Returns (this rank's
-    TPGroup, its PipelineStage, the other ranks' processes)."""
+                timeout_s: float = DEFAULT_TIMEOUT_S, placement: NodePlacement = NodePlacement()):
+    """The processes of an engine's model: a tensor-parallel group, a pipeline (its stages on
+    this host, where `placement` spreads it over several), or this process alone (config:
+    EngineConfig, or a worker's flags of the same names). Returns (this rank's TPGroup, its
+    PipelineStage, the other ranks' processes on this host)."""
     if config.pipeline_parallel_size > 1:
         pp, followers = start_pipeline(config.pipeline_parallel_size,
                                        parse_partition(config.pp_layer_partition),
                                        config.num_threads, runner_args, runner_kwargs,
-                                       timeout_s)
+                                       timeout_s, placement)
         return TPGroup(), pp, followers
     tp, followers = start_group(config.tensor_parallel_size, config.num_threads, runner_args,
                                 runner_kwargs, timeout_s)
@@ -69,8 +64,8 @@ def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_k
     check_shardable(arch_spec(runner_args[0])[1], size)  # before any rank starts
     threads = threads_per_rank(size, num_threads)
     torch.set_num_threads(threads)
-    init_method = free_init_method()
-    followers = _spawn(follow, "tp-rank", size, lambda rank: (
+    init_method = NodePlacement().init_method()  # a free local port
+    followers = _spawn(follow, "tp-rank", range(1, size), lambda rank: (
         rank, size, init_method, runner_args, runner_kwargs, threads, timeout_s))
     try:
         return init_group(0, size, init_method, runner_args[3], timeout_s), followers
@@ -81,44 +76,64 @@ def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_k
 
 def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threads: int | None,
                    runner_args: tuple, runner_kwargs: dict,
-                   timeout_s: float = DEFAULT_TIMEOUT_S):
-    """This process as stage 0 of a pipeline of `num_stages` (stages 1.. started as processes,
-    each building ModelRunner(*runner_args, **runner_kwargs, pp=its stage)), or a pipeline of
-    one; returns (the stage, the other stages' processes)."""
+                   timeout_s: float = DEFAULT_TIMEOUT_S,
+                   placement: NodePlacement = NodePlacement()):
+    """This process as stage 0 of a pipeline of `num_stages` (the other stages of this host
+    started as processes, those of other hosts joining from there: serve_stages; each builds
+    ModelRunner(*runner_args, **runner_kwargs, pp=its stage)), or a pipeline of one; returns
+    (the stage, this host's other stages' processes)."""
     layers = stage_layers(arch_spec(runner_args[0])[1], num_stages, partition)
     if num_stages == 1:
         return PipelineStage(layers=layers[0]), []
-    device = runner_args[3]
-    if device.type != "cpu":
+    if runner_args[3].type != "cpu":
         raise ValueError("pipeline parallelism runs on CPU for now; on CUDA use tensor "
                          "parallelism")
-    threads = threads_per_rank(num_stages, num_threads)
+    here = placement.stages_here(num_stages)
+    threads = threads_per_rank(len(here), num_threads)
     torch.set_num_threads(threads)
     log.info("pipeline stages' layers: %s", ", ".join(
         f"{stage}: {part.start}-{part.stop - 1}" for stage, part in enumerate(layers)))
-    init_method = free_init_method()
-    followers = _spawn(follow_stage, "pp-stage", num_stages, lambda stage: (
-        stage, layers, init_method, runner_args, runner_kwargs, threads, timeout_s))
+    init_method = placement.init_method()
+    followers = _spawn(follow_stage, "pp-stage", here[1:], lambda stage: (
+        stage, num_stages, init_method, threads, timeout_s, placement))
     try:
-        return init_pipeline(0, num_stages, layers[0], init_method, device,
-                             timeout_s), followers
+        pp, _ = init_pipeline(0, num_stages, init_method, timeout_s, placement,
+                              (layers, runner_args, runner_kwargs))
+        return pp, followers
     except BaseException:
         _reap(followers, wait_s=0)
         raise
 
 
-def follow_stage(stage: int, layers: list[range], init_method: str, runner_args: tuple,
-                 runner_kwargs: dict, num_threads: int, timeout_s: float) -> None:
-    """A later stage's life: each step's activations in, this stage's layers, on to the next."""
+def serve_stages(placement: NodePlacement, num_stages: int, num_threads: int | None,
+                 timeout_s: float) -> None:
+    """A host other than node 0: its stages of the leader's pipeline (the model and its
+    settings come from the leader), until the leader stops them (returns) or is gone
+    (GroupBroken or DistError)."""
+    here = placement.stages_here(num_stages)
+    threads = threads_per_rank(len(here), num_threads)
+    init_method = placement.init_method()
+    others = _spawn(follow_stage, "pp-stage", here[1:], lambda stage: (
+        stage, num_stages, init_method, threads, timeout_s, placement))
+    try:
+        follow_stage(here.start, num_stages, init_method, threads, timeout_s, placement,
+                     spawned=False)
+    finally:
+        _reap(others, wait_s=30)
+
+
+def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int,
+                 timeout_s: float, placement: NodePlacement, spawned: bool = True) -> None:
+    """A later stage's life: each step's activations in, this stage's layers, on to the next.
+    spawned: a process its host's first stage started (it dies with it); else that first
+    stage itself, on a host other than the leader's."""
     from kvrelay.engine.model_runner import ModelRunner
-    leader = os.getppid()
-    _die_with_parent()
+    alive = _parent_alive() if spawned else (lambda: True)  # else: the store tells
     torch.set_num_threads(num_threads)
-    pp = init_pipeline(stage, len(layers), layers[stage], init_method, runner_args[3],
-                       timeout_s)
+    pp, (_, runner_args, runner_kwargs) = init_pipeline(stage, num_stages, init_method,
+                                                         timeout_s, placement)
     try:
         runner = ModelRunner(*runner_args, **runner_kwargs, pp=pp)
-        alive = lambda: os.getppid() == leader  # noqa: E731 - reparented: the leader is gone
         while True:
             pp.doorbell.wait(alive)
             header, step, tensors = pp.receive()
@@ -134,30 +149,36 @@ def follow_stage(stage: int, layers: list[range], init_method: str, runner_args:
 def follow(rank: int, size: int, init_method: str, runner_args: tuple, runner_kwargs: dict,
            num_threads: int, timeout_s: float) -> None:
     from kvrelay.engine.model_runner import ModelRunner
-    leader = os.getppid()
-    _die_with_parent()
+    alive = _parent_alive()
     torch.set_num_threads(num_threads)
     device = runner_args[3]
     group = init_group(rank, size, init_method, device, timeout_s)
     try:
         runner = ModelRunner(*runner_args, **runner_kwargs, tp=group)
-        alive = lambda: os.getppid() == leader  # noqa: E731 - reparented: the leader is gone
         while (step := group.next_step(alive)) is not STOP:
             runner.execute_step(step)
     finally:
         leave_group()
 
 
-def _spawn(target, name: str, size: int, args_of) -> list[multiprocessing.Process]:
-    """Ranks 1..size-1 as processes (spawn: a fresh interpreter, no forked torch state)."""
+def _spawn(target, name: str, ranks: range, args_of) -> list[multiprocessing.Process]:
+    """These ranks as processes (spawn: a fresh interpreter, no forked torch state)."""
     context = multiprocessing.get_context("spawn")
     processes = []
-    for rank in range(1, size):
+    for rank in ranks:
         process = context.Process(target=target, name=f"{name}-{rank}", daemon=True,
                                   args=args_of(rank))
         process.start()
         processes.append(process)
     return processes
+
+
+def _parent_alive():
+    """For a process the leader (or its host's first stage) started: dies with it, and a
+    check that it still lives (a reparented process's leader is gone)."""
+    parent = os.getppid()
+    _die_with_parent()
+    return lambda: os.getppid() == parent
 
 
 def _die_with_parent() -> None:

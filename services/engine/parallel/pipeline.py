@@ -6,8 +6,8 @@ activations (the residual stream, and the last layer's output where the layers' 
 into the norms) to stage 1, which runs its layers and sends on; the last stage sends the rows
 the leader samples (and scores or pools) back to it, and the leader applies the final norm and
 the head. Each message waits at most the group's timeout (a stage that dies or stalls takes the
-group down instead of hanging it); between steps a stage waits on the doorbell (doorbell.py),
-which has none.
+group down instead of hanging it); between steps a stage waits on the doorbell (doorbell.py;
+store_doorbell.py where the stages span hosts), which has none.
 
 A group of one is the default everywhere: the model runs whole in this process.
 """
@@ -23,6 +23,8 @@ import torch.distributed as dist
 from kvrelay.engine.parallel.doorbell import Doorbell
 from kvrelay.engine.parallel.group import (DEFAULT_TIMEOUT_S, GroupBroken, join_process_group,
                                            map_group_files)
+from kvrelay.engine.parallel.nodes import NodePlacement
+from kvrelay.engine.parallel.store_doorbell import StoreDoorbell
 
 STOP = None  # the step a leaving leader sends down the pipeline
 
@@ -32,7 +34,7 @@ class PipelineStage:
     stage: int = 0
     num_stages: int = 1
     layers: range | None = None  # the layers this stage runs (None: every layer)
-    doorbell: Doorbell | None = None
+    doorbell: Doorbell | StoreDoorbell | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
@@ -132,15 +134,19 @@ def pack_header(value, tensors: list[torch.Tensor]) -> bytes:
     return pickle.dumps((value, specs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def init_pipeline(stage: int, num_stages: int, layers: range, init_method: str,
-                  device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> PipelineStage:
-    """Join the group's rendezvous (a TCPStore at init_method) as `stage`, running `layers`."""
-    if num_stages == 1:
-        return PipelineStage(layers=layers)
-    if device.type != "cpu":
-        raise ValueError("pipeline parallelism runs on CPU for now (its stages meet in shared "
-                         "memory between steps); on CUDA use tensor parallelism")
-    join_process_group(stage, num_stages, init_method, device, timeout_s)
-    doorbell = map_group_files(stage, lambda stem, create: Doorbell(stem + ".bell", create),
-                               (".bell",))
-    return PipelineStage(stage, num_stages, layers, doorbell, timeout_s)
+def init_pipeline(stage: int, num_stages: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  placement: NodePlacement = NodePlacement(), setup: tuple | None = None):
+    """Join the group's rendezvous (a TCPStore at init_method) as `stage` (CPU). The leader
+    passes setup = (every stage's layers, *what else its stages need) and every stage gets it
+    back: returns (this stage, setup)."""
+    placement.choose_gloo_interface()
+    join_process_group(stage, num_stages, init_method, torch.device("cpu"), timeout_s)
+    box = [setup]
+    dist.broadcast_object_list(box, src=0)
+    setup = box[0]
+    if placement.multi_host:
+        doorbell = StoreDoorbell(*placement.host_port(), timeout_s)
+    else:
+        doorbell = map_group_files(stage, lambda stem, create: Doorbell(stem + ".bell", create),
+                                   (".bell",))
+    return PipelineStage(stage, num_stages, setup[0][stage], doorbell, timeout_s), setup

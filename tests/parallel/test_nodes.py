@@ -1,0 +1,48 @@
+"""Where a pipeline's stages run across hosts, and which interface gloo talks on."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvrelay.engine.parallel.nodes import GLOO_INTERFACE_ENV, NodePlacement, interface_towards
+
+
+def test_each_host_runs_a_run_of_consecutive_stages():
+    assert [NodePlacement(2, rank, "h:1").stages_here(4) for rank in (0, 1)] == [
+        range(0, 2), range(2, 4)]
+    assert NodePlacement(3, 2, "h:1").stages_here(3) == range(2, 3)
+    assert NodePlacement().stages_here(3) == range(0, 3)  # one host: every stage
+
+
+def test_the_rendezvous_is_node_zeros_address_or_a_free_local_port():
+    assert NodePlacement(2, 1, "10.1.2.3:29500").init_method() == "tcp://10.1.2.3:29500"
+    assert NodePlacement(2, 1, "[fd00::1]:29500").init_method() == "tcp://[fd00::1]:29500"
+    assert NodePlacement().init_method().startswith("tcp://127.0.0.1:")
+
+
+def test_the_interface_is_the_one_that_routes_to_node_zero(monkeypatch):
+    assert interface_towards("127.0.0.1") == "lo"
+    assert interface_towards("no-such-host.invalid") is None
+    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)
+    NodePlacement(2, 1, "127.0.0.1:29500").choose_gloo_interface()
+    assert os.environ[GLOO_INTERFACE_ENV] == "lo"
+    monkeypatch.setenv(GLOO_INTERFACE_ENV, "eth7")  # the operator's choice wins
+    NodePlacement(2, 1, "127.0.0.1:29500").choose_gloo_interface()
+    assert os.environ[GLOO_INTERFACE_ENV] == "eth7"
+
+
+def test_one_host_leaves_gloo_alone(monkeypatch):
+    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)
+    NodePlacement().choose_gloo_interface()
+    assert GLOO_INTERFACE_ENV not in os.environ
+
+
+@pytest.mark.parametrize("placement,reason", [
+    (NodePlacement(2, 0, None), "needs --dist-init-address"),
+    (NodePlacement(2, 0, "host:0"), "must be HOST:PORT"),
+    (NodePlacement(2, 0, ":29500"), "must be HOST:PORT"),
+])
+def test_a_placement_that_cannot_be_made_is_refused(placement, reason):
+    with pytest.raises(ValueError, match=reason):
+        placement.check(2, 1)
