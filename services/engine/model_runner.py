@@ -87,8 +87,9 @@ class ModelRunner:
         self.device = device
         self.tp = tp  # this rank of a tensor-parallel group (parallel/)
         self.pp = pp  # this stage of a pipeline-parallel group (parallel/pipeline.py)
-        if self.split:  # the 4-bit kernels read whole weights from the checkpoint's blocks:
-            # a shard's small steps run on the gemv kernel's bf16 tiles of its own weights
+        if self.tp.size > 1:  # the 4-bit kernels read whole weights from the checkpoint's
+            # blocks: a shard's small steps run on the gemv kernel's bf16 tiles of its own
+            # weights (a pipeline stage's layers are whole: its steps take the 4-bit kernels)
             amx_max_tokens = q4a8_max_tokens = 0
             int8_activations = False
         self.dtype = dtype
@@ -212,9 +213,9 @@ class ModelRunner:
         else:
             model = model.to_empty(device="cpu")
             quantized = self._quantized_checkpoint(hf_config, model_dir, rename)
-            if quantized is not None and self.split:
-                raise ValueError("tensor or pipeline parallel: quantized checkpoints are not "
-                                 "split yet")
+            if quantized is not None and self.tp.size > 1:
+                raise ValueError("tensor parallel: quantized checkpoints are not split across "
+                                 "ranks yet (a pipeline's stages take them whole)")
             tensors = sharded(hf_config, model_dir, rename, self.tp) if self.tp.size > 1 \
                 else None if quantized is None else quantized.tensors()
             if self.pp.size > 1:
@@ -280,20 +281,21 @@ class ModelRunner:
         path), a Q4_0/Q4_1 source."""
         source = gguf_source(model_dir)
         if (not (self.int4_max_tokens or self.amx_max_tokens or self.q4a8_max_tokens
-                 or self.int8_activations) or self.split
+                 or self.int8_activations) or self.tp.size > 1
                 or (source is None and not isinstance(quantized, Int4Checkpoint))
                 or not packing_supported(self.device, self.dtype)):
             return None
         if isinstance(quantized, Int4Checkpoint):
-            return quantized.layer_blocks(hf_config.num_hidden_layers)
+            return quantized.layer_blocks(model.stage_layers)
         params = {name: param.detach() for name, param in model.named_parameters()}
-        return gguf_int4.load_from_gguf(source, hf_config, params)
+        return gguf_int4.load_from_gguf(source, hf_config, params, model.stage_layers)
 
     def _q8_head(self, model_dir: Path | None, model):
         """The GGUF source's Q8_0 head (gguf_q8_head.py, checked against the loaded head), for
         the small steps' 8-bit kernel; None where the head is not Q8_0 or small steps are off."""
         source = gguf_source(model_dir)
-        if not self.int4_max_tokens or source is None or self.split:
+        if not self.int4_max_tokens or source is None or self.tp.size > 1 \
+                or not model.holds_ends:  # the head: a pipeline's first stage
             return None
         return gguf_q8_head.load_head_from_gguf(source, model.head_weight.detach())
 

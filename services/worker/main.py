@@ -25,10 +25,10 @@ from kvrelay.worker.flags import add_arguments  # `kvrelay worker`'s flags (cli.
 from kvrelay.worker.compute_domain import boot_id, compute_domain
 from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           KvTransferService, ShmKvTransport)
-from kvrelay.engine.parallel.followers import stop_followers, watch_followers
+from kvrelay.engine.parallel.followers import stop_followers
 from kvrelay.worker.model_setup import load_worker_model
-from kvrelay.worker.rank_group import (check_group_flags, group_cache_path, on_follower_death,
-                                       serve_other_node)
+from kvrelay.worker.rank_group import (check_group_flags, group_cache_path, serve_other_node,
+                                       watch_group)
 from kvrelay.worker.registration import Registration
 from kvrelay.worker.step_executor import StepExecutor
 from kvrelay.worker.step_service import WorkerService
@@ -77,7 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
     if private_cache:
         os.unlink(kv_cache_path)  # every rank has it mapped; nothing else may
     # A follower's death breaks the group: the leader goes too, at once (rank_group.py).
-    watching = watch_followers(loaded.followers, on_follower_death)
+    watching = watch_group(args, loaded.followers)
     if not args.no_warmup and needs_warm_up(runner):
         seconds = await asyncio.get_running_loop().run_in_executor(service.compute, warm_up,
                                                                    runner, args.role)
@@ -130,7 +130,8 @@ async def serve(args: argparse.Namespace) -> None:
         if metrics_server is not None:
             metrics_server.close()
         await registration.close()
-        watching.set()
+        for event in watching:
+            event.set()
         await asyncio.get_running_loop().run_in_executor(service.compute, stop_followers,
                                                          runner.group, loaded.followers)
         if shm_path:

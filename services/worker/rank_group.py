@@ -103,6 +103,23 @@ def group_broken(reason: str) -> None:
     os._exit(EXIT_GROUP_BROKEN)
 
 
+def watch_group(args, followers: list) -> list:
+    """Watch this worker's group: its processes on this host, and (a pipeline across hosts)
+    the other hosts' heartbeats; returns the events that stop the watching."""
+    from kvrelay.engine.parallel.followers import watch_followers
+    from kvrelay.engine.parallel.heartbeats import watch_beats
+    watching = [watch_followers(followers, on_follower_death)]
+    if args.nnodes > 1:
+        watching.append(watch_beats(*placement(args).host_port(), range(1, args.nnodes),
+                                    args.tensor_parallel_timeout, on_silent_node))
+    return watching
+
+
+def on_silent_node(node_rank: int) -> None:
+    group_broken(f"node {node_rank}'s pipeline stages sent no heartbeat for "
+                 "--tensor-parallel-timeout")
+
+
 def on_follower_death(process) -> None:
     group_broken(f"rank process {process.name} (pid {process.pid}) exited with "
                  f"{process.exitcode}")

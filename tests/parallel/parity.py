@@ -8,9 +8,12 @@ PROMPTS = [[1, 5, 9, 200, 3000, 17] * 7, [1, 42, 7] * 20, [1] + list(range(100, 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
 
 
-def run_prompts(model: str | None, **engine_args):
-    """(greedy tokens, prompt logprobs) per prompt, float32."""
-    llm = LLM(model=model, dtype="float32", num_kv_blocks=256, **engine_args)
+def run_prompts(model: str | None, dtype: str = "float32", **engine_args):
+    """(greedy tokens, prompt logprobs) per prompt."""
+    return prompts_on(LLM(model=model, dtype=dtype, num_kv_blocks=256, **engine_args))
+
+
+def prompts_on(llm: LLM):
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
     logprobs = [[entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:],

@@ -2,17 +2,24 @@
 own process passing activations on torch.distributed (gloo), gives the single process's greedy
 tokens and its prompt logprobs within 1e-4: Llama, Qwen3 (q/k norms, windows), Gemma 3 (local
 and global layers in two KV groups, sandwich norms, soft-capping), Qwen3-MoE, a hand-given
-partition, and the default model. What cannot be split is refused."""
+partition, and the default model; in bf16 with the small steps on a GGUF's or a GPTQ
+checkpoint's 4-bit blocks. What cannot be split is refused."""
 from __future__ import annotations
 
+import gc
+
 import pytest
+from transformers import LlamaConfig
 
 from kvrelay.engine import LLM
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.partition import (balanced_counts, head_cost, layer_cost,
                                                stage_layers)
-from tests.families.checkpoints import CONFIGS, write_checkpoint
-from tests.parallel.parity import assert_same, run_prompts
+from kvrelay.engine.models import gguf_int4
+from tests.families.checkpoints import CONFIGS, write_checkpoint, write_model
+from tests.parallel.parity import assert_same, prompts_on, run_prompts
+from tests.quantized.int4_writer import write_int4_checkpoint
+from tests.quantized.test_int4_checkpoints import DIMS, FORMATS
 
 
 @pytest.mark.parametrize("family,stages,partition", [
@@ -26,6 +33,25 @@ def test_staged_model_matches_one_process(family, stages, partition, tmp_path, m
 
 def test_default_model_in_two_stages():
     assert_same(run_prompts(None), run_prompts(None, pipeline_parallel_size=2))
+
+
+def test_stages_run_small_steps_on_the_checkpoints_4_bit_blocks(tmp_path, model_dir):
+    """bf16: a stage's layers are whole, so its small steps multiply the 4-bit blocks of its
+    own layers as one process does (the default model's GGUF, a GPTQ checkpoint): the same
+    tokens and logprobs. The GPTQ checkpoint in float32 too (dequantized at load)."""
+    if not gguf_int4.int4_supported():
+        pytest.skip("no torch int4 CPU op")
+    hf_model = write_model(LlamaConfig(**DIMS), tmp_path / "float", model_dir)
+    write_int4_checkpoint(hf_model, FORMATS["gptq-sym-g32"], tmp_path / "int4", model_dir)
+    for model, dtype in ((None, "bfloat16"), (str(tmp_path / "int4"), "bfloat16"),
+                         (str(tmp_path / "int4"), "float32")):
+        single = run_prompts(model, dtype, int4_max_tokens=4)
+        staged = LLM(model=model, dtype=dtype, num_kv_blocks=256, int4_max_tokens=4,
+                     pipeline_parallel_size=2)
+        assert staged.engine.runner.uses_int4 == (dtype == "bfloat16")  # the first stage's
+        assert_same(single, prompts_on(staged))
+        del staged  # one split engine per process: its stages go before the next one's start
+        gc.collect()
 
 
 def test_the_default_split_balances_a_tokens_weights():

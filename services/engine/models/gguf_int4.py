@@ -161,20 +161,22 @@ def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
     return np.arange(num_rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(-1)
 
 
-def load_from_gguf(gguf_path: str, hf_config,
-                   checkpoint: dict[str, torch.Tensor]) -> dict[str, Q4Blocks] | None:
+def load_from_gguf(gguf_path: str, hf_config, checkpoint: dict[str, torch.Tensor],
+                   layers: range | None = None) -> dict[str, Q4Blocks] | None:
     """The 4-bit blocks of each layer matmul whose parts are all Q4_0, Q4_1 or Q4_K, keyed by our
     parameter name ("layers.3.mlp.down_proj"), or None where no matmul's are (the others run
     on the dequantized weights; a Q4_K_M file mixes Q4_K with Q6_K, say). q/k rows are put
     back in Hugging Face's order where the file's architecture has them permuted. Each is
     checked against the checkpoint's dequantized float32 weight (`checkpoint`: our parameter
-    name -> tensor): a mismatch (another conversion, another row order) raises ValueError."""
+    name -> tensor): a mismatch (another conversion, another row order) raises ValueError.
+    layers: those whose matmuls this process runs (a pipeline stage's), default every one."""
+    layers = range(hf_config.num_hidden_layers) if layers is None else layers
     gguf = read_gguf_tensors(gguf_path)
     tensors, arch = gguf.tensors, gguf.architecture
     heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads} \
         if arch in PERMUTED_QK_ARCHITECTURES else {}
     weights, others = {}, Counter()
-    for layer in range(hf_config.num_hidden_layers):
+    for layer in layers:
         for ours, pieces in FUSED.items():
             found = [tensors.get(f"blk.{layer}.{piece}.weight") for piece in pieces]
             if any(tensor is None or tensor.type_name not in _BLOCK_BYTES for tensor in found):
@@ -187,7 +189,7 @@ def load_from_gguf(gguf_path: str, hf_config,
     if others:
         log.info("%s: %d of %d layer matmuls run small steps on their 4-bit blocks; the rest "
                  "(parts in %s) on the dequantized weights", Path(gguf_path).name, len(weights),
-                 hf_config.num_hidden_layers * len(FUSED), ", ".join(sorted(others)))
+                 len(layers) * len(FUSED), ", ".join(sorted(others)))
     return weights or None
 
 

@@ -54,13 +54,13 @@ class Int4Checkpoint:
             self.unpacked[self.rename(module.removeprefix("model."))] = int4
             yield f"{module}.weight", int4.dequantized()
 
-    def layer_blocks(self, num_layers: int) -> dict[str, gguf_int4.Q4Blocks] | None:
+    def layer_blocks(self, layers: range) -> dict[str, gguf_int4.Q4Blocks] | None:
         """The 4-bit blocks of each layer matmul that has them, by our parameter name
         ("layers.3.mlp.down_proj"), or None where none has. Those without (a linear left
         unquantized, MoE experts, a size that is not whole 32-input blocks, fused parts in
         different orders) run every step on the dequantized weights; the log counts them."""
         blocks, without = {}, []
-        for layer in range(num_layers):
+        for layer in layers:  # every layer, or a pipeline stage's
             for fused, pieces in FUSED.items():
                 name = f"layers.{layer}.{fused}"
                 found = self._fused(name, [f"layers.{layer}.{piece}" for piece in pieces])

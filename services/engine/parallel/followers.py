@@ -22,6 +22,7 @@ import torch
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.group import (DEFAULT_TIMEOUT_S, TPGroup, init_group,
                                            leave_group)
+from kvrelay.engine.parallel.heartbeats import start_beating
 from kvrelay.engine.parallel.nodes import NodePlacement
 from kvrelay.engine.parallel.partition import parse_partition, stage_layers
 from kvrelay.engine.parallel.pipeline import PipelineStage, init_pipeline
@@ -132,6 +133,8 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
     torch.set_num_threads(num_threads)
     pp, (_, runner_args, runner_kwargs) = init_pipeline(stage, num_stages, init_method,
                                                          timeout_s, placement)
+    if not spawned:  # the leader's watcher hears from this host (heartbeats.py)
+        start_beating(*placement.host_port(), placement.node_rank, timeout_s)
     try:
         runner = ModelRunner(*runner_args, **runner_kwargs, pp=pp)
         while True:
