@@ -4,7 +4,8 @@ equality of both stays in make test), the 4-bit kernels other than the default o
 tool_choice form, the end-to-end twin of an offline preemption test, two topology changes the
 chaos suite also exercises, the HF peer's harness, an engine parity run without prefix
 caching, the 8-bit KV cache's fp8 parity and PD stack, LoRA on four more families, and tensor
-parallel on Qwen2 and Mixtral and a PD stack of two rank groups. Each stays a test; make test's
+parallel on Qwen2 and Mixtral (its experts split by columns and whole a rank) and a PD stack of
+two rank groups. Each stays a test; make test's
 time on 2 cores is what moves them here."""
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ VARIANTS = frozenset(
        for family in ("gemma2", "gemma3", "mixtral", "qwen3_moe")]
     + [f"tests/parallel/test_tensor_parallel.py::test_split_model_matches_one_rank[{case}]"
        for case in ("qwen2_window-2", "mixtral-2")]
+    + ["tests/parallel/test_tensor_parallel.py::test_whole_experts_a_rank_match_one_rank[mixtral]"]
     + ["tests/parallel/test_tp_stack.py::"
        "test_a_prefill_group_pushes_into_a_decode_worker_over_shared_memory[2]"])
 

@@ -71,6 +71,9 @@ class EngineConfig:
     # each a process with its share of the cores (torch.distributed: gloo on CPU, NCCL on
     # CUDA); 1: one process.
     tensor_parallel_size: int = 1
+    # Under tensor parallelism, a mixture-of-experts model's experts whole on each rank (E / N
+    # each, vLLM's enable_expert_parallel) instead of every expert split by its columns.
+    enable_expert_parallel: bool = False
     # Pipeline parallelism (engine/parallel/pipeline.py): the layers split into this many
     # contiguous stages, each a process with its share of the cores; pp_layer_partition gives
     # each stage's layer count ("11,19"), else the split balances the weights a decode row
@@ -97,6 +100,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("tensor and pipeline parallelism together are not served yet: "
                              "set one of tensor_parallel_size, pipeline_parallel_size to 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel splits experts across the ranks of "
+                             "tensor_parallel_size > 1")
         parse_partition(self.pp_layer_partition)  # ValueError: not counts
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

@@ -53,7 +53,8 @@ class EngineCore:
                              amx_max_tokens=config.amx_max_tokens,
                              q4a8_max_tokens=config.q4a8_max_tokens,
                              int8_activations=config.int8_activations,
-                             kv_cache_dtype=config.kv_cache_dtype)
+                             kv_cache_dtype=config.kv_cache_dtype,
+                             expert_parallel=config.enable_expert_parallel)
         self.tp, self.pp, self.followers = start_ranks(config, runner_args, runner_kwargs)
         group = self.pp if self.pp.size > 1 else self.tp
         try:

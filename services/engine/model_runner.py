@@ -83,8 +83,11 @@ class ModelRunner:
                  kv_cache_path: str | None = None, int4_max_tokens: int = 0,
                  amx_max_tokens: int = 0, q4a8_max_tokens: int = 0,
                  int8_activations: bool = False, kv_cache_dtype: str = "auto",
-                 tp: TPGroup = TPGroup(), pp: PipelineStage = PipelineStage()) -> None:
+                 tp: TPGroup = TPGroup(), pp: PipelineStage = PipelineStage(),
+                 expert_parallel: bool = False) -> None:
         self.device = device
+        # a MoE's experts whole on each rank of a tensor-parallel group (parallel/shard.py)
+        self.expert_parallel = expert_parallel
         self.tp = tp  # this rank of a tensor-parallel group (parallel/)
         self.pp = pp  # this stage of a pipeline-parallel group (parallel/pipeline.py)
         if self.tp.size > 1:  # the 4-bit kernels read whole weights from the checkpoint's
@@ -203,7 +206,8 @@ class ModelRunner:
 
     def _load_model(self, hf_config, model_dir: Path | None) -> DecoderLM:
         with torch.device("meta"), skip_weight_init():
-            model, rename = build_model(hf_config, self.tp, self.pp.layers)
+            model, rename = build_model(hf_config, self.tp, self.pp.layers,
+                                        self.expert_parallel)
         if model_dir is None:
             # Random weights, made where they run (an 8B model's float32 copy on the host
             # would be 32 GB): for kernel and speed measurements with a real config.
@@ -216,8 +220,10 @@ class ModelRunner:
             if quantized is not None and self.tp.size > 1:
                 raise ValueError("tensor parallel: quantized checkpoints are not split across "
                                  "ranks yet (a pipeline's stages take them whole)")
-            tensors = sharded(hf_config, model_dir, rename, self.tp) if self.tp.size > 1 \
-                else None if quantized is None else quantized.tensors()
+            if self.tp.size > 1:
+                tensors = sharded(hf_config, model_dir, rename, self.tp, self.expert_parallel)
+            else:
+                tensors = None if quantized is None else quantized.tensors()
             if self.pp.size > 1:
                 tensors = stage_kv.stage_tensors(tensors or iter_checkpoint(model_dir), rename,
                                                  model)
@@ -495,11 +501,14 @@ def _stage_message(value, residual: torch.Tensor, delta: torch.Tensor | None):
     return pack_header(value, tensors), tensors
 
 
-def sharded(hf_config, model_dir: Path, rename, tp: TPGroup):
-    """The checkpoint's tensors cut to this rank's shard (parallel/shard.py)."""
-    sharder = Sharder(arch_spec(hf_config)[1], tp.rank, tp.size)
+def sharded(hf_config, model_dir: Path, rename, tp: TPGroup, expert_parallel: bool):
+    """The checkpoint's tensors cut to this rank's shard (parallel/shard.py), other ranks'
+    experts left out under expert parallel."""
+    sharder = Sharder(arch_spec(hf_config)[1], tp.rank, tp.size, expert_parallel)
     for name, tensor in iter_checkpoint(model_dir):
-        yield name, sharder(rename(name.removeprefix("model.")), tensor)
+        piece = sharder(rename(name.removeprefix("model.")), tensor)
+        if piece is not None:
+            yield sharder.local_name(name), piece
 
 
 def _token_adapters(adapter_ids: list[int], rows_per_item: np.ndarray,

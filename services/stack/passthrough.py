@@ -42,6 +42,7 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--kv-cache-dtype": ("worker",),
     "--tensor-parallel-timeout": ("worker",),
     "--pp-layer-partition": ("worker",),
+    "--enable-expert-parallel": ("worker",),
     "--dist-init-address": ("worker",),
     "--int4-max-tokens": ("worker",),
     "--amx-max-tokens": ("worker",),

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                   "worker starts N-1 more processes, each holding 1/N of every layer's weights "
                   "and its share of the KV heads, on --num-threads threads each (default: "
                   "its share of the cores); the scheduler sees one worker")
+    add_flag(parser, "--enable-expert-parallel", action="store_true", default=False,
+             help="with --tensor-parallel-size N, a mixture-of-experts model's experts whole "
+                  "on each rank (E / N each; the router and attention as before) instead of "
+                  "every expert split by its columns")
     add_flag(parser, "--pipeline-parallel-size", "-pp", type=int, default=1,
              help="stages of this worker's pipeline on this host (CPU): the worker starts "
                   "N-1 more processes, each holding a contiguous run of the layers and their KV "

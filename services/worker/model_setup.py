@@ -47,7 +47,8 @@ def load_worker_model(args, kv_cache_path: str | None) -> LoadedModel:
                          amx_max_tokens=args.amx_max_tokens,
                          q4a8_max_tokens=args.q4a8_max_tokens,
                          int8_activations=args.int8_activations,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype,
+                         expert_parallel=args.enable_expert_parallel)
     tp, pp, followers = start_ranks(args, runner_args, runner_kwargs,
                                     args.tensor_parallel_timeout, placement(args))
     try:

@@ -38,6 +38,9 @@ def check_group_flags(args) -> None:
         if size > 1 and args.enable_lora:
             sys.exit(f"--enable-lora with {flag} > 1: LoRA adapters are not split across a "
                      "group's ranks yet; run the adapters on one-rank workers")
+    if args.enable_expert_parallel and args.tensor_parallel_size == 1:
+        sys.exit("--enable-expert-parallel splits experts across the ranks of "
+                 "--tensor-parallel-size > 1")
     if args.tensor_parallel_size > 1 and args.pipeline_parallel_size > 1:
         sys.exit("--tensor-parallel-size and --pipeline-parallel-size together are not served "
                  "yet: set one of them to 1")

@@ -2,7 +2,7 @@
 process on torch.distributed (gloo), gives the single rank's greedy tokens and its prompt
 logprobs within 1e-4, for Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms, windows), Phi-3 (fused
 q/k/v and gate/up in the checkpoint), Qwen3-MoE and Mixtral (each expert split by its
-intermediate columns), K/V heads replicated where ranks outnumber them, and the default model
+intermediate columns, or expert parallel: whole experts a rank), K/V heads replicated where ranks outnumber them, and the default model
 split three ways (9 query and 3 KV heads). What cannot be split is refused."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvrelay.engine import LLM, SamplingParams
 from kvrelay.engine.models.registry import arch_spec
 from kvrelay.engine.parallel.shard import check_shardable
 from tests.families.checkpoints import CONFIGS, write_checkpoint
-from tests.parallel.parity import PROMPTS, assert_same, run_prompts
+from tests.parallel.parity import PROMPTS, assert_same, prompts_on, run_prompts
 
 
 @pytest.mark.parametrize("family,size", [("llama3", 2), ("llama3", 4), ("qwen2_window", 2),
@@ -27,6 +27,33 @@ def test_split_model_matches_one_rank(family, size, tmp_path, model_dir):
 
 def test_default_model_three_ways():
     assert_same(run_prompts(None), run_prompts(None, tensor_parallel_size=3))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_whole_experts_a_rank_match_one_rank(family, tmp_path, model_dir):
+    """Expert parallel: each of 2 ranks holds half the experts whole (Qwen3-MoE 4 of 8,
+    Mixtral 2 of 4) and adds their share of each token's sum."""
+    write_checkpoint(family, tmp_path, model_dir)
+    single = run_prompts(str(tmp_path))
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
+              enable_expert_parallel=True)
+    experts = arch_spec(CONFIGS[family]())[1].moe.num_experts
+    moe = next(layer.mlp for layer in llm.engine.runner.model.layers
+               if hasattr(layer.mlp, "experts"))
+    assert moe.experts.w13.shape[0] == experts // 2 and moe.gate.out_features == experts
+    assert_same(single, prompts_on(llm))
+
+
+def test_expert_parallel_that_cannot_be_made_is_refused(tmp_path, model_dir):
+    spec = arch_spec(CONFIGS["qwen3_moe"]())[1]
+    check_shardable(spec, 2, expert_parallel=True)
+    five = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, num_experts=5))
+    with pytest.raises(ValueError, match="does not divide the model's experts"):
+        check_shardable(five, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        check_shardable(arch_spec(CONFIGS["llama3"]())[1], 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        LLM(model=None, dtype="float32", num_kv_blocks=16, enable_expert_parallel=True)
 
 
 def test_experts_that_do_not_split_are_refused():

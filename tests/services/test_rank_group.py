@@ -21,6 +21,7 @@ def _args(*argv: str) -> argparse.Namespace:
     (["--tensor-parallel-size", "2", "--device", "cuda"], "runs on CPU"),
     (["--tensor-parallel-size", "2", "--enable-lora"], "LoRA adapters are not split"),
     (["--tensor-parallel-timeout", "0"], "must be > 0"),
+    (["--enable-expert-parallel"], "splits experts across the ranks"),
     # a pipeline across hosts
     (["--nnodes", "0"], "--nnodes must be >= 1"),
     (["--nnodes", "2", "--node-rank", "2", "-pp", "2"], "--node-rank must be in 0..1"),

@@ -12,6 +12,9 @@ class MoESpec:
     top_k: int
     intermediate_size: int  # per expert
     renormalize: bool  # divide the top-k weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    # expert parallel: the experts this rank holds whole (the router still scores all of them);
+    # None: every expert (one rank, or each expert split by columns under tensor parallel)
+    local_experts: range | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,14 +35,17 @@ def arch_spec(hf_config) -> tuple[ModuleType, ArchSpec]:
     return family, family.spec(hf_config)
 
 
-def build_model(hf_config, tp=None, stage_layers: range | None = None):
+def build_model(hf_config, tp=None, stage_layers: range | None = None,
+                expert_parallel: bool = False):
     """The family's DecoderLM (on whatever device is current; under tensor parallelism, this
-    rank's shard of it; for a pipeline stage, its layers) and its checkpoint renamer."""
+    rank's shard of it, its experts whole with expert_parallel; for a pipeline stage, its
+    layers) and its checkpoint renamer."""
     from kvrelay.engine.models.decoder import DecoderLM
     from kvrelay.engine.parallel.group import TPGroup
     from kvrelay.engine.parallel.shard import check_shardable, local_spec
     tp = tp or TPGroup()
     family, spec = arch_spec(hf_config)
-    check_shardable(spec, tp.size)
-    return (DecoderLM(hf_config, local_spec(spec, tp.size), tp, stage_layers),
+    check_shardable(spec, tp.size, expert_parallel)
+    return (DecoderLM(hf_config, local_spec(spec, tp.size, tp.rank, expert_parallel), tp,
+                      stage_layers),
             getattr(family, "rename", lambda name: name))

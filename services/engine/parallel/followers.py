@@ -62,7 +62,8 @@ def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_k
     rank)), or a group of one; returns (the group, the followers' processes)."""
     if size == 1:
         return TPGroup(), []
-    check_shardable(arch_spec(runner_args[0])[1], size)  # before any rank starts
+    check_shardable(arch_spec(runner_args[0])[1], size,  # before any rank starts
+                    runner_kwargs.get("expert_parallel", False))
     threads = threads_per_rank(size, num_threads)
     torch.set_num_threads(threads)
     init_method = NodePlacement().init_method()  # a free local port

@@ -4,8 +4,10 @@ columns (their partial outputs summed across the ranks), embedding and head by v
 K/V heads split across the ranks, or, where ranks outnumber them, each rank holds the one its
 query heads read (replicated). A mixture-of-experts layer's experts are split the same way, each
 expert's gate/up rows and down columns (vLLM's default under tensor parallelism): every rank
-runs every routed expert on its slice, the router whole on each. Norms and everything else are
-whole on every rank."""
+runs every routed expert on its slice, the router whole on each; or, expert parallel, each rank
+holds E / N experts whole and runs only those (their share of each token's sum; vLLM's
+--enable-expert-parallel). Either way the ranks' partial outputs are summed as a dense MLP's.
+Norms and everything else are whole on every rank."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,18 +18,24 @@ import torch
 from kvrelay.engine.models.arch import ArchSpec
 
 _LAYER = re.compile(r"^layers\.\d+\.(.+)\.(weight|bias)$")
-_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")  # in any checkpoint's own names
 
 
-def check_shardable(spec: ArchSpec, size: int) -> None:
+def check_shardable(spec: ArchSpec, size: int, expert_parallel: bool = False) -> None:
     """ValueError where the model cannot be split `size` ways."""
+    if expert_parallel and not any(spec.moe_layers):
+        raise ValueError("expert parallel: the model has no mixture-of-experts layers")
     if size == 1:
         return
     checks = {"query heads": spec.num_heads, "vocabulary": spec.vocab_size}
     if not all(spec.moe_layers):
         checks["intermediate size"] = spec.intermediate_size
     if any(spec.moe_layers):
-        checks["experts' intermediate size"] = spec.moe.intermediate_size
+        if expert_parallel:
+            checks["experts"] = spec.moe.num_experts
+        else:
+            checks["experts' intermediate size"] = spec.moe.intermediate_size
     for what, count in checks.items():
         if count % size:
             raise ValueError(f"tensor parallel size {size} does not divide the model's "
@@ -51,23 +59,36 @@ def group_kv_heads(num_kv_heads: int, size: int) -> list[list[int]]:
     return [rank_kv_heads(num_kv_heads, size, rank) for rank in range(size)]
 
 
-def local_spec(spec: ArchSpec, size: int) -> ArchSpec:
+def local_spec(spec: ArchSpec, size: int, rank: int = 0,
+               expert_parallel: bool = False) -> ArchSpec:
     """The spec of one rank's shard of the model."""
     if size == 1:
         return spec
-    moe = None if spec.moe is None else dataclasses.replace(
-        spec.moe, intermediate_size=spec.moe.intermediate_size // size)
+    moe = spec.moe
+    if moe is not None and expert_parallel:
+        moe = dataclasses.replace(moe, local_experts=local_experts(moe.num_experts, size, rank))
+    elif moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // size)
     return dataclasses.replace(spec, num_heads=spec.num_heads // size,
                                num_kv_heads=max(1, spec.num_kv_heads // size),
                                intermediate_size=spec.intermediate_size // size,
                                vocab_size=spec.vocab_size // size, moe=moe)
 
 
-class Sharder:
-    """Cuts a checkpoint tensor (by its canonical name) to what `rank` of `size` holds."""
+def local_experts(num_experts: int, size: int, rank: int) -> range:
+    share = num_experts // size
+    return range(rank * share, (rank + 1) * share)
 
-    def __init__(self, spec: ArchSpec, rank: int, size: int) -> None:
+
+class Sharder:
+    """Cuts a checkpoint tensor (by its canonical name) to what `rank` of `size` holds (None:
+    nothing of it, another rank's expert)."""
+
+    def __init__(self, spec: ArchSpec, rank: int, size: int,
+                 expert_parallel: bool = False) -> None:
         self.spec, self.rank, self.size = spec, rank, size
+        self.experts = None if spec.moe is None or not expert_parallel else \
+            local_experts(spec.moe.num_experts, size, rank)
         head_dim = spec.head_dim
         q_heads = spec.num_heads // size
         self.q_rows = _span(rank * q_heads * head_dim, q_heads * head_dim)
@@ -76,11 +97,20 @@ class Sharder:
         inter = spec.intermediate_size // size
         self.inter_rows = _span(rank * inter, inter)
         expert_inter = 0 if spec.moe is None else spec.moe.intermediate_size // size
-        self.expert_rows = _span(rank * expert_inter, expert_inter)
+        self.expert_rows = _span(rank * expert_inter, expert_inter) if self.experts is None \
+            else slice(None)  # expert parallel: whole experts
         vocab = spec.vocab_size // size
         self.vocab_rows = _span(rank * vocab, vocab)
 
-    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def local_name(self, name: str) -> str:
+        """A checkpoint name with its expert's global index made this rank's (expert
+        parallel: expert e is this rank's e - first)."""
+        if self.experts is None:
+            return name
+        return _EXPERT_INDEX.sub(
+            lambda match: f".experts.{int(match.group(1)) - self.experts.start}.", name)
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         if self.size == 1:
             return tensor
         if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -119,8 +149,13 @@ class Sharder:
         expert ([E, 2I, H] gate first, [E, H, I]) likewise; the router whole."""
         expert = _EXPERT.match(piece)
         if expert is not None:  # one expert's [rows, columns]
-            down = expert.group(1) == "down_proj"
+            if self.experts is not None:  # expert parallel: whole, if this rank's
+                return tensor if int(expert.group(1)) in self.experts else None
+            down = expert.group(2) == "down_proj"
             return tensor[:, self.expert_rows] if down else tensor[self.expert_rows]
+        if self.experts is not None and piece in ("mlp.experts.down_proj",
+                                                  "mlp.experts.gate_up_proj"):
+            return tensor[self.experts.start:self.experts.stop]
         if piece == "mlp.experts.down_proj":
             return tensor[:, :, self.expert_rows]
         if piece == "mlp.experts.gate_up_proj":
