@@ -34,6 +34,7 @@ from kvrelay.engine.parallel.group_kv import allocate_group_kv_cache
 from kvrelay.engine.parallel.pipeline import PipelineStage, Sending, pack_header
 from kvrelay.engine.parallel import stage_kv
 from kvrelay.engine.parallel.shard import Sharder, group_kv_heads
+from kvrelay.engine.parallel.staged_pages import KvWrites, StagedKvPages, write_own
 from kvrelay.engine.models.packed_linear import onednn_min_rows, packing_supported
 from kvrelay.engine.models.weights import iter_checkpoint, load_weights
 from kvrelay.engine.step_padding import PAD_SLOT, PAD_TOKEN_ID, padded_rows
@@ -414,9 +415,10 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.end_step()
         if self.pp.size > 1:
+            sendings = self._send_staged_pages()  # the step reads them on later stages
             self.pp.doorbell.ring()
-            sending = self.pp.start_send(*_stage_message(step, residual, delta))
-            return PendingStep(step, on_layer_done=on_layer_done, sending=sending)
+            sendings.append(self.pp.start_send(*_stage_message(step, residual, delta)))
+            return PendingStep(step, on_layer_done=on_layer_done, sendings=sendings)
         return PendingStep(step, residual[rows], None if delta is None else delta[rows])
 
     @torch.inference_mode()
@@ -425,7 +427,8 @@ class ModelRunner:
         step = pending.step
         if pending.residual_rows is None:  # the last stage's, in the order steps started
             self.pp.doorbell.take_result()
-            self.pp.wait_sent(pending.sending)
+            for sending in pending.sendings:
+                self.pp.wait_sent(sending)
             _, _, tensors = self.pp.receive()
             pending.residual_rows, pending.delta_rows = (*tensors, None)[:2]
             if pending.on_layer_done is not None:  # the later stages' layers are stored
@@ -446,6 +449,26 @@ class ModelRunner:
         """Whether finish_step would find the step's rows here or on their way (not wait
         for a stage still computing it); steps are collected in the order they started."""
         return pending.residual_rows is not None or self.pp.doorbell.result_ready()
+
+    def _send_staged_pages(self) -> list[Sending]:
+        """Leader: the KV pages the connector wrote for the other stages' slots, sent down the
+        pipeline (each stage writes its own: write_staged_pages)."""
+        if not isinstance(self.kv_pages, StagedKvPages):
+            return []
+        message = self.kv_pages.take_pending()
+        if message is None:
+            return []
+        writes, tensors = message
+        self.pp.doorbell.ring()
+        return [self.pp.start_send(pack_header(writes, tensors), tensors)]
+
+    def write_staged_pages(self, writes: KvWrites, header: bytes,
+                           tensors: list[torch.Tensor]) -> None:
+        """A later stage: the entries of its own slots into its cache, the message passed on."""
+        first_slot = stage_kv.slot_run(self.kv_layout, self.pp.layers)[0]
+        write_own(KvPages.whole(self.kv_cache), first_slot, writes, tensors)
+        if not self.pp.is_last:
+            self.pp.send(header, tensors)
 
     @torch.inference_mode()
     def run_stage(self, step: StepInput, header: bytes, tensors: list[torch.Tensor]) -> None:
@@ -485,7 +508,9 @@ class PendingStep:
     residual_rows: torch.Tensor | None = None  # [R, hidden]
     delta_rows: torch.Tensor | None = None  # [R, hidden], where the layers' adds are fused
     on_layer_done: Callable[[int], None] | None = None
-    sending: Sending | None = None  # its activations on the way to the next stage
+    # its activations on the way to the next stage (after the KV pages the stages hold for
+    # it, sent first where the connector wrote some: staged_pages.py)
+    sendings: list[Sending] = field(default_factory=list)
 
 
 def _output_rows(step: StepInput) -> torch.Tensor:

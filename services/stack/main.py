@@ -126,10 +126,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
              args.prefill_pipeline_parallel_size, args.decode_pipeline_parallel_size)
     if min(size for size in sizes if size is not None) < 1:
         return "tensor- and pipeline-parallel sizes must be >= 1"
-    if args.nnodes > 1 and (args.topology != "colocated" or args.num_workers > 1
-                            or args.groups > 1):
-        return ("--nnodes > 1 spreads one worker's pipeline over several hosts: use "
-                "--topology colocated with one worker and one group")
+    one_decoder = args.num_workers if args.topology == "colocated" else args.decode_workers
+    if args.nnodes > 1 and (one_decoder > 1 or args.groups > 1):
+        return ("--nnodes > 1 spreads one worker's pipeline over several hosts (the colocated "
+                "worker, or the pd topology's decode worker): one such worker, one group")
     if args.max_restarts < 0:
         return "--max-restarts must be >= 0"
     internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))

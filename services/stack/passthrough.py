@@ -43,7 +43,6 @@ PASSED_ON: dict[str, tuple[str, ...]] = {
     "--tensor-parallel-timeout": ("worker",),
     "--pp-layer-partition": ("worker",),
     "--enable-expert-parallel": ("worker",),
-    "--dist-init-address": ("worker",),
     "--int4-max-tokens": ("worker",),
     "--amx-max-tokens": ("worker",),
     "--q4a8-max-tokens": ("worker",),
@@ -84,8 +83,9 @@ READ_BY_UP: dict[str, tuple[str, str]] = {
     "--pipeline-parallel-size": ("worker", "every worker's, unless --prefill-/"
                                  "--decode-pipeline-parallel-size set its role's; its stages "
                                  "share the worker's threads"),
-    "--nnodes": ("worker", "the worker's, whose pipeline then spans this host and others "
-                 "(--topology colocated: one worker)"),
+    "--nnodes": ("worker", "the colocated worker's, or the pd topology's decode worker's "
+                 "(one of it), whose pipeline then spans this host and others"),
+    "--dist-init-address": ("worker", "given to that worker"),
 }
 
 _PLURAL = {"gateway": "gateways", "tokenizer": "tokenizers", "scheduler": "schedulers",

@@ -152,7 +152,8 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
             name = group_prefix(group, args.groups) + base_name
             ranks = tensor_parallel_size(args, role)
             stages = pipeline_parallel_size(args, role)
-            here = max(1, ranks * stages // args.nnodes)  # this host's processes of the group
+            nnodes = args.nnodes if role != "prefill" else 1  # a decoder spans the hosts
+            here = max(1, ranks * stages // nnodes)  # this host's processes of the group
             argv = internal(name) + [
                 "--role", role, "--worker-id", name,
                 "--advertise-address", f"{dial}:{grpc_ports[name]}",
@@ -160,7 +161,8 @@ def plan_stack(args: Namespace) -> list[ServiceSpec]:
                 # a group's ranks split the worker's threads (they must not share cores)
                 "--num-threads", str(max(1, num_threads // here)),
                 "--tensor-parallel-size", str(ranks),
-                "--pipeline-parallel-size", str(stages), "--nnodes", str(args.nnodes),
+                "--pipeline-parallel-size", str(stages), "--nnodes", str(nnodes),
+                *(["--dist-init-address", args.dist_init_address] if nnodes > 1 else []),
                 *passed_on_argv(args, "worker")]
             # Workers start after the tokenizer is SERVING: it resolves the model first, so on a
             # fresh machine the GGUF is converted once rather than by every process at once.

@@ -53,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
 async def serve(args: argparse.Namespace) -> None:
     install(tls_files_from_args(args))  # this process's identity on every internal hop
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-    # a pipeline across hosts moves no KV pages (its stages' pages are on their hosts)
-    transports = [name for name in args.kv_transports.split(",") if name and args.nnodes == 1]
+    # a pipeline across hosts takes KV pages over gRPC only (it has no shared cache file; its
+    # leader sends the other stages theirs: engine/parallel/staged_pages.py)
+    transports = [name for name in args.kv_transports.split(",")
+                  if name and (args.nnodes == 1 or name == "grpc")]
     shm_path = _shm_path(args, worker_id, transports)
     kv_cache_path, private_cache = group_cache_path(args, worker_id, shm_path)
     server = ServiceServer(args.host, args.port, [

@@ -11,7 +11,7 @@ The group lives and dies as one. A follower that dies, or a rank that stalls in 
 EXIT_GROUP_BROKEN (its followers die with it), its requests are recovered by the scheduler as for
 any lost worker (re-prefilled elsewhere), and the supervisor (`kvrelay up`, Kubernetes)
 restarts the whole group. A pipeline across hosts has no shared file: each stage holds its own
-layers' pages, and the worker serves --role both (no KV pushes).
+layers' pages; pushed pages reach the leader over gRPC, which sends the other stages theirs.
 """
 from __future__ import annotations
 
@@ -52,10 +52,9 @@ def check_group_flags(args) -> None:
         placement(args).check(args.pipeline_parallel_size, args.tensor_parallel_size)
     except ValueError as exc:
         sys.exit(str(exc))
-    if args.nnodes > 1 and args.role != "both":
-        sys.exit(f"--nnodes > 1 with --role {args.role}: a pipeline across hosts serves "
-                 "--role both (KV pages cannot be pushed to or from its other hosts' stages "
-                 "yet)")
+    if args.nnodes > 1 and args.role == "prefill":
+        sys.exit("--nnodes > 1 with --role prefill: a pipeline across hosts decodes (--role "
+                 "decode or both); its other hosts' pages cannot be read for a push yet")
     if args.tensor_parallel_timeout <= 0:
         sys.exit("--tensor-parallel-timeout must be > 0 seconds")
 
@@ -69,7 +68,7 @@ def group_cache_path(args, worker_id: str, advertised: str | None) -> tuple[str 
     """Where the KV cache lives: the shm transport's advertised file where there is one, else for
     a group a file of its own (private: unlinked once every rank mapped it); returns (path,
     private)."""
-    if args.nnodes > 1:  # each stage holds its own layers' pages (no KV moves: role both)
+    if args.nnodes > 1:  # each stage holds its own layers' pages (staged_pages.py)
         return None, False
     if advertised is not None or (args.tensor_parallel_size == 1
                                   and args.pipeline_parallel_size == 1):

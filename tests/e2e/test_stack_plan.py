@@ -102,7 +102,8 @@ def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
 @pytest.mark.parametrize("argv", [("--port", "50052"), ("--grpc-port", "8000"),
                                   ("--num-decode-workers", "0"),
                                   # a pipeline across hosts is one worker's
-                                  ("--nnodes", "2", "--pipeline-parallel-size", "2"),
+                                  ("--nnodes", "2", "--pipeline-parallel-size", "2",
+                                   "--decode-workers", "2"),
                                   ("--nnodes", "2", "--pipeline-parallel-size", "2", "--topology", "colocated",
                                    "--num-workers", "2")])
 def test_conflicting_ports_and_empty_topologies_are_refused(argv):
@@ -169,3 +170,14 @@ def test_a_pipeline_across_hosts_takes_this_hosts_share_of_the_threads():
     [worker] = [s for s in plan_stack(args) if s.kind == "worker"]
     assert flag(worker, "--nnodes") == "2" and flag(worker, "--num-threads") == "4"
     assert flag(worker, "--dist-init-address") == "10.0.0.1:29500"
+
+
+def test_a_pd_stacks_decode_worker_spans_the_hosts_and_its_prefill_worker_does_not():
+    args = parse("--decode-pipeline-parallel-size", "2", "--nnodes", "2",
+                 "--dist-init-address", "10.0.0.1:29500")
+    assert stack_main._check_args(args) is None
+    workers = {s.name: s for s in plan_stack(args) if s.kind == "worker"}
+    assert flag(workers["decode-0"], "--nnodes") == "2"
+    assert flag(workers["decode-0"], "--dist-init-address") == "10.0.0.1:29500"
+    assert flag(workers["prefill-0"], "--nnodes") == "1"
+    assert "--dist-init-address" not in workers["prefill-0"].argv

@@ -42,6 +42,7 @@ def test_one_host_leaves_gloo_alone(monkeypatch):
     (NodePlacement(2, 0, None), "needs --dist-init-address"),
     (NodePlacement(2, 0, "host:0"), "must be HOST:PORT"),
     (NodePlacement(2, 0, ":29500"), "must be HOST:PORT"),
+    (NodePlacement(1, 0, "10.0.0.1:29500"), "is node 0's rendezvous for --nnodes > 1"),
 ])
 def test_a_placement_that_cannot_be_made_is_refused(placement, reason):
     with pytest.raises(ValueError, match=reason):

@@ -42,13 +42,13 @@ def assert_parity(stack, reference) -> None:
         assert tokens_of(stack, prompt, SHORT).token_ids[0] == expected
 
 
-def assert_pushed_over_shm_then_cached(stack, reference) -> None:
-    """Parity, the prefill worker's pages gone over shm only, and a repeated prompt's full
-    blocks served from the prefix cache."""
+def assert_pushed_over_shm_then_cached(stack, reference, transport: str = "shm") -> None:
+    """Parity, the prefill worker's pages gone over `transport` only, and a repeated prompt's
+    full blocks served from the prefix cache."""
     assert_parity(stack, reference)
     pushed = metric_values(stack.service("prefill-0")["metrics_url"],
                            "kvrelay:kv_transfer_bytes_total")
-    assert pushed.get('{transport="shm"}', 0) > 0 and len(pushed) == 1, pushed
+    assert pushed.get(f'{{transport="{transport}"}}', 0) > 0 and len(pushed) == 1, pushed
     again = tokens_of(stack, PROMPTS[0], SHORT)
     assert again.token_ids[0] == reference[SHORT][0]
     assert again.usage.cached_prompt_tokens >= 32

@@ -27,6 +27,7 @@ from kvrelay.engine.parallel.nodes import NodePlacement
 from kvrelay.engine.parallel.partition import parse_partition, stage_layers
 from kvrelay.engine.parallel.pipeline import PipelineStage, init_pipeline
 from kvrelay.engine.parallel.shard import check_shardable
+from kvrelay.engine.parallel.staged_pages import KvWrites
 
 log = logging.getLogger(__name__)
 STOP = None  # what the leader posts to end the followers' loops
@@ -145,6 +146,9 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
                 if not pp.is_last:
                     pp.send(header, [])
                 return
+            if isinstance(step, KvWrites):  # pages the connector wrote, ahead of a step
+                runner.write_staged_pages(step, header, tensors)
+                continue
             runner.run_stage(step, header, tensors)
     finally:
         leave_group()

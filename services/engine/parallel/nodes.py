@@ -50,6 +50,9 @@ class NodePlacement:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if not self.multi_host:
+            if self.init_address:
+                raise ValueError("--dist-init-address is node 0's rendezvous for --nnodes > 1 "
+                                 "(one host's stages meet on a port of their own)")
             return
         if tensor_parallel_size > 1:
             raise ValueError("--nnodes > 1 splits a pipeline's stages across hosts; a "

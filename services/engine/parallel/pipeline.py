@@ -36,6 +36,7 @@ class PipelineStage:
     layers: range | None = None  # the layers this stage runs (None: every layer)
     doorbell: Doorbell | StoreDoorbell | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    every_stage_layers: tuple[range, ...] = ()  # each stage's layers, this one's among them
 
     @property
     def size(self) -> int:
@@ -149,4 +150,5 @@ def init_pipeline(stage: int, num_stages: int, init_method: str, timeout_s: floa
     else:
         doorbell = map_group_files(stage, lambda stem, create: Doorbell(stem + ".bell", create),
                                    (".bell",))
-    return PipelineStage(stage, num_stages, setup[0][stage], doorbell, timeout_s), setup
+    return PipelineStage(stage, num_stages, setup[0][stage], doorbell, timeout_s,
+                         tuple(setup[0])), setup

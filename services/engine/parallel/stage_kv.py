@@ -4,8 +4,10 @@ of its layers (and, on the first stage, the embedding, the final norm and the he
 A block's pages hold every layer slot (kv_groups.py); a stage's layers use a run of the slots.
 Where the group shares a cache file (a worker: the KV connector reads and writes every layer's
 pages through the leader) the file holds the whole cache, one rank's layout, and each stage maps
-it and faults in only its own slots; the leader maps it whole. Otherwise (offline) each stage
-allocates the run of slots its layers use and nothing else.
+it and faults in only its own slots; the leader maps it whole. Otherwise (offline, or stages on
+other hosts) each stage allocates the run of slots its layers use and nothing else, and the
+connector writes through the leader, which sends the other stages their pages
+(staged_pages.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from kvrelay.engine import shared_pages
 from kvrelay.engine.kv_groups import KVGroupLayout
 from kvrelay.engine.kv_pages import KvPages
 from kvrelay.engine.parallel.group_kv import all_or_none
+from kvrelay.engine.parallel.staged_pages import StagedKvPages
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -29,12 +32,11 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     """Every stage calls this together. shape: the whole cache [slots, 2, num_blocks,
     block_size, kv_heads, row_width]. Returns (this stage's cache tensor, per model layer its
     (K, V) or None for another stage's layer, the leader's KvPages or None)."""
-    slots = [layout.layer_slot[layer] for layer in pp.layers]
-    first, last = min(slots), max(slots)
+    first, last = slot_run(layout, pp.layers)
     if path is None:
         from kvrelay.engine.model_runner import allocate_kv_cache
         cache = allocate_kv_cache((last - first + 1, *shape[1:]), dtype, device, None)
-        pages = None
+        pages = _staged_pages(cache, first, layout, pp) if pp.is_leader else None
     else:
         whole = _map_whole(shape, dtype, path, pp.is_leader)
         shared_pages.populate(whole[first:last + 1].view(torch.uint8).view(-1))
@@ -44,6 +46,23 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     kv_caches = [(cache[slot - first][0], cache[slot - first][1]) if layer in pp.layers
                  else None for layer, slot in enumerate(layout.layer_slot)]
     return cache, kv_caches, pages
+
+
+def slot_run(layout: KVGroupLayout, layers: range) -> tuple[int, int]:
+    """The first and last slot the layers use (a run: the stage holds those between)."""
+    slots = [layout.layer_slot[layer] for layer in layers]
+    return min(slots), max(slots)
+
+
+def _staged_pages(cache: torch.Tensor, first: int, layout: KVGroupLayout,
+                  pp) -> StagedKvPages:
+    """The leader's pages where the stages share no file: its own slots, the others' sent on
+    (staged_pages.py)."""
+    remote = set()
+    for layers in pp.every_stage_layers[1:]:
+        start, end = slot_run(layout, layers)
+        remote.update(range(start, end + 1))
+    return StagedKvPages(KvPages.whole(cache), first, layout.slots_per_block, remote)
 
 
 def _map_whole(shape: tuple[int, ...], dtype: torch.dtype, path: str,
