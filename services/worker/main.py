@@ -27,8 +27,8 @@ from kvrelay.worker.kv_connector import (GrpcKvTransport, KvReceiver, KvSender,
                                           KvTransferService, ShmKvTransport)
 from kvrelay.engine.parallel.followers import stop_followers
 from kvrelay.worker.model_setup import load_worker_model
-from kvrelay.worker.rank_group import (check_group_flags, group_cache_path, serve_other_node,
-                                       watch_group)
+from kvrelay.worker.other_node import serve_other_node
+from kvrelay.worker.rank_group import check_group_flags, group_cache_path, watch_group
 from kvrelay.worker.registration import Registration
 from kvrelay.worker.step_executor import StepExecutor
 from kvrelay.worker.step_service import WorkerService

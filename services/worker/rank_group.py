@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from kvrelay.common.log import get_logger, setup_logging
+from kvrelay.common.log import get_logger
 from kvrelay.engine.parallel.nodes import NodePlacement
 from kvrelay.engine.parallel.partition import parse_partition
 
@@ -75,28 +75,6 @@ def group_cache_path(args, worker_id: str, advertised: str | None) -> tuple[str 
         return advertised, False
     # named as the shm transport's files are, so a killed group's file is found and removed
     return os.path.join(args.shm_dir, f"kvrelay-{worker_id}-{os.getpid()}.kv"), True
-
-
-def serve_other_node(args) -> int:
-    """`kvrelay worker --node-rank K` (K > 0): this host's stages of node 0's pipeline, with no
-    service of its own (node 0's leader registers and steps for the whole pipeline). Returns 0
-    when the leader stops the pipeline, EXIT_GROUP_BROKEN when it is gone or the group broke:
-    the supervisor restarts this host's stages, which wait at the rendezvous for the leader's
-    next start."""
-    from kvrelay.engine.parallel.followers import serve_stages
-    setup_logging(f"worker-node-{args.node_rank}", args.log_level)
-    here = placement(args).stages_here(args.pipeline_parallel_size)
-    log.info("joining the pipeline's rendezvous", address=args.dist_init_address,
-             stages=f"{here.start}-{here.stop - 1} of {args.pipeline_parallel_size}")
-    try:
-        serve_stages(placement(args), args.pipeline_parallel_size, args.num_threads,
-                     args.tensor_parallel_timeout)
-    except RuntimeError as exc:  # GroupBroken, or the store's DistError: the leader is gone
-        log.error("pipeline stages stopped; exiting so they rejoin the leader's next start",
-                  reason=str(exc).splitlines()[0])
-        return EXIT_GROUP_BROKEN
-    log.info("pipeline stopped by its leader")
-    return 0
 
 
 def group_broken(reason: str) -> None:

@@ -276,12 +276,26 @@ def check_addresses(docs: list[dict]) -> list[str]:
                         and isinstance(value, str)):
                     continue
                 for host, port in cli_facts.addresses(value):
-                    service = _find(docs, "Service", host, _ns(workload))
+                    service = _find(docs, "Service", _service_of(host, docs, _ns(workload)),
+                                    _ns(workload))
                     ports = [p["port"] for p in service["spec"]["ports"]] if service else []
                     if port not in ports:
                         problems.append(f"{_name(workload)}: {name} {host}:{port} is not a "
                                         "Service port in its namespace")
     return problems
+
+
+def _service_of(host: str, docs: list[dict], namespace: str) -> str:
+    """The Service a host name is: itself, or for a StatefulSet pod's own name
+    ("<statefulset>-<index>.<service>") the governing Service, where such a pod exists."""
+    pod, _, service = host.partition(".")
+    workload_name, _, index = pod.rpartition("-")
+    for workload in of_kind(docs, "StatefulSet"):
+        if (_ns(workload) == namespace and workload["spec"].get("serviceName") == service
+                and workload["metadata"]["name"] == workload_name and index.isdigit()
+                and int(index) < workload["spec"].get("replicas", 1)):
+            return service
+    return host
 
 
 def check_selectors_match_pods(docs: list[dict]) -> list[str]:

@@ -1,6 +1,6 @@
 """k8s/: every rendered manifest validates against Kubernetes' schema, and the objects fit
-together (see k8s_checks.py), in the base, both overlays, the two-group and the tensor-parallel
-examples."""
+together (see k8s_checks.py), in the base, both overlays and the examples (two groups, tensor
+parallel, pipeline parallel in a pod and across two nodes)."""
 from __future__ import annotations
 
 import copy
@@ -19,7 +19,8 @@ from tests.deploy.k8s_checks import (all_problems, containers, ingress_sources, 
 
 K8S = cli_facts.REPO / "k8s"
 RENDERED = ["base", "overlays/cpu", "overlays/gpu", "examples/two-groups",
-            "examples/tensor-parallel", "examples/pipeline-parallel"]
+            "examples/tensor-parallel", "examples/pipeline-parallel",
+            "examples/pipeline-two-nodes"]
 COMPONENT = "app.kubernetes.io/component"
 GROUP = "kvrelay.io/group"
 WORKERS = ("prefill-worker", "decode-worker")
@@ -108,7 +109,9 @@ def test_rendered_cross_references(name):
 def test_components(name):
     docs = rendered(name)
     for component in ("gateway", "tokenizer", "scheduler") + WORKERS:
-        deployments = by_component(docs, "Deployment", component)
+        # a worker whose pipeline spans nodes is a StatefulSet (a pod a node)
+        kinds = ("Deployment", "StatefulSet") if component in WORKERS else ("Deployment",)
+        deployments = [doc for kind in kinds for doc in by_component(docs, kind, component)]
         assert deployments, component
         for deployment in deployments:
             command = cli_facts.subcommand(
@@ -379,3 +382,35 @@ def test_split_decode_workers(example, variable):
         mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
         volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
         assert volume["emptyDir"]["medium"] == "Memory"
+
+
+@needs_kubectl
+def test_a_decode_pipeline_across_two_nodes():
+    """A StatefulSet of 2 pods a pipeline: each pod's node rank its index, both meeting at pod
+    0's per-pod DNS name on the headless Service's rendezvous port, one pod a node, and every
+    port open between the pipeline's own pods only (gloo picks its ports)."""
+    docs = rendered("examples/pipeline-two-nodes")
+    assert not by_component(docs, "Deployment", "decode-worker")
+    (pipeline,) = by_component(docs, "StatefulSet", "decode-worker")
+    spec = pipeline["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    container = spec["template"]["spec"]["containers"][0]
+    env = env_of(container, docs)
+    assert env["KVRELAY_NODE_RANK"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert (env["KVRELAY_NNODES"], env["KVRELAY_PIPELINE_PARALLEL_SIZE"]) == ("2", "2")
+    name = pipeline["metadata"]["name"]
+    assert env["KVRELAY_DIST_INIT_ADDRESS"] == f"{name}-0.{spec['serviceName']}:29500"
+    (service,) = [doc for doc in by_component(docs, "Service", "decode-worker")
+                  if doc["metadata"]["name"] == spec["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"
+    assert 29500 in [port["port"] for port in service["spec"]["ports"]]
+    anti = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
+        "kubernetes.io/hostname"
+    (policy,) = [doc for doc in of_kind(docs, "NetworkPolicy")
+                 if doc["metadata"]["name"].startswith("decode-pipeline")]
+    (rule,) = policy["spec"]["ingress"]
+    assert "ports" not in rule  # every port
+    assert rule["from"][0]["podSelector"]["matchLabels"] == \
+        spec["selector"]["matchLabels"] == policy["spec"]["podSelector"]["matchLabels"]

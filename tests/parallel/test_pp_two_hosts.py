@@ -6,11 +6,13 @@ and the decode pipeline's leader, stage 0); node 1 is `kvrelay worker --nnodes 2
 worker's pages reach the leader over gRPC, and the leader sends stage 1 those of its layers
 ahead of the steps that read them (staged_pages.py). The stack gives one process's greedy
 tokens, serves a repeat from the prefix cache, frees every block, and keeps 16 streams exact at
-once, over the link: node 1 cannot reach node 0's loopback."""
+once, over the link: node 1 cannot reach node 0's loopback. Node 1 answers /health for its
+supervisor."""
 from __future__ import annotations
 
 import signal
 
+import httpx
 import pytest
 
 from tests.e2e.stack import start_stack
@@ -44,6 +46,10 @@ def test_a_decode_pipeline_across_two_hosts_gives_one_process_tokens(hosts, chec
                             "--tensor-parallel-timeout", TIMEOUT_S)
         try:
             assert followers_of(stack.service("decode-0")["pid"]) == []  # stage 1: node 1
+            # node 1 answers its supervisor's probe (its own metrics port, over the link)
+            health = httpx.get(f"http://{hosts.there}:9110/health", timeout=10,
+                               trust_env=False)
+            assert health.status_code == 200
             assert_pushed_over_shm_then_cached(stack, reference, transport="grpc")
             links = hosts.connections_there()
             assert f"{hosts.there}:" in links and f"{hosts.here}:" in links, links

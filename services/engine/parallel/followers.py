@@ -109,10 +109,10 @@ def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threa
 
 
 def serve_stages(placement: NodePlacement, num_stages: int, num_threads: int | None,
-                 timeout_s: float) -> None:
+                 timeout_s: float, on_ready=lambda: None) -> None:
     """A host other than node 0: its stages of the leader's pipeline (the model and its
     settings come from the leader), until the leader stops them (returns) or is gone
-    (GroupBroken or DistError)."""
+    (GroupBroken or DistError); on_ready() once this host's first stage has its layers."""
     here = placement.stages_here(num_stages)
     threads = threads_per_rank(len(here), num_threads)
     init_method = placement.init_method()
@@ -120,13 +120,14 @@ def serve_stages(placement: NodePlacement, num_stages: int, num_threads: int | N
         stage, num_stages, init_method, threads, timeout_s, placement))
     try:
         follow_stage(here.start, num_stages, init_method, threads, timeout_s, placement,
-                     spawned=False)
+                     spawned=False, on_ready=on_ready)
     finally:
         _reap(others, wait_s=30)
 
 
 def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int,
-                 timeout_s: float, placement: NodePlacement, spawned: bool = True) -> None:
+                 timeout_s: float, placement: NodePlacement, spawned: bool = True,
+                 on_ready=lambda: None) -> None:
     """A later stage's life: each step's activations in, this stage's layers, on to the next.
     spawned: a process its host's first stage started (it dies with it); else that first
     stage itself, on a host other than the leader's."""
@@ -139,6 +140,7 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
         start_beating(*placement.host_port(), placement.node_rank, timeout_s)
     try:
         runner = ModelRunner(*runner_args, **runner_kwargs, pp=pp)
+        on_ready()
         while True:
             pp.doorbell.wait(alive)
             header, step, tensors = pp.receive()
