@@ -66,3 +66,11 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     mark_variants(items)
+
+
+@pytest.fixture
+def hosts():
+    """Two hosts on this machine: a second network namespace on a link of its own
+    (tests/parallel/two_hosts.py), or a skip where none can be made."""
+    from tests.parallel.two_hosts import two_hosts
+    yield from two_hosts()

@@ -18,7 +18,7 @@ from tests.chaos.load import wait_healed
 from tests.e2e.stack import start_stack, stop_and_check
 from tests.parallel.tp_stacks import (LONG, SHORT, Streams, assert_parity, one_rank_tokens,
                                       write_tp_checkpoint)
-from tests.parallel.two_hosts import rendezvous_address, start_node_one, two_hosts
+from tests.parallel.two_hosts import rendezvous_address, start_node_one
 
 TIMEOUT_S = "5"
 # (the fault, whether 16 streams are running through the pipeline when it lands)
@@ -28,11 +28,6 @@ FAULTS = ((signal.SIGKILL, True), (signal.SIGSTOP, True), (signal.SIGSTOP, False
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, model_dir) -> str:
     return write_tp_checkpoint(tmp_path_factory, model_dir)
-
-
-@pytest.fixture
-def hosts():
-    yield from two_hosts()
 
 
 def _wait_for(condition, timeout_s: float = 60) -> None:

@@ -19,7 +19,7 @@ from tests.e2e.stack import start_stack
 from tests.parallel.tp_stacks import (LONG, SHORT, Streams, assert_pushed_over_shm_then_cached,
                                       followers_of, one_rank_tokens, stop_group_stack,
                                       write_tp_checkpoint)
-from tests.parallel.two_hosts import rendezvous_address, start_node_one, two_hosts
+from tests.parallel.two_hosts import rendezvous_address, start_node_one
 
 TIMEOUT_S = "10"
 
@@ -27,11 +27,6 @@ TIMEOUT_S = "10"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, model_dir) -> str:
     return write_tp_checkpoint(tmp_path_factory, model_dir)
-
-
-@pytest.fixture
-def hosts():
-    yield from two_hosts()
 
 
 def test_a_decode_pipeline_across_two_hosts_gives_one_process_tokens(hosts, checkpoint,

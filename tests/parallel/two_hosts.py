@@ -34,7 +34,7 @@ class TwoHosts:
 
 def two_hosts():
     """Yields TwoHosts, or skips where this machine cannot make namespaces (needs root and
-    iproute2)."""
+    iproute2); the namespace and link go when the generator closes (the `hosts` fixture)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("two hosts need root and iproute2 (ip netns) to make a network namespace")
     tag = f"{os.getpid() % 100000}"
