@@ -163,11 +163,23 @@ class ModelRunner:
         """--num-kv-blocks, or as many blocks as the budget holds. A group's budget covers every
         rank's shard and the leader's count holds for all (a count of their own would differ
         with each rank's free memory)."""
+        if num_blocks is None and self.pp.hosts > 1:
+            return self._blocks_every_host_holds(kv_cache_memory)
         if num_blocks is None and self.tp.is_leader:
             if callable(kv_cache_memory):
                 kv_cache_memory = kv_cache_memory()  # sized from what is free, weights in
             num_blocks = max(1, kv_cache_memory // (self.bytes_per_block * self.tp.size))
         return self.group.broadcast_object(num_blocks)
+
+    def _blocks_every_host_holds(self, kv_cache_memory: int | Callable[[], int]) -> int:
+        """A pipeline across hosts: each stage sizes the cache from its own host's budget (its
+        slots only; the host's stages share the budget), and the group takes the least."""
+        if callable(kv_cache_memory):
+            kv_cache_memory = kv_cache_memory()
+        first, last = stage_kv.slot_run(self.kv_layout, self.pp.layers)
+        stage_block_bytes = self.bytes_per_block * (last - first + 1) // self.slots_per_block
+        return self.pp.least(max(1, kv_cache_memory
+                                 // (stage_block_bytes * self.pp.stages_per_host)))
 
     @property
     def group(self):
@@ -223,6 +235,8 @@ class ModelRunner:
                                  "ranks yet (a pipeline's stages take them whole)")
             if self.tp.size > 1:
                 tensors = sharded(hf_config, model_dir, rename, self.tp, self.expert_parallel)
+            elif isinstance(quantized, Int4Checkpoint):  # a stage unpacks only its modules
+                tensors = quantized.tensors(lambda module: stage_kv.held(module, model))
             else:
                 tensors = None if quantized is None else quantized.tensors()
             if self.pp.size > 1:
@@ -462,13 +476,16 @@ class ModelRunner:
         self.pp.doorbell.ring()
         return [self.pp.start_send(pack_header(writes, tensors), tensors)]
 
-    def write_staged_pages(self, writes: KvWrites, header: bytes,
-                           tensors: list[torch.Tensor]) -> None:
-        """A later stage: the entries of its own slots into its cache, the message passed on."""
-        first_slot = stage_kv.slot_run(self.kv_layout, self.pp.layers)[0]
-        write_own(KvPages.whole(self.kv_cache), first_slot, writes, tensors)
+    def write_staged_pages(self, writes: KvWrites, tensors: list[torch.Tensor]) -> None:
+        """A later stage: the entries of its own slots into its cache, those of later stages'
+        slots passed on."""
+        layout = self.kv_layout
+        first_slot = stage_kv.slot_run(layout, self.pp.layers)[0]
+        later_slots = stage_kv.slots_held(layout, self.pp.every_stage_layers[self.pp.stage + 1:])
+        onward = write_own(KvPages.whole(self.kv_cache), first_slot, writes, tensors,
+                           later_slots)
         if not self.pp.is_last:
-            self.pp.send(header, tensors)
+            self.pp.send(pack_header(*onward), onward[1])
 
     @torch.inference_mode()
     def run_stage(self, step: StepInput, header: bytes, tensors: list[torch.Tensor]) -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from kvrelay.common.flags import add_flag, flag_env_names
 from kvrelay.stack.passthrough import add_service_flags
-from kvrelay.stack.plan import TOPOLOGIES, num_internal_ports, plan_stack, public_ports
+from kvrelay.engine.parallel.nodes import NodePlacement
+from kvrelay.stack.plan import (TOPOLOGIES, num_internal_ports, pipeline_parallel_size, plan_stack,
+                               public_ports, tensor_parallel_size)
 from kvrelay.stack.ports import busy_ports
 from kvrelay.stack.restarts import DEFAULT_MAX_RESTARTS, RestartPolicy
 from kvrelay.stack.supervisor import Supervisor, say
@@ -126,10 +128,9 @@ def _check_args(args: argparse.Namespace) -> str | None:
              args.prefill_pipeline_parallel_size, args.decode_pipeline_parallel_size)
     if min(size for size in sizes if size is not None) < 1:
         return "tensor- and pipeline-parallel sizes must be >= 1"
-    one_decoder = args.num_workers if args.topology == "colocated" else args.decode_workers
-    if args.nnodes > 1 and (one_decoder > 1 or args.groups > 1):
-        return ("--nnodes > 1 spreads one worker's pipeline over several hosts (the colocated "
-                "worker, or the pd topology's decode worker): one such worker, one group")
+    problem = _check_nodes(args)
+    if problem:
+        return problem
     if args.max_restarts < 0:
         return "--max-restarts must be >= 0"
     internal = list(range(args.base_port, args.base_port + num_internal_ports(args)))
@@ -141,6 +142,23 @@ def _check_args(args: argparse.Namespace) -> str | None:
     busy = busy_ports(args.host, [*public, *internal])
     if busy:
         return f"port(s) already in use on {args.host}: {', '.join(map(str, busy))}"
+    return None
+
+
+def _check_nodes(args: argparse.Namespace) -> str | None:
+    """Where --nnodes > 1: one worker whose pipeline the hosts can split (worker flags too)."""
+    if args.nnodes == 1 and args.dist_init_address is None:
+        return None
+    role = "both" if args.topology == "colocated" else "decode"
+    one_decoder = args.num_workers if args.topology == "colocated" else args.decode_workers
+    if args.nnodes > 1 and (one_decoder > 1 or args.groups > 1):
+        return ("--nnodes > 1 spreads one worker's pipeline over several hosts (the colocated "
+                "worker, or the pd topology's decode worker): one such worker, one group")
+    try:
+        NodePlacement(args.nnodes, 0, args.dist_init_address).check(
+            pipeline_parallel_size(args, role), tensor_parallel_size(args, role))
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

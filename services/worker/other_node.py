@@ -3,8 +3,9 @@ service of its own (node 0's leader registers and steps for the whole pipeline).
 
 The stages run on a thread of their own; the event loop serves /health on --metrics-port (200
 once the stages have joined and loaded their layers, 503 before), so the host's supervisor can
-tell a live process from a hung one (a liveness probe: the leader gives up on a stage that
-stops, but only this host's supervisor can end it). The process returns 0 when the leader stops
+tell a running process from a stopped one, which answers nothing (a liveness probe: the leader
+gives up on a stage that stops, but only this host's supervisor can end it). A stage's own
+progress is the leader's to judge: a step it does not finish fails within the group's timeout. The process returns 0 when the leader stops
 the pipeline, EXIT_GROUP_BROKEN when the leader is gone or the group broke: the supervisor
 restarts it, and its stages wait at the rendezvous for the leader's next start.
 """

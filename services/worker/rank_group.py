@@ -1,18 +1,18 @@
-"""A worker as a rank group: a tensor-parallel group on one host (`--tensor-parallel-size N`)
-or a pipeline (`--pipeline-parallel-size N`), on one host or across several (`--nnodes`: each
-host's `kvrelay worker --node-rank K` runs its stages; node 0's is the leader, below). This process is rank 0 (stage 0), the leader, and
-starts ranks 1..N-1 (engine/parallel/followers.py). The scheduler sees one worker: the leader
-registers, steps, samples and moves KV pages for all; the group's KV cache lives in one shared
-file which the leader maps whole: a tensor-parallel rank's heads in a region of its own
-(engine/parallel/group_kv.py), a stage's layers in their slots (engine/parallel/stage_kv.py).
+"""A worker as a rank group: a tensor-parallel group on one host (`--tensor-parallel-size N`) or a
+pipeline (`--pipeline-parallel-size N`), on one host or across several (`--nnodes`: each host's
+`kvrelay worker --node-rank K` runs its stages; node 0's is the leader, below). This process is
+rank 0 (stage 0), the leader, and starts ranks 1..N-1 (engine/parallel/followers.py). The
+scheduler sees one worker: the leader registers, steps, samples and moves KV pages for all; the
+group's KV cache lives in one shared file which the leader maps whole: a tensor-parallel rank's
+heads in a region of its own (engine/parallel/group_kv.py), a stage's layers in their slots
+(engine/parallel/stage_kv.py).
 
 The group lives and dies as one. A follower that dies, or a rank that stalls in a step past
 --tensor-parallel-timeout, leaves the group unable to compute: the leader exits at once with
-EXIT_GROUP_BROKEN (its followers die with it), its requests are recovered by the scheduler as for
-any lost worker (re-prefilled elsewhere), and the supervisor (`kvrelay up`, Kubernetes)
+EXIT_GROUP_BROKEN (its followers die with it), its requests are recovered by the scheduler as
+for any lost worker (re-prefilled elsewhere), and the supervisor (`kvrelay up`, Kubernetes)
 restarts the whole group. A pipeline across hosts has no shared file: each stage holds its own
-layers' pages; pushed pages reach the leader over gRPC, which sends the other stages theirs.
-"""
+layers' pages; pushed pages reach the leader over gRPC, which sends the other stages theirs."""
 from __future__ import annotations
 
 import os
@@ -52,6 +52,9 @@ def check_group_flags(args) -> None:
         placement(args).check(args.pipeline_parallel_size, args.tensor_parallel_size)
     except ValueError as exc:
         sys.exit(str(exc))
+    if args.nnodes > 1 and "grpc" not in args.kv_transports.split(","):
+        sys.exit("--nnodes > 1 takes KV pushes over gRPC only (its stages share no file): "
+                 "--kv-transports must include grpc")
     if args.nnodes > 1 and args.role == "prefill":
         sys.exit("--nnodes > 1 with --role prefill: a pipeline across hosts decodes (--role "
                  "decode or both); its other hosts' pages cannot be read for a push yet")

@@ -1,10 +1,12 @@
-"""A worker's pipeline across two hosts (two network namespaces, tests/parallel/two_hosts.py)
-loses its second host's stage for real under 16 greedy streams, first to SIGKILL (the leader's
-next receive or send fails at once: the peer closed), then to SIGSTOP (after --tensor-parallel-timeout the leader's receive gives up, or its watcher of
-the host's heartbeats: heartbeats.py), then to SIGSTOP while idle (the heartbeats alone). Each time the leader exits, `kvrelay up` restarts it, the
-second host's `kvrelay worker --node-rank 1` (restarted by its own supervisor: here, this test;
-a stopped one killed by it, as a liveness probe would) joins the new leader's rendezvous, and the scheduler re-prefills the streams: none is lost or
-altered, and every block is free after."""
+"""A worker's pipeline across two hosts (two network namespaces, tests/parallel/two_hosts.py) loses
+its second host's stage for real under 16 greedy streams, first to SIGKILL (the leader's next
+receive or send fails at once: the peer closed), then to SIGSTOP (after --tensor-parallel-
+timeout the leader's receive gives up, or its watcher of the host's heartbeats: heartbeats.py),
+then to SIGSTOP while idle (the heartbeats alone). Each time the leader exits, `kvrelay up`
+restarts it, the second host's `kvrelay worker --node-rank 1` (restarted by its own supervisor:
+here, this test; a stopped one killed by it, as a liveness probe would) joins the new leader's
+rendezvous, and the scheduler re-prefills the streams: none is lost or altered, and every block
+is free after."""
 from __future__ import annotations
 
 import os

@@ -405,6 +405,8 @@ def test_a_decode_pipeline_across_two_nodes():
                   if doc["metadata"]["name"] == spec["serviceName"]]
     assert service["spec"]["clusterIP"] == "None"
     assert 29500 in [port["port"] for port in service["spec"]["ports"]]
+    # pod 0 is Ready only once pod 1 joined it by name: the names resolve before readiness
+    assert service["spec"]["publishNotReadyAddresses"] is True
     anti = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == \
         "kubernetes.io/hostname"

@@ -104,8 +104,13 @@ def test_up_flags_from_env_are_not_inherited_by_children(monkeypatch):
                                   # a pipeline across hosts is one worker's
                                   ("--nnodes", "2", "--pipeline-parallel-size", "2",
                                    "--decode-workers", "2"),
-                                  ("--nnodes", "2", "--pipeline-parallel-size", "2", "--topology", "colocated",
-                                   "--num-workers", "2")])
+                                  ("--nnodes", "2", "--pipeline-parallel-size", "2",
+                                   "--topology", "colocated", "--num-workers", "2"),
+                                  # the decoder's pipeline cannot be placed on the hosts
+                                  ("--nnodes", "2", "--pipeline-parallel-size", "2"),
+                                  ("--nnodes", "2", "--pipeline-parallel-size", "3",
+                                   "--dist-init-address", "10.0.0.1:29500"),
+                                  ("--dist-init-address", "10.0.0.1:29500")])
 def test_conflicting_ports_and_empty_topologies_are_refused(argv):
     assert stack_main._check_args(parse(*argv)) is not None
 

@@ -2,8 +2,9 @@
 process on torch.distributed (gloo), gives the single rank's greedy tokens and its prompt
 logprobs within 1e-4, for Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norms, windows), Phi-3 (fused
 q/k/v and gate/up in the checkpoint), Qwen3-MoE and Mixtral (each expert split by its
-intermediate columns, or expert parallel: whole experts a rank), K/V heads replicated where ranks outnumber them, and the default model
-split three ways (9 query and 3 KV heads). What cannot be split is refused."""
+intermediate columns, or expert parallel: whole experts a rank), K/V heads replicated where
+ranks outnumber them, and the default model split three ways (9 query and 3 KV heads). What
+cannot be split is refused."""
 from __future__ import annotations
 
 import dataclasses

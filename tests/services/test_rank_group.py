@@ -33,6 +33,8 @@ def _args(*argv: str) -> argparse.Namespace:
      "tensor-parallel group stays on one host"),
     (["--nnodes", "2", "-pp", "2", "--dist-init-address", "10.0.0.1:1", "--role", "prefill"],
      "a pipeline across hosts decodes"),
+    (["--nnodes", "2", "-pp", "2", "--dist-init-address", "10.0.0.1:1", "--kv-transports",
+      "shm"], "must include grpc"),
 ])
 def test_what_cannot_make_a_group_stops_the_worker_with_the_reason(argv, reason):
     with pytest.raises(SystemExit, match=reason):

@@ -39,12 +39,16 @@ class Int4Checkpoint:
         self.rename = rename
         self.unpacked: dict[str, Int4Tensor] = {}
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep: Callable[[str], bool] = lambda canonical: True
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """keep(canonical module name): whether this process holds the module (a pipeline
+        stage: its layers'); the others are neither unpacked nor dequantized."""
         modules: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in iter_checkpoint(self.model_dir):
             module, _, part = name.rpartition(".")
             if part in _PARTS:
-                modules.setdefault(module, {})[part] = tensor
+                if keep(self.rename(module.removeprefix("model."))):
+                    modules.setdefault(module, {})[part] = tensor
             else:
                 yield name, tensor
         for module, parts in modules.items():  # parts of one module may span shards

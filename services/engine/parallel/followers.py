@@ -49,7 +49,7 @@ def start_ranks(config, runner_args: tuple, runner_kwargs: dict,
         pp, followers = start_pipeline(config.pipeline_parallel_size,
                                        parse_partition(config.pp_layer_partition),
                                        config.num_threads, runner_args, runner_kwargs,
-                                       timeout_s, placement)
+                                       timeout_s, placement, config.model)
         return TPGroup(), pp, followers
     tp, followers = start_group(config.tensor_parallel_size, config.num_threads, runner_args,
                                 runner_kwargs, timeout_s)
@@ -80,11 +80,12 @@ def start_group(size: int, num_threads: int | None, runner_args: tuple, runner_k
 def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threads: int | None,
                    runner_args: tuple, runner_kwargs: dict,
                    timeout_s: float = DEFAULT_TIMEOUT_S,
-                   placement: NodePlacement = NodePlacement()):
+                   placement: NodePlacement = NodePlacement(), model: str | None = None):
     """This process as stage 0 of a pipeline of `num_stages` (the other stages of this host
     started as processes, those of other hosts joining from there: serve_stages; each builds
-    ModelRunner(*runner_args, **runner_kwargs, pp=its stage)), or a pipeline of one; returns
-    (the stage, this host's other stages' processes)."""
+    ModelRunner(*runner_args, **runner_kwargs, pp=its stage), another host with `model`, the
+    checkpoint as the user named it, found there), or a pipeline of one; returns (the stage,
+    this host's other stages' processes)."""
     layers = stage_layers(arch_spec(runner_args[0])[1], num_stages, partition)
     if num_stages == 1:
         return PipelineStage(layers=layers[0]), []
@@ -101,7 +102,7 @@ def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threa
         stage, num_stages, init_method, threads, timeout_s, placement))
     try:
         pp, _ = init_pipeline(0, num_stages, init_method, timeout_s, placement,
-                              (layers, runner_args, runner_kwargs))
+                              (layers, runner_args, runner_kwargs, model))
         return pp, followers
     except BaseException:
         _reap(followers, wait_s=0)
@@ -134,11 +135,14 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
     from kvrelay.engine.model_runner import ModelRunner
     alive = _parent_alive() if spawned else (lambda: True)  # else: the store tells
     torch.set_num_threads(num_threads)
-    pp, (_, runner_args, runner_kwargs) = init_pipeline(stage, num_stages, init_method,
-                                                         timeout_s, placement)
+    pp, (_, runner_args, runner_kwargs, model) = init_pipeline(stage, num_stages, init_method,
+                                                                timeout_s, placement)
+    beating = None
     if not spawned:  # the leader's watcher hears from this host (heartbeats.py)
-        start_beating(*placement.host_port(), placement.node_rank, timeout_s)
+        beating = start_beating(*placement.host_port(), placement.node_rank, timeout_s)
     try:
+        if placement.multi_host and runner_args[1] is not None:
+            runner_args = checkpoint_here(runner_args, model)
         runner = ModelRunner(*runner_args, **runner_kwargs, pp=pp)
         on_ready()
         while True:
@@ -149,11 +153,31 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
                     pp.send(header, [])
                 return
             if isinstance(step, KvWrites):  # pages the connector wrote, ahead of a step
-                runner.write_staged_pages(step, header, tensors)
+                runner.write_staged_pages(step, tensors)
                 continue
             runner.run_stage(step, header, tensors)
     finally:
+        if beating is not None:
+            beating.set()
         leave_group()
+
+
+def checkpoint_here(runner_args: tuple, model: str | None) -> tuple:
+    """The leader's ModelRunner arguments with the checkpoint found on this host (its own
+    path or cache of the model the leader was given); ValueError where this host's holds
+    another model."""
+    from transformers import AutoConfig
+
+    from kvrelay.engine.model_loader import resolve_model_dir
+    model_dir = resolve_model_dir(model)
+    ignored = ("_name_or_path", "transformers_version")
+    here, leaders = (
+        {key: value for key, value in config.to_dict().items() if key not in ignored}
+        for config in (AutoConfig.from_pretrained(model_dir), runner_args[0]))
+    if here != leaders:
+        raise ValueError(f"the checkpoint at {model_dir} on this host is not the leader's "
+                         f"(its config.json differs)")
+    return (runner_args[0], model_dir, *runner_args[2:])
 
 
 def follow(rank: int, size: int, init_method: str, runner_args: tuple, runner_kwargs: dict,

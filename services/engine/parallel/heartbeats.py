@@ -29,19 +29,22 @@ def _client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-def start_beating(host: str, port: int, node_rank: int, timeout_s: float) -> None:
-    """Another host, joined: beat until the store goes (the leader is gone; its stages then
-    fail on their own)."""
+def start_beating(host: str, port: int, node_rank: int,
+                  timeout_s: float) -> threading.Event:
+    """Another host, joined: beat until the returned event is set (its stages are leaving) or
+    the store goes (the leader is gone; the stages then fail on their own)."""
     store = _client(host, port, timeout_s)
+    stopping = threading.Event()
 
     def beat() -> None:
         try:
-            while True:
+            while not stopping.is_set():
                 store.add(beats_key(node_rank), 1)
-                time.sleep(PERIOD_S)
+                stopping.wait(PERIOD_S)
         except RuntimeError:  # the store is gone
             return
     threading.Thread(target=beat, name="pp-heartbeat", daemon=True).start()
+    return stopping
 
 
 def watch_beats(host: str, port: int, nodes: range, timeout_s: float,

@@ -6,8 +6,8 @@ them), and on the first stage the vocabulary head too (it samples, so it holds t
 the head; on a small model the head weighs as much as several layers). Only sampled rows reach
 the head, so it is counted at half its weight: a chat workload computes about as many prompt
 tokens (no head) as output tokens (measured on chat-64 through a colocated worker, 2 stages of
-the default model: 11 + 19 layers, the head counted whole, left the second stage the busier). `--pp-layer-partition "11,19"` gives
-the counts by hand, as vLLM's VLLM_PP_LAYER_PARTITION does.
+the default model: 11 + 19 layers, the head counted whole, left the second stage the busier).
+`--pp-layer-partition "11,19"` gives the counts by hand, as vLLM's VLLM_PP_LAYER_PARTITION does.
 """
 from __future__ import annotations
 

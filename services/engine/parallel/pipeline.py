@@ -37,6 +37,7 @@ class PipelineStage:
     doorbell: Doorbell | StoreDoorbell | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     every_stage_layers: tuple[range, ...] = ()  # each stage's layers, this one's among them
+    hosts: int = 1  # the stages run on this many hosts, as many a host
 
     @property
     def size(self) -> int:
@@ -49,6 +50,16 @@ class PipelineStage:
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    @property
+    def stages_per_host(self) -> int:
+        return self.num_stages // self.hosts
+
+    def least(self, value: int) -> int:
+        """The least of every stage's `value` (at setup)."""
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        return int(box)
 
     @property
     def next_stage(self) -> int:
@@ -135,7 +146,8 @@ def pack_header(value, tensors: list[torch.Tensor]) -> bytes:
     return pickle.dumps((value, specs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def init_pipeline(stage: int, num_stages: int, init_method: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+def init_pipeline(stage: int, num_stages: int, init_method: str,
+                  timeout_s: float = DEFAULT_TIMEOUT_S,
                   placement: NodePlacement = NodePlacement(), setup: tuple | None = None):
     """Join the group's rendezvous (a TCPStore at init_method) as `stage` (CPU). The leader
     passes setup = (every stage's layers, *what else its stages need) and every stage gets it
@@ -151,4 +163,4 @@ def init_pipeline(stage: int, num_stages: int, init_method: str, timeout_s: floa
         doorbell = map_group_files(stage, lambda stem, create: Doorbell(stem + ".bell", create),
                                    (".bell",))
     return PipelineStage(stage, num_stages, setup[0][stage], doorbell, timeout_s,
-                         tuple(setup[0])), setup
+                         tuple(setup[0]), placement.nnodes), setup

@@ -54,14 +54,20 @@ def slot_run(layout: KVGroupLayout, layers: range) -> tuple[int, int]:
     return min(slots), max(slots)
 
 
+def slots_held(layout: KVGroupLayout, stages: tuple[range, ...]) -> set[int]:
+    """The slots the stages hold between them (each its run)."""
+    held = set()
+    for layers in stages:
+        first, last = slot_run(layout, layers)
+        held.update(range(first, last + 1))
+    return held
+
+
 def _staged_pages(cache: torch.Tensor, first: int, layout: KVGroupLayout,
                   pp) -> StagedKvPages:
     """The leader's pages where the stages share no file: its own slots, the others' sent on
     (staged_pages.py)."""
-    remote = set()
-    for layers in pp.every_stage_layers[1:]:
-        start, end = slot_run(layout, layers)
-        remote.update(range(start, end + 1))
+    remote = slots_held(layout, pp.every_stage_layers[1:])
     return StagedKvPages(KvPages.whole(cache), first, layout.slots_per_block, remote)
 
 
@@ -80,13 +86,16 @@ def _map_whole(shape: tuple[int, ...], dtype: torch.dtype, path: str,
 
 
 def stage_tensors(tensors: Iterable[tuple[str, torch.Tensor]], rename, model):
-    """The checkpoint's (name, tensor) pairs this stage's model holds: its layers', and the
-    embedding, final norm and head where it holds them."""
+    """The checkpoint's (name, tensor) pairs this stage's model holds."""
     for name, tensor in tensors:
-        canonical = rename(name.removeprefix("model."))
-        match = _LAYER.match(canonical)
-        if match is not None:
-            if int(match.group(1)) in model.stage_layers:
-                yield name, tensor
-        elif model.holds_ends or "rotary_emb" in canonical:
+        if held(rename(name.removeprefix("model.")), model):
             yield name, tensor
+
+
+def held(canonical: str, model) -> bool:
+    """Whether this stage's model holds a tensor or module (by canonical name): its layers',
+    and the embedding, final norm and head where it holds them."""
+    match = _LAYER.match(canonical)
+    if match is not None:
+        return int(match.group(1)) in model.stage_layers
+    return model.holds_ends or "rotary_emb" in canonical

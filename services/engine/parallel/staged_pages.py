@@ -1,7 +1,8 @@
 """A pipeline's KV cache as the KV connector writes it when the stages share no file (stages on
 other hosts): the pages of the leader's own layer slots go straight into its cache; the others
 wait here until the compute thread sends them down the pipeline ahead of its next step
-(ModelRunner.start_step), where each stage writes those of its own slots (ModelRunner.run_stage).
+(ModelRunner.start_step), where each stage writes those of its own slots
+(ModelRunner.write_staged_pages).
 
 A decode worker's blocks are scheduled only after their push has completed, and a stage takes
 its messages in the order the leader sent them, so a stage always holds a sequence's pages
@@ -74,8 +75,15 @@ class StagedKvPages:
 
 
 def write_own(cache_pages: KvPages, first_slot: int, writes: KvWrites,
-              tensors: list[torch.Tensor]) -> None:
-    """A stage: the entries of its own slots (cache_pages: its cache of slots first_slot..)."""
-    for (slot, kv, block_ids), pages in zip(writes.entries, tensors):
+              tensors: list[torch.Tensor], later_slots: set[int]):
+    """A stage: the entries of its own slots (cache_pages: its cache of slots first_slot..);
+    returns the message for the stages after it, with the entries of `later_slots` only (sent
+    even with none: each stage answers each of the leader's rings with one message)."""
+    onward = []
+    for entry, pages in zip(writes.entries, tensors):
+        slot, kv, block_ids = entry
         if 0 <= slot - first_slot < cache_pages.num_slots:
             cache_pages.write(slot - first_slot, kv, torch.tensor(block_ids), pages)
+        if slot in later_slots:
+            onward.append((entry, pages))
+    return KvWrites(tuple(entry for entry, _ in onward)), [pages for _, pages in onward]

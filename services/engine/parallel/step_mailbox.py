@@ -57,13 +57,15 @@ class StepMailbox:
         return pickle.loads(self.map[HEADER.size:HEADER.size + size])
 
 
-def wait_until(ready, leader_alive) -> None:
+def wait_until(ready, leader_alive, idle_sleep_s: float = MAX_SLEEP_S) -> None:
     """Poll `ready()` with no timeout while the leader lives: spinning briefly, then sleeping
-    longer the longer the group has been idle (at most MAX_SLEEP_S)."""
+    longer the longer the group has been idle (at most MAX_SLEEP_S, and after a second idle at
+    most idle_sleep_s: a poll that costs a network round trip backs off further)."""
     waited, sleep = 0.0, SPIN_S
     while not ready():
         if waited > 1.0 and not leader_alive():
             raise RuntimeError("the group's leader is gone")
         time.sleep(sleep)
         waited += sleep
-        sleep = min(MAX_SLEEP_S, sleep * 2) if waited > 0.01 else SPIN_S
+        most = idle_sleep_s if waited > 1.0 else MAX_SLEEP_S
+        sleep = min(most, sleep * 2) if waited > 0.01 else SPIN_S
