@@ -24,7 +24,7 @@ def test_the_rendezvous_is_node_zeros_address_or_a_free_local_port():
 def test_the_interface_is_the_one_that_routes_to_node_zero(monkeypatch):
     assert interface_towards("127.0.0.1") == "lo"
     assert interface_towards("no-such-host.invalid") is None
-    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)
+    _unset(monkeypatch)
     NodePlacement(2, 1, "127.0.0.1:29500").choose_gloo_interface()
     assert os.environ[GLOO_INTERFACE_ENV] == "lo"
     monkeypatch.setenv(GLOO_INTERFACE_ENV, "eth7")  # the operator's choice wins
@@ -32,8 +32,15 @@ def test_the_interface_is_the_one_that_routes_to_node_zero(monkeypatch):
     assert os.environ[GLOO_INTERFACE_ENV] == "eth7"
 
 
+def _unset(monkeypatch) -> None:
+    """The variable absent for the test, and absent again after it whatever the code under
+    test set (monkeypatch restores only what it changed itself: set it first, then delete)."""
+    monkeypatch.setenv(GLOO_INTERFACE_ENV, "")
+    monkeypatch.delenv(GLOO_INTERFACE_ENV)
+
+
 def test_one_host_leaves_gloo_alone(monkeypatch):
-    monkeypatch.delenv(GLOO_INTERFACE_ENV, raising=False)
+    _unset(monkeypatch)
     NodePlacement().choose_gloo_interface()
     assert GLOO_INTERFACE_ENV not in os.environ
 

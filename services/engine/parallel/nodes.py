@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 
 SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
-GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"  # gloo's own variable, read when a group forms
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,11 @@ class NodePlacement:
 
     def choose_gloo_interface(self) -> None:
         """Across hosts, gloo's connections on the interface that routes to node 0."""
-        if self.multi_host and not os.environ.get(GLOO_INTERFACE_ENV):
+        # the literal name: tests/test_env_switches.py tells other programs' variables by it
+        if self.multi_host and not os.environ.get("GLOO_SOCKET_IFNAME"):
             interface = interface_towards(self.host_port()[0])
             if interface is not None:
-                os.environ[GLOO_INTERFACE_ENV] = interface
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def interface_towards(host: str) -> str | None:
