@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--node-rank", type=int, default=0,
              help="this host's place among --nnodes: 0 runs the first stages and the leader "
                   "(it registers with the scheduler and serves steps; its flags choose the "
-                  "model and settings), the others run their stages for it")
+                  "model and settings), the others run their stages for it (their --model, "
+                  "if given, only where this host keeps the same checkpoint)")
     add_flag(parser, "--dist-init-address", default=None,
              help="HOST:PORT of node 0's rendezvous (a torch.distributed TCPStore it opens), "
                   "reachable from every host; gloo then connects the stages on ports of its "

@@ -1,5 +1,7 @@
 """`kvrelay worker --node-rank K` (K > 0): this host's stages of node 0's pipeline, with no gRPC
-service of its own (node 0's leader registers and steps for the whole pipeline).
+service of its own (node 0's leader registers and steps for the whole pipeline). The model and
+its settings are the leader's; --model here only says where this host keeps the same checkpoint
+(checked against the leader's config.json), where its path differs.
 
 The stages run on a thread of their own; the event loop serves /health on --metrics-port (200
 once the stages have joined and loaded their layers, 503 before), so the host's supervisor can
@@ -37,7 +39,7 @@ async def _serve(args) -> int:
     try:
         await asyncio.get_running_loop().run_in_executor(
             None, serve_stages, placement(args), args.pipeline_parallel_size, args.num_threads,
-            args.tensor_parallel_timeout, ready.set)
+            args.tensor_parallel_timeout, ready.set, args.model)
     except RuntimeError as exc:  # GroupBroken, or the store's DistError: the leader is gone
         log.error("pipeline stages stopped; exiting so they rejoin the leader's next start",
                   reason=str(exc).splitlines()[0])

@@ -54,3 +54,25 @@ def test_one_host_leaves_gloo_alone(monkeypatch):
 def test_a_placement_that_cannot_be_made_is_refused(placement, reason):
     with pytest.raises(ValueError, match=reason):
         placement.check(2, 1)
+
+
+def test_another_host_finds_the_leaders_checkpoint_and_refuses_another(tmp_path, model_dir):
+    """Another host loads the checkpoint from its own path (the leader's --model, or its own
+    --model where it keeps the files elsewhere), and refuses one whose config is not the
+    leader's."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from kvrelay.engine.parallel.followers import checkpoint_here
+    from tests.families.checkpoints import write_checkpoint
+    write_checkpoint("llama3", tmp_path / "leader", model_dir)
+    shutil.copytree(tmp_path / "leader", tmp_path / "mounted-elsewhere")
+    write_checkpoint("qwen3", tmp_path / "other", model_dir)
+    leaders = (AutoConfig.from_pretrained(tmp_path / "leader"), tmp_path / "leader", "rest")
+    assert checkpoint_here(leaders, str(tmp_path / "leader"))[1:] == (tmp_path / "leader",
+                                                                      "rest")
+    here = checkpoint_here(leaders, str(tmp_path / "mounted-elsewhere"))
+    assert here[1] == tmp_path / "mounted-elsewhere" and here[0] is leaders[0]
+    with pytest.raises(ValueError, match="is not the leader's"):
+        checkpoint_here(leaders, str(tmp_path / "other"))

@@ -110,25 +110,26 @@ def start_pipeline(num_stages: int, partition: tuple[int, ...] | None, num_threa
 
 
 def serve_stages(placement: NodePlacement, num_stages: int, num_threads: int | None,
-                 timeout_s: float, on_ready=lambda: None) -> None:
+                 timeout_s: float, on_ready=lambda: None, model_here: str | None = None) -> None:
     """A host other than node 0: its stages of the leader's pipeline (the model and its
-    settings come from the leader), until the leader stops them (returns) or is gone
+    settings come from the leader; model_here: where this host keeps the checkpoint, if not
+    where the leader's --model names it), until the leader stops them (returns) or is gone
     (GroupBroken or DistError); on_ready() once this host's first stage has its layers."""
     here = placement.stages_here(num_stages)
     threads = threads_per_rank(len(here), num_threads)
     init_method = placement.init_method()
     others = _spawn(follow_stage, "pp-stage", here[1:], lambda stage: (
-        stage, num_stages, init_method, threads, timeout_s, placement))
+        stage, num_stages, init_method, threads, timeout_s, placement, True, None, model_here))
     try:
         follow_stage(here.start, num_stages, init_method, threads, timeout_s, placement,
-                     spawned=False, on_ready=on_ready)
+                     spawned=False, on_ready=on_ready, model_here=model_here)
     finally:
         _reap(others, wait_s=30)
 
 
 def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int,
                  timeout_s: float, placement: NodePlacement, spawned: bool = True,
-                 on_ready=lambda: None) -> None:
+                 on_ready=None, model_here: str | None = None) -> None:
     """A later stage's life: each step's activations in, this stage's layers, on to the next.
     spawned: a process its host's first stage started (it dies with it); else that first
     stage itself, on a host other than the leader's."""
@@ -142,9 +143,10 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
         beating = start_beating(*placement.host_port(), placement.node_rank, timeout_s)
     try:
         if placement.multi_host and runner_args[1] is not None:
-            runner_args = checkpoint_here(runner_args, model)
+            runner_args = checkpoint_here(runner_args, model_here or model)
         runner = ModelRunner(*runner_args, **runner_kwargs, pp=pp)
-        on_ready()
+        if on_ready is not None:
+            on_ready()
         while True:
             pp.doorbell.wait(alive)
             header, step, tensors = pp.receive()
@@ -163,9 +165,9 @@ def follow_stage(stage: int, num_stages: int, init_method: str, num_threads: int
 
 
 def checkpoint_here(runner_args: tuple, model: str | None) -> tuple:
-    """The leader's ModelRunner arguments with the checkpoint found on this host (its own
-    path or cache of the model the leader was given); ValueError where this host's holds
-    another model."""
+    """The leader's ModelRunner arguments with the checkpoint found on this host (`model`: the
+    leader's --model, or this host's own path to it); ValueError where that holds another
+    model than the leader's."""
     from transformers import AutoConfig
 
     from kvrelay.engine.model_loader import resolve_model_dir
